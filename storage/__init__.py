@@ -1,0 +1,24 @@
+"""Pure-Python storage engine of a RayMQ shard.
+
+Commit log (append-only, segmented, CRC-framed record batches), consume queues
+(fixed 20-byte index entries per topic queue), durable offsets and recovery.
+Nothing in this package imports Ray: it is used by the shard actor and tested
+on plain files.
+"""
+from storage.clock import Clock, ManualClock, SystemClock
+from storage.config import StoreConfig
+from storage.errors import (
+    ConfigError,
+    CorruptLogError,
+    MessageTooLargeError,
+    RayMQError,
+    StorageError,
+)
+from storage.records import Record, RecordBatch, StoredMessage, SysFlag
+from storage.store import MessageStore, PutResult, PutStatus
+
+__all__ = [
+    "Clock", "ManualClock", "SystemClock", "StoreConfig", "ConfigError",
+    "CorruptLogError", "MessageTooLargeError", "RayMQError", "StorageError",
+    "Record", "RecordBatch", "StoredMessage", "SysFlag", "MessageStore", "PutResult", "PutStatus",
+]

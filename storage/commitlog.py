@@ -1,0 +1,275 @@
+"""The commit log: one append-only, segmented file set holding every topic.
+
+Segment files are named by their base physical offset (20 digits) and start
+with a 24-byte header (magic, format version, base offset).  A physical offset
+is ``base + position in file``; a frame never spans two segments, so the space
+left at the end of a full segment is simply skipped (the next segment starts at
+``base + segment_size_bytes``).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+from storage.errors import CorruptLogError, StorageError
+from storage.records import FRAME, FRAME_MAGIC, EncodedFrame, FrameError, check_frame
+
+log = logging.getLogger("raymq.storage")
+
+SEGMENT_MAGIC = b"RMQSEG\x00\x01"
+SEGMENT_VERSION = 1
+SEGMENT_HEADER = struct.Struct("<8sHHIq")
+SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size  # 24
+_FRAME_MAGIC_BYTES = struct.pack("<I", FRAME_MAGIC)
+_MAX_RESYNC_CANDIDATES = 256
+
+
+def segment_name(base: int) -> str:
+    return f"{base:020d}.log"
+
+
+@dataclass
+class Segment:
+    base: int
+    path: str
+    fd: int
+    size: int  # bytes in the file, header included
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+
+class CommitLog:
+    """Not thread-safe for writers: the store serialises ``append``."""
+
+    def __init__(self, directory: str, segment_size_bytes: int):
+        self.directory = directory
+        self.segment_size = segment_size_bytes
+        os.makedirs(directory, exist_ok=True)
+        self._segments: list[Segment] = []
+        self._bases: list[int] = []
+        self.flushed_offset = 0
+
+    # ---------------------------------------------------------------- open
+    def open(self, from_offset: int,
+             on_frame: Callable[[int, object, int, int], None]) -> None:
+        """Open the segments, verify every frame at or after ``from_offset``.
+
+        ``on_frame(frame_phys, buf, pos, frame_len)`` is called for each valid
+        frame scanned.  A bad frame with no valid frame after it is a torn
+        tail: it is cut off (and logged).  A bad frame followed by valid data
+        raises ``CorruptLogError`` naming file and offset.
+        """
+        names = sorted(n for n in os.listdir(self.directory) if n.endswith(".log"))
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                base = int(name[:-4])
+            except ValueError:
+                raise CorruptLogError(f"{path}: not a segment file name") from None
+            self._open_segment(path, base, is_last=(name == names[-1]))
+        if not self._segments:
+            self._new_segment(0)
+            self.flushed_offset = self.max_offset
+            return
+        start = self._scan_start(from_offset)
+        for i in range(start[0], len(self._segments)):
+            seg = self._segments[i]
+            pos = start[1] if i == start[0] else SEGMENT_HEADER_BYTES
+            self._scan_segment(i, seg, pos, on_frame)
+        self.flushed_offset = self.max_offset
+
+    def _open_segment(self, path: str, base: int, *, is_last: bool) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+        if len(header) < SEGMENT_HEADER_BYTES and is_last:
+            log.warning("commit log %s: torn segment header (%d bytes), rewriting it",
+                        path, len(header))
+            os.ftruncate(fd, 0)
+            os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, 0, base))
+            os.fsync(fd)
+            size = SEGMENT_HEADER_BYTES
+        else:
+            if len(header) < SEGMENT_HEADER_BYTES:
+                os.close(fd)
+                raise CorruptLogError(f"{path}: segment header cut short ({len(header)} bytes)")
+            magic, version, _r1, _r2, hbase = SEGMENT_HEADER.unpack(header)
+            if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or hbase != base:
+                os.close(fd)
+                raise CorruptLogError(
+                    f"{path}: bad segment header (magic {magic!r}, version {version}, "
+                    f"base {hbase}); expected {SEGMENT_MAGIC!r} v{SEGMENT_VERSION} base {base}")
+        if self._segments and base < self._segments[-1].base + self.segment_size:
+            os.close(fd)
+            raise CorruptLogError(f"{path}: overlaps the previous segment "
+                                  f"(segment size {self.segment_size})")
+        self._segments.append(Segment(base, path, fd, size))
+        self._bases.append(base)
+
+    def _scan_start(self, offset: int) -> tuple[int, int]:
+        i = max(0, bisect.bisect_right(self._bases, offset) - 1)
+        seg = self._segments[i]
+        pos = offset - seg.base
+        if pos < SEGMENT_HEADER_BYTES or offset < seg.base:
+            return i, SEGMENT_HEADER_BYTES
+        if pos > seg.size:
+            raise CorruptLogError(
+                f"{seg.path}: checkpoint offset {offset} is past the end of the data "
+                f"({seg.end}); the segment was cut short")
+        return i, pos
+
+    def _scan_segment(self, index: int, seg: Segment, pos: int, on_frame) -> None:
+        if seg.size <= pos:
+            return
+        with mmap.mmap(seg.fd, seg.size, prot=mmap.PROT_READ) as mm:
+            while pos < seg.size:
+                try:
+                    frame_len, _count = check_frame(mm, pos, seg.size)
+                except FrameError as err:
+                    self._bad_frame(index, seg, mm, pos, err)
+                    return
+                on_frame(seg.base + pos, mm, pos, frame_len)
+                pos += frame_len
+
+    def _bad_frame(self, index: int, seg: Segment, mm, pos: int, err: FrameError) -> None:
+        later_data = any(s.size > SEGMENT_HEADER_BYTES for s in self._segments[index + 1:])
+        where = f"{seg.path} at file offset {pos} (physical offset {seg.base + pos})"
+        if later_data:
+            raise CorruptLogError(f"{where}: {err.reason}; later segments hold data, "
+                                  "refusing to cut the log")
+        valid_after = self._find_valid_frame(mm, pos, seg.size, err.frame_len)
+        if valid_after is not None:
+            raise CorruptLogError(
+                f"{where}: {err.reason}; a valid frame follows at file offset "
+                f"{valid_after}, so this is not a torn tail and nothing is skipped")
+        cut = seg.size - pos
+        log.warning("commit log %s: %s; truncating torn tail of %d bytes", where, err.reason, cut)
+        os.ftruncate(seg.fd, pos)
+        os.fsync(seg.fd)
+        seg.size = pos
+        for later in self._segments[index + 1:]:
+            log.warning("commit log: removing empty segment %s after the torn tail", later.path)
+            os.close(later.fd)
+            os.unlink(later.path)
+        del self._segments[index + 1:]
+        del self._bases[index + 1:]
+
+    @staticmethod
+    def _find_valid_frame(mm, pos: int, end: int, frame_len: int | None) -> int | None:
+        candidates = []
+        if frame_len and pos + frame_len < end:
+            candidates.append(pos + frame_len)
+        found = pos
+        for _ in range(_MAX_RESYNC_CANDIDATES):
+            found = mm.find(_FRAME_MAGIC_BYTES, found + 1, end)
+            if found < 0:
+                break
+            candidates.append(found)
+        for cand in candidates:
+            try:
+                check_frame(mm, cand, end)
+                return cand
+            except FrameError:
+                continue
+        return None
+
+    # --------------------------------------------------------------- write
+    def _new_segment(self, base: int) -> Segment:
+        path = os.path.join(self.directory, segment_name(base))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, 0, base))
+        os.fsync(fd)
+        fd_dir = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd_dir)
+        finally:
+            os.close(fd_dir)
+        seg = Segment(base, path, fd, SEGMENT_HEADER_BYTES)
+        self._segments.append(seg)
+        self._bases.append(base)
+        return seg
+
+    def append(self, frame: EncodedFrame) -> int:
+        """Write one frame; return its physical offset."""
+        size = frame.size
+        if size > self.segment_size - SEGMENT_HEADER_BYTES:
+            raise StorageError(f"frame of {size} bytes cannot fit a segment of {self.segment_size}")
+        seg = self._segments[-1]
+        if seg.size + size > self.segment_size:
+            os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
+            seg = self._new_segment(seg.base + self.segment_size)
+        written = os.writev(seg.fd, (frame.header, frame.payload))
+        if written != size:
+            # a short write leaves a torn frame; cut it so the log stays parseable
+            os.ftruncate(seg.fd, seg.size)
+            raise StorageError(f"short write to {seg.path}: {written} of {size} bytes")
+        pos = seg.base + seg.size
+        seg.size += size
+        return pos
+
+    @property
+    def max_offset(self) -> int:
+        """Physical offset just past the last written byte."""
+        return self._segments[-1].end
+
+    @property
+    def min_offset(self) -> int:
+        return self._segments[0].base + SEGMENT_HEADER_BYTES
+
+    def sync(self) -> int:
+        """fsync what has been written; return the offset now durable."""
+        target = self.max_offset
+        seg = self._segments[-1]
+        os.fsync(seg.fd)
+        if target > self.flushed_offset:
+            self.flushed_offset = target
+        return target
+
+    # ---------------------------------------------------------------- read
+    def _segment_for(self, offset: int) -> Segment:
+        i = bisect.bisect_right(self._bases, offset) - 1
+        if i < 0:
+            raise StorageError(f"physical offset {offset} is before the log start "
+                               f"{self.min_offset}")
+        return self._segments[i]
+
+    def read(self, offset: int, size: int) -> bytes:
+        """The ``size`` bytes at physical ``offset`` (one segment)."""
+        seg = self._segment_for(offset)
+        pos = offset - seg.base
+        if pos < SEGMENT_HEADER_BYTES or pos + size > seg.size:
+            raise StorageError(f"physical range [{offset}, {offset + size}) is outside "
+                               f"segment {seg.path} (holds up to {seg.end})")
+        data = os.pread(seg.fd, size, pos)
+        if len(data) != size:
+            raise StorageError(f"short read at {offset} in {seg.path}")
+        return data
+
+    def segment_end(self, offset: int) -> int:
+        return self._segment_for(offset).end
+
+    def frame_at(self, offset: int) -> tuple[int, int]:
+        """(frame_len, count) of the frame at ``offset``, checked."""
+        data = self.read(offset, FRAME.size)
+        frame_len = FRAME.unpack(data)[1]
+        buf = self.read(offset, frame_len)
+        return check_frame(buf, 0, len(buf))
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        return [(s.path, s.base, s.size) for s in self._segments]
+
+    def close(self) -> None:
+        for seg in self._segments:
+            try:
+                os.fsync(seg.fd)
+            finally:
+                os.close(seg.fd)
+        self._segments.clear()
+        self._bases.clear()

@@ -1,0 +1,39 @@
+"""The one error hierarchy of RayMQ.
+
+Every error has a stable ``code`` and a ``retriable`` flag: the SDK retries
+retriable errors with back-off and surfaces the others at once.  Expected
+outcomes (a flush that timed out, a duplicate send) are values, not errors.
+"""
+from __future__ import annotations
+
+
+class RayMQError(Exception):
+    """Base of every RayMQ error."""
+
+    code = "RAYMQ_ERROR"
+    retriable = False
+
+    def __reduce__(self):  # keep the message when pickled across Ray calls
+        return (self.__class__, self.args)
+
+
+class ConfigError(RayMQError, ValueError):
+    code = "CONFIG_INVALID"
+
+
+class StorageError(RayMQError):
+    code = "STORAGE_ERROR"
+
+
+class CorruptLogError(StorageError):
+    """A record in the middle of a file failed its checks; nothing was skipped."""
+
+    code = "CORRUPT_LOG"
+
+
+class MessageTooLargeError(RayMQError, ValueError):
+    code = "MESSAGE_TOO_LARGE"
+
+
+class InvalidMessageError(RayMQError, ValueError):
+    code = "MESSAGE_INVALID"

@@ -1,0 +1,79 @@
+"""Durable offsets: consumer groups, checker and scheduler progress.
+
+The whole table is rewritten atomically (temp file, fsync, rename, directory
+fsync), so a crash leaves the previous or the new table, never half of one.
+Each file carries a CRC of its content, so a damaged file is reported rather
+than read as zeros.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+
+from storage.errors import CorruptLogError
+from storage.fileutil import atomic_write
+
+FORMAT = "raymq-offsets"
+VERSION = 1
+
+
+class OffsetStore:
+    """A durable ``str -> int`` table.  All methods are thread-safe."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._table: dict[str, int] = self._load()
+
+    def _load(self) -> dict[str, int]:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        try:
+            doc = json.loads(raw)
+            body = json.dumps(doc["offsets"], sort_keys=True, separators=(",", ":"))
+            ok = (doc.get("format") == FORMAT and doc.get("version") == VERSION
+                  and zlib.crc32(body.encode()) == doc.get("crc"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok:
+            raise CorruptLogError(f"{self.path}: offset file is damaged (bad JSON, format "
+                                  "or CRC); restore it or delete it to start from scratch")
+        return {str(k): int(v) for k, v in doc["offsets"].items()}
+
+    def get(self, key: str, default: int = -1) -> int:
+        with self._lock:
+            return self._table.get(key, default)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._table)
+
+    def update(self, values: dict[str, int]) -> None:
+        """Set several offsets and persist them durably before returning."""
+        with self._lock:
+            table = dict(self._table)
+            table.update({str(k): int(v) for k, v in values.items()})
+            self._write(table)
+            self._table = table
+
+    def delete(self, keys) -> None:
+        with self._lock:
+            table = {k: v for k, v in self._table.items() if k not in set(keys)}
+            self._write(table)
+            self._table = table
+
+    def _write(self, table: dict[str, int]) -> None:
+        body = json.dumps(table, sort_keys=True, separators=(",", ":"))
+        doc = {"format": FORMAT, "version": VERSION, "crc": zlib.crc32(body.encode()),
+               "offsets": table}
+        atomic_write(self.path, json.dumps(doc, sort_keys=True).encode())
+
+
+def ensure_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path

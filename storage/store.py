@@ -1,0 +1,456 @@
+"""MessageStore: the commit log, its consume queues, checkpoints and offsets.
+
+A put encodes its records into CRC-framed batches, appends them to the commit
+log, indexes them in the consume queues and -- in ``sync`` flush mode -- waits
+for an fsync that covers them.  Concurrent puts share fsyncs (group commit):
+the first waiter flushes for everybody written so far.
+
+On open the store scans the commit log from the last checkpoint, cuts a torn
+tail, and re-indexes every record the consume queues miss.  The checkpoint
+records an offset below which every consume-queue entry is durable.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from storage.clock import Clock, SystemClock
+from storage.commitlog import CommitLog
+from storage.config import StoreConfig
+from storage.consumequeue import CQ_ENTRY, ConsumeQueue
+from storage.errors import (CorruptLogError, InvalidMessageError, MessageTooLargeError,
+                            StorageError)
+from storage.fileutil import atomic_write, fsync_dir
+from storage.offsets import OffsetStore
+from storage.records import (REC, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
+                             StoredMessage,
+                             decode_record, decode_records, encode_frame, iter_frame_records)
+
+log = logging.getLogger("raymq.storage")
+
+TOPIC_RE = re.compile(r"^[A-Za-z0-9_%|.\-]{1,127}$")
+CHECKPOINT_FORMAT = "raymq-checkpoint"
+_SPAN_READ_SLACK_BYTES = 256 * 1024
+
+
+def check_topic_name(topic: object) -> str:
+    if not isinstance(topic, str) or not TOPIC_RE.match(topic) or topic in (".", ".."):
+        raise InvalidMessageError(
+            f"invalid topic name {topic!r}: use 1-127 characters of letters, digits, "
+            "'_', '-', '.', '%' or '|'")
+    return topic
+
+
+class PutStatus(enum.Enum):
+    PUT_OK = 0
+    FLUSH_DISK_TIMEOUT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    status: PutStatus
+    phys_offsets: list[int]
+    queue_offsets: list[int]
+    sizes: list[int]
+
+
+class _QueueIndex:
+    """Consume queues by (topic, queue id), created on first use."""
+
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+        self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+
+    def load(self) -> None:
+        for topic in sorted(os.listdir(self.root)):
+            tdir = os.path.join(self.root, topic)
+            if not os.path.isdir(tdir):
+                continue
+            for name in sorted(os.listdir(tdir)):
+                if name.isdigit():
+                    qid = int(name)
+                    self.queues[(topic, qid)] = ConsumeQueue(os.path.join(tdir, name), topic, qid)
+
+    def get_or_create(self, topic: str, qid: int) -> ConsumeQueue:
+        cq = self.queues.get((topic, qid))
+        if cq is None:
+            tdir = os.path.join(self.root, topic)
+            fresh_dir = not os.path.isdir(tdir)
+            os.makedirs(tdir, exist_ok=True)
+            cq = ConsumeQueue(os.path.join(tdir, str(qid)), topic, qid)
+            fsync_dir(tdir)
+            if fresh_dir:
+                fsync_dir(self.root)
+            self.queues[(topic, qid)] = cq
+        return cq
+
+    def close(self) -> None:
+        for cq in self.queues.values():
+            cq.close()
+        self.queues.clear()
+
+
+class MessageStore:
+    """One shard's storage.  ``put`` and the read methods are thread-safe."""
+
+    def __init__(self, directory: str, config: StoreConfig | None = None,
+                 clock: Clock | None = None, *, background: bool = True):
+        self.directory = directory
+        self.config = config or StoreConfig()
+        self.clock = clock or SystemClock()
+        os.makedirs(directory, exist_ok=True)
+        self._write_lock = threading.Lock()
+        self._flush_cond = threading.Condition()
+        self._flushing = False
+        self._closed = False
+        self._checkpoint_path = os.path.join(directory, "checkpoint")
+        self.offsets = OffsetStore(os.path.join(directory, "offsets.json"))
+        self._log = CommitLog(os.path.join(directory, "commitlog"), self.config.segment_size_bytes)
+        self._cq = _QueueIndex(os.path.join(directory, "consumequeue"))
+        self.recovered_records = 0
+        self._recover()
+        self._dispatched_end = self._log.max_offset
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if background:
+            self._flusher = threading.Thread(target=self._flush_loop, name="raymq-flush",
+                                             daemon=True)
+            self._flusher.start()
+
+    # ------------------------------------------------------------ recovery
+    def _read_checkpoint(self) -> int:
+        try:
+            with open(self._checkpoint_path, "rb") as f:
+                doc = json.loads(f.read())
+            if doc.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError("format")
+            return int(doc["consume_queue_offset"])
+        except FileNotFoundError:
+            return 0
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("checkpoint %s is unreadable (%s); rebuilding consume queues from "
+                        "the start of the log", self._checkpoint_path, err)
+            return 0
+
+    def _recover(self) -> None:
+        ckpt = self._read_checkpoint()
+        self._cq.load()
+        try:
+            self._log.open(ckpt, self._replay_frame)
+        except _RebuildNeeded as why:
+            log.warning("consume queues disagree with the commit log (%s); rebuilding them", why)
+            self._log.close()
+            self._cq.close()
+            shutil.rmtree(self._cq.root)
+            self._cq = _QueueIndex(self._cq.root)
+            self._log = CommitLog(self._log.directory, self.config.segment_size_bytes)
+            self.recovered_records = 0
+            self._log.open(0, self._replay_frame)
+        end = self._log.max_offset
+        for cq in self._cq.queues.values():
+            dropped = cq.truncate_past(end)
+            if dropped:
+                log.warning("consume queue %s: dropped %d entries past the commit log end %d",
+                            cq.path, dropped, end)
+        if self.recovered_records:
+            log.info("store %s: re-indexed %d records past checkpoint %d",
+                     self.directory, self.recovered_records, ckpt)
+        self._write_checkpoint(self._log.max_offset, sync_queues=True)
+
+    def _replay_frame(self, frame_phys: int, buf, pos: int, frame_len: int) -> None:
+        pending: dict[ConsumeQueue, list[tuple[int, int, int]]] = {}
+        for rel, hdr in iter_frame_records(buf, pos, frame_len):
+            rec_len, _d, qid, _f, qoff = hdr[0], hdr[1], hdr[2], hdr[3], hdr[4]
+            tag_code, topic_len = hdr[8], hdr[10]
+            start = pos + rel + REC_HEADER_BYTES
+            topic = bytes(buf[start:start + topic_len]).decode()
+            phys = frame_phys + rel
+            cq = self._cq.get_or_create(topic, qid)
+            if phys <= cq.last_phys:
+                continue
+            expected = cq.count + len(pending.get(cq, ()))
+            if qoff != expected:
+                raise _RebuildNeeded(f"{topic}/{qid}: record at {phys} has queue offset {qoff}, "
+                                     f"index expects {expected}")
+            pending.setdefault(cq, []).append((phys, rec_len, tag_code))
+        for cq, entries in pending.items():
+            arr = np.array(entries, CQ_ENTRY)
+            cq.append(arr.tobytes(), entries[-1][0])
+            self.recovered_records += len(entries)
+
+    # ---------------------------------------------------------------- put
+    def put(self, batch: RecordBatch | Sequence[Record]) -> PutResult:
+        """Append a batch durably (per flush mode); one result for the batch.
+
+        Not idempotent: a retried put stores the records again (the broker
+        deduplicates by producer sequence above this layer).
+        """
+        if not isinstance(batch, RecordBatch):
+            if not batch:
+                return PutResult(PutStatus.PUT_OK, [], [], [])
+            batch = RecordBatch.from_records(batch)
+        n = len(batch)
+        if not n:
+            return PutResult(PutStatus.PUT_OK, [], [], [])
+        self._validate(batch)
+        with self._write_lock:
+            if self._closed:
+                raise StorageError(f"store {self.directory} is closed")
+            store_ms = self.clock.now_ms()
+            qoffs, groups = self._assign_queue_offsets(batch)
+            phys_parts, size_parts = [], []
+            for lo, hi in self._chunks(batch):
+                frame = encode_frame(batch.slice(lo, hi), qoffs[lo:hi], store_ms)
+                pos = self._log.append(frame)
+                phys = frame.rel_offsets + pos
+                self._dispatch(batch, groups, lo, hi, phys, frame)
+                phys_parts.append(phys)
+                size_parts.append(frame.rec_lens)
+            end = self._log.max_offset
+            self._dispatched_end = end
+        status = PutStatus.PUT_OK
+        if self.config.flush_mode == "sync" and not self._wait_flushed(end):
+            status = PutStatus.FLUSH_DISK_TIMEOUT
+        phys_all = phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts)
+        sizes = size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts)
+        return PutResult(status, phys_all.tolist(), qoffs.tolist(), sizes.tolist())
+
+    def _validate(self, batch: RecordBatch) -> None:
+        limit = self.config.max_message_bytes
+        try:
+            biggest = max(map(len, batch.bodies))
+        except TypeError:
+            bad = next(b for b in batch.bodies if not isinstance(b, (bytes, bytearray)))
+            raise InvalidMessageError(f"message body must be bytes, got "
+                                      f"{type(bad).__name__}") from None
+        if biggest > limit:
+            raise MessageTooLargeError(f"message body of {biggest} bytes exceeds the maximum "
+                                       f"of {limit} bytes (max_message_bytes)")
+        topics = batch.topics
+        for topic in ((topics,) if isinstance(topics, str) else set(topics)):
+            check_topic_name(topic)
+        qids = batch.queue_ids
+        for qid in ((qids,) if not isinstance(qids, list) else set(qids)):
+            if isinstance(qid, bool) or not isinstance(qid, int) or not 0 <= qid < 2**31:
+                raise InvalidMessageError(f"invalid queue id {qid!r}")
+        if any(isinstance(b, bytearray) for b in batch.bodies[:1]):
+            batch.bodies = [bytes(b) for b in batch.bodies]
+
+    def _assign_queue_offsets(self, batch: RecordBatch):
+        """Queue offsets for the batch, and its per-queue index groups (None: one queue)."""
+        n = len(batch)
+        topics, qids = batch.topics, batch.queue_ids
+        if not isinstance(topics, list) and not isinstance(qids, list):
+            start = self._cq.get_or_create(topics, qids).count
+            return np.arange(start, start + n, dtype=np.int64), None
+        keys = list(zip(batch.column("topics"), batch.column("queue_ids")))
+        ids_of = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        if len(ids_of) == 1:
+            start = self._cq.get_or_create(*keys[0]).count
+            return np.arange(start, start + n, dtype=np.int64), None
+        ids = np.fromiter(map(ids_of.__getitem__, keys), np.int64, n)
+        qoffs = np.empty(n, np.int64)
+        groups = {}
+        for key, i in ids_of.items():
+            idx = np.flatnonzero(ids == i)
+            start = self._cq.get_or_create(*key).count
+            qoffs[idx] = np.arange(start, start + len(idx))
+            groups[key] = idx
+        return qoffs, groups
+
+    def _dispatch(self, batch: RecordBatch, groups, lo: int, hi: int, phys: np.ndarray,
+                  frame) -> None:
+        entries = np.empty(hi - lo, CQ_ENTRY)
+        entries["phys"] = phys
+        entries["size"] = frame.rec_lens
+        entries["tag"] = frame.tag_codes
+        if groups is None:
+            key = (batch.topics if isinstance(batch.topics, str) else batch.topics[lo],
+                   batch.queue_ids if not isinstance(batch.queue_ids, list) else batch.queue_ids[lo])
+            self._cq.get_or_create(*key).append(entries.tobytes(), int(phys[-1]))
+            return
+        for key, idx in groups.items():
+            part = idx[(idx >= lo) & (idx < hi)] - lo
+            if len(part):
+                self._cq.get_or_create(*key).append(entries[part].tobytes(),
+                                                    int(phys[part[-1]]))
+
+    def _chunks(self, batch: RecordBatch):
+        """Index ranges whose frames stay under max_frame_bytes."""
+        budget = self.config.max_frame_bytes
+        n = len(batch)
+        est = np.fromiter(map(len, batch.bodies), np.int64, n) + REC_HEADER_BYTES + 2048
+        if est.sum() <= budget:
+            yield 0, n
+            return
+        lo, acc = 0, 0
+        for i, size in enumerate(est.tolist()):
+            if acc + size > budget and i > lo:
+                yield lo, i
+                lo, acc = i, 0
+            acc += size
+        yield lo, n
+
+    # -------------------------------------------------------------- flush
+    def _wait_flushed(self, target: int) -> bool:
+        """Group commit: return once an fsync covers ``target`` (False on timeout)."""
+        deadline = self.clock.monotonic_ms() + self.config.flush_timeout_ms
+        with self._flush_cond:
+            while self._log.flushed_offset < target:
+                if self._flushing:
+                    remaining = deadline - self.clock.monotonic_ms()
+                    if remaining <= 0:
+                        return False
+                    self._flush_cond.wait(remaining / 1000.0)
+                    continue
+                self._flushing = True
+                break
+            else:
+                return True
+        try:
+            self._log.sync()
+        finally:
+            with self._flush_cond:
+                self._flushing = False
+                self._flush_cond.notify_all()
+        return self._log.flushed_offset >= target and self.clock.monotonic_ms() <= deadline
+
+    def flush(self) -> int:
+        """fsync the commit log now; return the durable offset."""
+        with self._flush_cond:
+            while self._flushing:
+                self._flush_cond.wait()
+            self._flushing = True
+        try:
+            return self._log.sync()
+        finally:
+            with self._flush_cond:
+                self._flushing = False
+                self._flush_cond.notify_all()
+
+    def checkpoint(self) -> int:
+        """Make consume-queue entries durable and record up to where; return it."""
+        with self._write_lock:
+            end = min(self._log.flushed_offset, self._dispatched_end)
+            queues = list(self._cq.queues.values())
+        for cq in queues:
+            cq.sync()
+        self._write_checkpoint(end, sync_queues=False)
+        return end
+
+    def _write_checkpoint(self, offset: int, *, sync_queues: bool) -> None:
+        if sync_queues:
+            for cq in self._cq.queues.values():
+                cq.sync()
+        doc = {"format": CHECKPOINT_FORMAT, "version": 1, "consume_queue_offset": offset}
+        atomic_write(self._checkpoint_path, json.dumps(doc).encode())
+
+    def _flush_loop(self) -> None:
+        interval = self.config.flush_interval_ms / 1000.0
+        last_ckpt = -1
+        while not self._stop.wait(interval):
+            try:
+                if self.config.flush_mode == "async":
+                    self.flush()
+                if self._dispatched_end != last_ckpt:
+                    last_ckpt = self.checkpoint()
+            except Exception:  # the loop must not die; the next round retries
+                log.exception("store %s: background flush failed", self.directory)
+
+    # --------------------------------------------------------------- read
+    def queues(self) -> list[tuple[str, int]]:
+        return sorted(self._cq.queues)
+
+    def max_queue_offset(self, topic: str, queue_id: int) -> int:
+        """Logical offset the next message of the queue will get."""
+        cq = self._cq.queues.get((topic, queue_id))
+        return cq.count if cq else 0
+
+    def read_cq(self, topic: str, queue_id: int, offset: int, max_entries: int) -> np.ndarray:
+        cq = self._cq.queues.get((topic, queue_id))
+        if cq is None:
+            return np.empty(0, CQ_ENTRY)
+        return cq.read(offset, max_entries)
+
+    def get_message(self, phys_offset: int, size: int | None = None) -> StoredMessage:
+        if size is None:
+            size = REC.unpack_from(self._log.read(phys_offset, REC_HEADER_BYTES))[0]
+        return decode_record(self._log.read(phys_offset, size), 0, phys_offset)
+
+    def read_queue(self, topic: str, queue_id: int, offset: int,
+                   max_messages: int = 32) -> list[StoredMessage]:
+        """Messages at logical offsets [offset, offset + max_messages) that exist."""
+        return self.read_batch(topic, queue_id, offset, max_messages).messages()
+
+    def read_batch(self, topic: str, queue_id: int, offset: int,
+                   max_messages: int = 32) -> MessageBatch:
+        """Like ``read_queue``, in columns (no object per message)."""
+        return self.messages_at(self.read_cq(topic, queue_id, offset, max_messages))
+
+    def messages_at(self, entries: np.ndarray) -> MessageBatch:
+        """Decode the records that consume-queue ``entries`` point to, in order.
+
+        Records close together in the commit log are fetched with one read.
+        """
+        if not len(entries):
+            return MessageBatch.empty()
+        phys = entries["phys"]
+        ends = phys + entries["size"]
+        lo, hi = int(phys.min()), int(ends.max())
+        span, payload = hi - lo, int(entries["size"].sum())
+        if len(entries) == 1 or (hi <= self._log.segment_end(lo)
+                                 and span <= 4 * payload + _SPAN_READ_SLACK_BYTES):
+            buf = self._log.read(lo, span)
+            phys_list = phys.tolist()
+            return decode_records(buf, [p - lo for p in phys_list], phys_list)
+        mid = len(entries) // 2
+        return self.messages_at(entries[:mid]).concat(self.messages_at(entries[mid:]))
+
+    @property
+    def max_phys_offset(self) -> int:
+        return self._log.max_offset
+
+    @property
+    def flushed_offset(self) -> int:
+        return self._log.flushed_offset
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        return self._log.segments()
+
+    # -------------------------------------------------------------- close
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join()
+        with self._write_lock:
+            self._closed = True
+            self._log.sync()
+            self._write_checkpoint(min(self._log.flushed_offset, self._dispatched_end),
+                                   sync_queues=True)
+            self._log.close()
+            self._cq.close()
+
+    def __enter__(self) -> "MessageStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _RebuildNeeded(Exception):
+    pass
+
+
+__all__ = ["MessageStore", "PutResult", "PutStatus", "check_topic_name", "CorruptLogError"]
