@@ -1,7 +1,8 @@
 """The commit log: one append-only, segmented file set holding every topic.
 
 Segment files are named by their base physical offset (20 digits) and start
-with a 24-byte header (magic, format version, base offset).  A physical offset
+with a 24-byte header (magic, format version, segment size, base offset).  The
+segment size on disk wins over the configured one when they differ.  A physical offset
 is ``base + position in file``; a frame never spans two segments, so the space
 left at the end of a full segment is simply skipped (the next segment starts at
 ``base + segment_size_bytes``).
@@ -55,6 +56,7 @@ class CommitLog:
         self._segments: list[Segment] = []
         self._bases: list[int] = []
         self.flushed_offset = 0
+        self.sync_count = 0  # fsyncs issued by sync(), for group-commit metrics
 
     # ---------------------------------------------------------------- open
     def open(self, from_offset: int,
@@ -93,19 +95,31 @@ class CommitLog:
             log.warning("commit log %s: torn segment header (%d bytes), rewriting it",
                         path, len(header))
             os.ftruncate(fd, 0)
-            os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, 0, base))
+            os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0,
+                                             self.segment_size, base))
             os.fsync(fd)
             size = SEGMENT_HEADER_BYTES
         else:
             if len(header) < SEGMENT_HEADER_BYTES:
                 os.close(fd)
                 raise CorruptLogError(f"{path}: segment header cut short ({len(header)} bytes)")
-            magic, version, _r1, _r2, hbase = SEGMENT_HEADER.unpack(header)
-            if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or hbase != base:
+            magic, version, _res, seg_size, hbase = SEGMENT_HEADER.unpack(header)
+            if (magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or hbase != base
+                    or seg_size < 4096):
                 os.close(fd)
                 raise CorruptLogError(
                     f"{path}: bad segment header (magic {magic!r}, version {version}, "
-                    f"base {hbase}); expected {SEGMENT_MAGIC!r} v{SEGMENT_VERSION} base {base}")
+                    f"segment size {seg_size}, base {hbase}); expected {SEGMENT_MAGIC!r} "
+                    f"v{SEGMENT_VERSION} base {base}")
+            if seg_size != self.segment_size:
+                if self._segments:
+                    os.close(fd)
+                    raise CorruptLogError(f"{path}: segment size {seg_size} differs from "
+                                          f"the earlier segments' {self.segment_size}")
+                log.warning("commit log %s: segments on disk are %d bytes, not the configured "
+                            "%d; keeping %d", self.directory, seg_size, self.segment_size,
+                            seg_size)
+                self.segment_size = seg_size
         if self._segments and base < self._segments[-1].base + self.segment_size:
             os.close(fd)
             raise CorruptLogError(f"{path}: overlaps the previous segment "
@@ -120,9 +134,10 @@ class CommitLog:
         if pos < SEGMENT_HEADER_BYTES or offset < seg.base:
             return i, SEGMENT_HEADER_BYTES
         if pos > seg.size:
-            raise CorruptLogError(
-                f"{seg.path}: checkpoint offset {offset} is past the end of the data "
-                f"({seg.end}); the segment was cut short")
+            log.error("commit log %s: checkpoint offset %d is past the end of the data (%d): "
+                      "%d bytes that were flushed are missing; rescanning the segment",
+                      seg.path, offset, seg.end, offset - seg.end)
+            return i, SEGMENT_HEADER_BYTES
         return i, pos
 
     def _scan_segment(self, index: int, seg: Segment, pos: int, on_frame) -> None:
@@ -184,7 +199,7 @@ class CommitLog:
     def _new_segment(self, base: int) -> Segment:
         path = os.path.join(self.directory, segment_name(base))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, 0, base))
+        os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.segment_size, base))
         os.fsync(fd)
         fd_dir = os.open(self.directory, os.O_RDONLY)
         try:
@@ -228,6 +243,7 @@ class CommitLog:
         target = self.max_offset
         seg = self._segments[-1]
         os.fsync(seg.fd)
+        self.sync_count += 1
         if target > self.flushed_offset:
             self.flushed_offset = target
         return target

@@ -227,24 +227,23 @@ class MessageStore:
 
     def _validate(self, batch: RecordBatch) -> None:
         limit = self.config.max_message_bytes
-        try:
-            biggest = max(map(len, batch.bodies))
-        except TypeError:
-            bad = next(b for b in batch.bodies if not isinstance(b, (bytes, bytearray)))
-            raise InvalidMessageError(f"message body must be bytes, got "
-                                      f"{type(bad).__name__}") from None
+        body_types = set(map(type, batch.bodies))
+        if body_types != {bytes}:
+            if not body_types <= {bytes, bytearray, memoryview}:
+                bad = next(t for t in body_types if t not in (bytes, bytearray, memoryview))
+                raise InvalidMessageError(f"message body must be bytes, got {bad.__name__}")
+            batch.bodies = [bytes(b) for b in batch.bodies]
+        biggest = max(map(len, batch.bodies))
         if biggest > limit:
             raise MessageTooLargeError(f"message body of {biggest} bytes exceeds the maximum "
                                        f"of {limit} bytes (max_message_bytes)")
         topics = batch.topics
-        for topic in ((topics,) if isinstance(topics, str) else set(topics)):
+        for topic in (set(topics) if isinstance(topics, list) else (topics,)):
             check_topic_name(topic)
         qids = batch.queue_ids
         for qid in ((qids,) if not isinstance(qids, list) else set(qids)):
             if isinstance(qid, bool) or not isinstance(qid, int) or not 0 <= qid < 2**31:
                 raise InvalidMessageError(f"invalid queue id {qid!r}")
-        if any(isinstance(b, bytearray) for b in batch.bodies[:1]):
-            batch.bodies = [bytes(b) for b in batch.bodies]
 
     def _assign_queue_offsets(self, batch: RecordBatch):
         """Queue offsets for the batch, and its per-queue index groups (None: one queue)."""
@@ -287,7 +286,7 @@ class MessageStore:
 
     def _chunks(self, batch: RecordBatch):
         """Index ranges whose frames stay under max_frame_bytes."""
-        budget = self.config.max_frame_bytes
+        budget = min(self.config.max_frame_bytes, self._log.segment_size - 64)
         n = len(batch)
         est = np.fromiter(map(len, batch.bodies), np.int64, n) + REC_HEADER_BYTES + 2048
         if est.sum() <= budget:
@@ -419,6 +418,11 @@ class MessageStore:
     @property
     def max_phys_offset(self) -> int:
         return self._log.max_offset
+
+    @property
+    def sync_count(self) -> int:
+        """Commit-log fsyncs so far (group commit makes this smaller than the puts)."""
+        return self._log.sync_count
 
     @property
     def flushed_offset(self) -> int:

@@ -1,0 +1,325 @@
+"""Storage engine: round trips, segments, recovery, corruption, bad input."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from storage import (ConfigError, CorruptLogError, ManualClock, MessageStore,
+                     MessageTooLargeError, Record, RecordBatch, StoreConfig, SysFlag)
+from storage.commitlog import SEGMENT_HEADER_BYTES, segment_name
+from storage.errors import InvalidMessageError
+from storage.offsets import OffsetStore
+from storage.records import FRAME_HEADER_BYTES
+from tests.storage_helpers import SMALL, batch, body, commitlog_files
+
+
+def open_store(path, config=SMALL, **kw):
+    kw.setdefault("background", False)
+    return MessageStore(str(path), config, **kw)
+
+
+def test_every_field_round_trips(tmp_path):
+    clock = ManualClock(1_700_000_123_456)
+    rec = Record("orders", 3, b"\x00body\xff" * 10, key="order-1", tags="paid",
+                 properties={"TRAN_MSG": "true", "ünï": "cödé", "empty": ""},
+                 flags=int(SysFlag.TRANSACTION_PREPARED), born_ms=1_700_000_000_001,
+                 reconsume_count=7, prepared_offset=123456789, tag_code=None)
+    with open_store(tmp_path, clock=clock) as store:
+        res = store.put([rec])
+        m = store.get_message(res.phys_offsets[0])
+        assert store.read_queue("orders", 3, 0, 10)[0] == m
+    with open_store(tmp_path) as store:  # and after reopening
+        m2 = store.get_message(res.phys_offsets[0], res.sizes[0])
+    for got in (m, m2):
+        assert (got.topic, got.queue_id, got.queue_offset) == ("orders", 3, 0)
+        assert got.body == rec.body and got.key == "order-1" and got.tags == "paid"
+        assert got.properties == rec.properties
+        assert got.flags == SysFlag.TRANSACTION_PREPARED
+        assert got.born_ms == 1_700_000_000_001 and got.store_ms == 1_700_000_123_456
+        assert got.reconsume_count == 7 and got.prepared_offset == 123456789
+        assert got.phys_offset == res.phys_offsets[0] and got.size == res.sizes[0]
+        assert got.tag_code != 0  # hash of "paid"
+        assert got.to_record().body == rec.body
+
+
+def test_explicit_tag_code_goes_to_the_consume_queue(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put([Record("SCHEDULE", 2, b"x", tag_code=1_800_000_000_000,
+                          flags=int(SysFlag.SCHEDULED))])
+        assert store.read_cq("SCHEDULE", 2, 0, 1)["tag"][0] == 1_800_000_000_000
+
+
+def test_batch_over_several_queues_gets_offsets_per_queue(tmp_path):
+    topics = ["a", "b", "a", "a", "b", "c"]
+    qids = [0, 0, 0, 1, 0, 0]
+    b = RecordBatch(topics, qids, [body(i) for i in range(6)], keys=[None, "k", None, "x", None, None])
+    with open_store(tmp_path) as store:
+        store.put(RecordBatch("a", 0, [b"first"]))
+        res = store.put(b)
+        assert res.queue_offsets == [1, 0, 2, 0, 1, 0]
+        assert [m.body for m in store.read_queue("a", 0, 0, 10)] == [b"first", body(0), body(2)]
+        assert [m.key for m in store.read_queue("b", 0, 0, 10)] == ["k", None]
+        assert store.queues() == [("a", 0), ("a", 1), ("b", 0), ("c", 0)]
+
+
+def test_many_segments_named_by_base_offset(tmp_path):
+    with open_store(tmp_path) as store:
+        for start in range(0, 6000, 500):
+            store.put(batch("t", 0, start, 500))
+        segs = store.segments()
+    assert len(segs) >= 5
+    for path, base, size in segs:
+        assert os.path.basename(path) == segment_name(base)
+        assert base % SMALL.segment_size_bytes == 0 and size <= SMALL.segment_size_bytes
+    with open_store(tmp_path) as store:
+        got = store.read_queue("t", 0, 0, 6000)
+        assert [m.body for m in got] == [body(i) for i in range(6000)]
+        assert [m.queue_offset for m in got] == list(range(6000))
+        # a read spanning a segment boundary
+        mid = store.read_queue("t", 0, 2990, 20)
+        assert [m.body for m in mid] == [body(i) for i in range(2990, 3010)]
+
+
+def test_big_put_is_split_into_frames_that_fit(tmp_path):
+    cfg = StoreConfig(segment_size_bytes=512 * 1024, max_message_bytes=4096,
+                      max_frame_bytes=140 * 1024)
+    with open_store(tmp_path, cfg) as store:
+        res = store.put(batch("t", 0, 0, 3000, size=1000))  # ~3 MB in one put
+        assert res.queue_offsets == list(range(3000))
+        assert len(store.segments()) >= 6
+        assert [m.body for m in store.read_queue("t", 0, 0, 3000)] == [
+            body(i, 1000) for i in range(3000)]
+
+
+def test_consume_queues_rebuilt_when_lost_past_checkpoint(tmp_path):
+    store = open_store(tmp_path)
+    store.put(batch("t", 0, 0, 100))
+    store.checkpoint()
+    store.put(batch("t", 0, 100, 100))
+    store.put(batch("u", 1, 0, 50))
+    store.close()
+    # lose the index past the checkpoint: cut t/0 back to 100 entries, delete u/1
+    cq = tmp_path / "consumequeue" / "t" / "0"
+    os.truncate(cq, 100 * 20 + 7)  # and a torn partial entry
+    os.unlink(tmp_path / "consumequeue" / "u" / "1")
+    # the checkpoint claims everything was indexed: put it back to the first checkpoint
+    with open_store(tmp_path) as store:
+        pass
+    os.truncate(cq, 100 * 20)
+    (tmp_path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
+                                         '"consume_queue_offset": 0}')
+    with open_store(tmp_path) as store:
+        assert [m.body for m in store.read_queue("t", 0, 0, 1000)] == [body(i) for i in range(200)]
+        assert store.max_queue_offset("u", 1) == 50
+
+
+def test_whole_index_rebuilt_when_it_disagrees_with_the_log(tmp_path, caplog):
+    with open_store(tmp_path) as store:
+        store.put(batch("t", 0, 0, 100))
+        store.put(batch("t", 0, 100, 100))
+    os.unlink(tmp_path / "consumequeue" / "t" / "0")
+    (tmp_path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
+                                         f'"consume_queue_offset": {10 ** 6}}}')
+    caplog.set_level(logging.WARNING, logger="raymq.storage")
+    with open_store(tmp_path) as store:  # checkpoint past the end: said loudly, then rescanned
+        assert [m.body for m in store.read_queue("t", 0, 0, 1000)] == [body(i) for i in range(200)]
+    assert "past the end of the data" in caplog.text
+    os.unlink(tmp_path / "consumequeue" / "t" / "0")
+    (tmp_path / "checkpoint").write_text("not json")
+    with open_store(tmp_path) as store:
+        assert [m.body for m in store.read_queue("t", 0, 0, 1000)] == [body(i) for i in range(200)]
+    assert "unreadable" in caplog.text
+
+
+def test_torn_tail_is_cut_and_logged(tmp_path, caplog):
+    with open_store(tmp_path) as store:
+        store.put(batch("t", 0, 0, 10))
+        last = store.put(batch("t", 0, 10, 10))
+    forget_checkpoint(tmp_path)
+    seg = commitlog_files(tmp_path)[-1]
+    size = os.path.getsize(seg)
+    os.truncate(seg, size - 150)  # mid-record of the last frame
+    caplog.set_level(logging.WARNING, logger="raymq.storage")
+    with open_store(tmp_path) as store:
+        assert store.max_queue_offset("t", 0) == 10  # the torn batch is gone, whole
+        assert [m.body for m in store.read_queue("t", 0, 0, 100)] == [body(i) for i in range(10)]
+        res = store.put(batch("t", 0, 99, 1))
+        assert res.queue_offsets == [10]
+        assert res.phys_offsets[0] == last.phys_offsets[0]  # written where the torn frame was
+    assert "truncating torn tail" in caplog.text and seg in caplog.text
+
+
+def test_flipped_byte_in_last_frame_is_a_corrupt_tail(tmp_path, caplog):
+    with open_store(tmp_path) as store:
+        store.put(batch("t", 0, 0, 10))
+        res = store.put(batch("t", 0, 10, 10))
+    forget_checkpoint(tmp_path)
+    seg = commitlog_files(tmp_path)[-1]
+    flip(seg, res.phys_offsets[5] + 100)
+    caplog.set_level(logging.WARNING, logger="raymq.storage")
+    with open_store(tmp_path) as store:
+        assert store.max_queue_offset("t", 0) == 10
+    assert "CRC mismatch" in caplog.text
+
+
+def test_flipped_byte_in_the_middle_is_an_error_naming_file_and_offset(tmp_path):
+    with open_store(tmp_path) as store:
+        res = store.put(batch("t", 0, 0, 10))
+        store.put(batch("t", 0, 10, 10))
+    forget_checkpoint(tmp_path)  # older than the damage, so recovery scans it
+    seg = commitlog_files(tmp_path)[-1]
+    flip(seg, res.phys_offsets[3] + 90)
+    with pytest.raises(CorruptLogError) as err:
+        open_store(tmp_path)
+    frame_pos = res.phys_offsets[0] - FRAME_HEADER_BYTES
+    assert seg in str(err.value) and f"file offset {frame_pos}" in str(err.value)
+    assert "CRC mismatch" in str(err.value)
+    with open(seg, "rb") as f:  # and nothing was cut
+        assert len(f.read()) > res.phys_offsets[-1]
+
+
+def test_damaged_segment_header_is_an_error(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put(batch("t", 0, 0, 10))
+    seg = commitlog_files(tmp_path)[0]
+    flip(seg, 2)
+    with pytest.raises(CorruptLogError, match="bad segment header"):
+        open_store(tmp_path)
+
+
+def test_crash_after_segment_roll_with_empty_segment(tmp_path):
+    cfg = SMALL
+    with open_store(tmp_path, cfg) as store:
+        store.put(batch("t", 0, 0, 1000))
+    files = commitlog_files(tmp_path)
+    # a crash right after creating the next segment file, before its header was written
+    base = int(os.path.basename(files[-1])[:-4]) + cfg.segment_size_bytes
+    open(os.path.join(tmp_path, "commitlog", segment_name(base)), "wb").close()
+    with open_store(tmp_path, cfg) as store:
+        store.put(batch("t", 0, 1000, 10))
+        assert [m.body for m in store.read_queue("t", 0, 995, 20)] == [
+            body(i) for i in range(995, 1010)]
+
+
+def test_group_commit_shares_fsyncs(tmp_path):
+    store = open_store(tmp_path, StoreConfig(flush_mode="sync"))
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def worker(k):
+        try:
+            barrier.wait()
+            for i in range(50):
+                r = store.put(RecordBatch("t", k, [body(i)]))
+                assert r.status.name == "PUT_OK"
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.flushed_offset == store.max_phys_offset
+    assert store.sync_count < 400  # 400 puts, fewer fsyncs
+    for k in range(8):
+        assert [m.body for m in store.read_queue("t", k, 0, 100)] == [body(i) for i in range(50)]
+    store.close()
+
+
+def test_async_mode_flushes_in_the_background(tmp_path):
+    cfg = StoreConfig(flush_mode="async", flush_interval_ms=20)
+    with MessageStore(str(tmp_path), cfg) as store:
+        store.put(batch("t", 0, 0, 10))
+        target = store.max_phys_offset
+        wait_until(lambda: store.flushed_offset >= target)
+
+
+def test_bad_input_is_rejected_and_nothing_is_written(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put(batch("t", 0, 0, 1))
+        end = store.max_phys_offset
+        with pytest.raises(MessageTooLargeError, match="4097 bytes exceeds"):
+            store.put([Record("t", 0, b"x" * 4097)])
+        for topic in ("", "a/b", "..", "x" * 128, 5):
+            with pytest.raises(InvalidMessageError, match="invalid topic"):
+                store.put([Record(topic, 0, b"x")])
+        with pytest.raises(InvalidMessageError, match="reserved separator"):
+            store.put([Record("t", 0, b"x", properties={"a\x01": "b"})])
+        with pytest.raises(InvalidMessageError, match="must be bytes"):
+            store.put([Record("t", 0, "text")])
+        with pytest.raises(InvalidMessageError, match="queue id"):
+            store.put([Record("t", -1, b"x")])
+        with pytest.raises(InvalidMessageError, match="longer than"):
+            store.put([Record("t", 0, b"x", key="k" * 2000)])
+        assert store.max_phys_offset == end
+        assert store.max_queue_offset("t", 0) == 1
+        assert store.put([]).phys_offsets == []
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match="unknown StoreConfig key"):
+        StoreConfig.from_dict({"segment_size": 10})
+    with pytest.raises(ConfigError, match="flush_mode"):
+        StoreConfig(flush_mode="sometimes")
+    with pytest.raises(ConfigError, match="segment_size_bytes"):
+        StoreConfig(segment_size_bytes=10)
+    with pytest.raises(ConfigError, match="max_frame_bytes"):
+        StoreConfig(max_message_bytes=16 * 1024 * 1024)
+    assert StoreConfig.from_dict({"flush_mode": "async"}).flush_mode == "async"
+
+
+def test_offset_store_round_trip_and_damage(tmp_path):
+    path = str(tmp_path / "offsets.json")
+    s = OffsetStore(path)
+    assert s.get("g|t|0") == -1
+    s.update({"g|t|0": 5, "g|t|1": 7})
+    s.delete(["g|t|1"])
+    assert OffsetStore(path).snapshot() == {"g|t|0": 5}
+    data = open(path, "rb").read()
+    assert b'"g|t|0": 5' in data
+    open(path, "wb").write(data.replace(b'"g|t|0": 5', b'"g|t|0": 6'))
+    with pytest.raises(CorruptLogError, match="offsets.json"):
+        OffsetStore(path)
+
+
+def test_stored_message_batch_views_agree(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put(RecordBatch(["a", "b"], [0, 0], [b"1", b"2"], tags=["x", None],
+                              properties=[{"p": "q"}, None]))
+        store.put(RecordBatch("a", 0, [b"3"]))
+        entries = np.concatenate([store.read_cq("a", 0, 0, 10), store.read_cq("b", 0, 0, 10)])
+        mb = store.messages_at(entries)
+        assert [m.body for m in mb] == [b"1", b"3", b"2"]
+        assert [mb[i] for i in range(3)] == mb.messages()
+        assert mb[0].properties == {"p": "q"} and mb[2].properties == {}
+        assert mb[0].tags == "x" and mb[1].tags is None
+
+
+def forget_checkpoint(path) -> None:
+    """As if the process died before checkpointing anything (scan from the start)."""
+    (path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
+                                     '"consume_queue_offset": 0}')
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def wait_until(cond, timeout_s: float = 10.0) -> None:
+    ev = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        ev.wait(0.005)
