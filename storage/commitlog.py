@@ -60,10 +60,10 @@ class CommitLog:
 
     # ---------------------------------------------------------------- open
     def open(self, from_offset: int,
-             on_frame: Callable[[int, object, int, int], None]) -> None:
+             on_frame: Callable[[int, object, int, int, int], None]) -> None:
         """Open the segments, verify every frame at or after ``from_offset``.
 
-        ``on_frame(frame_phys, buf, pos, frame_len)`` is called for each valid
+        ``on_frame(frame_phys, buf, pos, frame_len, count)`` is called for each valid
         frame scanned.  A bad frame with no valid frame after it is a torn
         tail: it is cut off (and logged).  A bad frame followed by valid data
         raises ``CorruptLogError`` naming file and offset.
@@ -146,11 +146,11 @@ class CommitLog:
         with mmap.mmap(seg.fd, seg.size, prot=mmap.PROT_READ) as mm:
             while pos < seg.size:
                 try:
-                    frame_len, _count = check_frame(mm, pos, seg.size)
+                    frame_len, count = check_frame(mm, pos, seg.size)
                 except FrameError as err:
                     self._bad_frame(index, seg, mm, pos, err)
                     return
-                on_frame(seg.base + pos, mm, pos, frame_len)
+                on_frame(seg.base + pos, mm, pos, frame_len, count)
                 pos += frame_len
 
     def _bad_frame(self, index: int, seg: Segment, mm, pos: int, err: FrameError) -> None:
@@ -220,7 +220,7 @@ class CommitLog:
         if seg.size + size > self.segment_size:
             os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
             seg = self._new_segment(seg.base + self.segment_size)
-        written = os.writev(seg.fd, (frame.header, frame.payload))
+        written = os.writev(seg.fd, frame.parts)
         if written != size:
             # a short write leaves a torn frame; cut it so the log stays parseable
             os.ftruncate(seg.fd, seg.size)

@@ -1,20 +1,22 @@
 """Records and their on-disk encoding.
 
-A put is written as one or more *frames* (Kafka record batches): a frame
-header with magic, length and one CRC over the whole frame, followed by the
-records, each with a fixed little-endian header and its variable fields.  All
-per-record header fields of a frame are built at once with numpy, so encoding
-costs a few C-level passes rather than a ``struct.pack`` per record.
+A put is written as one or more *frames* (Kafka record batches) with one CRC
+over the whole frame.  Inside a frame the records are laid out in columns, so
+that encoding is a handful of C-level operations whatever the record count:
 
-Frame header (28 bytes): magic u32, frame_len u32 (header included), crc u32
-(over everything after the crc field), version u8, attrs u8, reserved u16,
-count u32, store_ms i64.
+    frame header (28 bytes): magic u32, frame_len u32 (header included),
+        crc u32 (over everything after the crc field), version u8, attrs u8,
+        reserved u16, count u32, store_ms i64
+    record headers: count x 78 bytes (layout ``REC_DTYPE``)
+    meta region: topic, key, tags and properties of each record (a topic
+        shared by every record of the frame is stored once)
+    body region: the bodies, back to back
 
-Record (74-byte header, then topic, key, tags, properties, body):
-rec_len u32, frame_delta u32 (distance back to its frame's start), queue_id u32,
-flags u32, queue_offset i64, born_ms i64, store_ms i64, prepared_offset i64,
-tag_code i64, reconsume_count u32, topic_len u16, key_len u16, tags_len u16,
-props_len u32, body_len u32.
+A record's *physical offset* is the commit-log offset of its header; its
+*size* runs from there to the end of its body, so ``[phys, phys + size)``
+holds the header, the meta fields and the body.  Offsets inside a record
+header (``meta_off``, ``body_off``) are relative to the frame start, which is
+``phys - frame_delta``.
 """
 from __future__ import annotations
 
@@ -38,17 +40,13 @@ FRAME_HEADER_BYTES = FRAME.size  # 28
 FRAME_CRC_START = 12  # bytes 0..11: magic, len, crc
 
 REC_DTYPE = np.dtype([
-    ("rec_len", "<u4"), ("frame_delta", "<u4"), ("queue_id", "<u4"), ("flags", "<u4"),
-    ("queue_offset", "<i8"), ("born_ms", "<i8"), ("store_ms", "<i8"),
-    ("prepared_offset", "<i8"), ("tag_code", "<i8"), ("reconsume", "<u4"),
-    ("topic_len", "<u2"), ("key_len", "<u2"), ("tags_len", "<u2"),
-    ("props_len", "<u4"), ("body_len", "<u4"),
+    ("queue_id", "<u4"), ("flags", "<u4"), ("queue_offset", "<i8"), ("born_ms", "<i8"),
+    ("store_ms", "<i8"), ("prepared_offset", "<i8"), ("tag_code", "<i8"),
+    ("reconsume", "<u4"), ("frame_delta", "<u4"), ("meta_off", "<u4"),
+    ("topic_len", "<u2"), ("key_len", "<u2"), ("tags_len", "<u2"), ("props_len", "<u4"),
+    ("body_off", "<u4"), ("body_len", "<u4"),
 ])
-REC = struct.Struct("<IIIIqqqqqIHHHII")
-REC_HEADER_BYTES = REC.size  # 74
-if REC_DTYPE.itemsize != REC_HEADER_BYTES:  # pragma: no cover - layout constant
-    raise ImportError("record header dtype and struct disagree")
-_REC_VOID = np.dtype((np.void, REC_HEADER_BYTES))
+REC_HEADER_BYTES = REC_DTYPE.itemsize  # 78
 
 MAX_TOPIC_BYTES = 127
 MAX_KEY_BYTES = 1024
@@ -324,24 +322,30 @@ def _int_column(col, n: int, dtype):
     return col
 
 
+_TEMPLATE_DEFAULTS = {"queue_id": 0, "flags": 0, "born_ms": 0, "prepared_offset": -1,
+                      "reconsume": 0}
+_TEMPLATE = np.zeros(1, REC_DTYPE)
+for _field, _value in _TEMPLATE_DEFAULTS.items():
+    _TEMPLATE[_field] = _value
+_TEMPLATE.flags.writeable = False
+
+
 @dataclass(frozen=True, slots=True)
 class EncodedFrame:
-    header: bytes
-    payload: bytes
-    rel_offsets: np.ndarray  # record start, relative to the frame start
-    rec_lens: np.ndarray
+    parts: tuple  # frame header, record headers, meta region, body region
+    size: int
+    rel_offsets: np.ndarray  # record header, relative to the frame start
+    rec_lens: np.ndarray     # record size: header to end of body
     tag_codes: np.ndarray
 
-    @property
-    def size(self) -> int:
-        return len(self.header) + len(self.payload)
 
-
-def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int) -> EncodedFrame:
+def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
+                 body_lens: np.ndarray | None = None) -> EncodedFrame:
     """Encode ``batch`` (bodies already checked for size) into one frame."""
     n = len(batch.bodies)
     bodies = batch.bodies
-    body_lens = np.fromiter(map(len, bodies), np.int64, n)
+    if body_lens is None:
+        body_lens = np.array(list(map(len, bodies)), np.int64)
     keys_b, key_lens = _optional_texts(batch.keys, n, MAX_KEY_BYTES, "key")
     tags_b, tags_lens = _optional_texts(batch.tags, n, MAX_TAGS_BYTES, "tags")
     props = batch.properties
@@ -351,17 +355,40 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int) -
         props_b = [encode_properties(p) for p in props]
         props_lens = np.fromiter(map(len, props_b), np.int64, n)
 
-    if isinstance(batch.topics, str):  # one topic: its bytes ride in the header view
+    headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
+    shared_topic = isinstance(batch.topics, str)
+    if shared_topic:
         topic_b = _encode_text(batch.topics, MAX_TOPIC_BYTES, "topic")
-        topics_b, topic_lens = None, len(topic_b)
-        dtype = np.dtype(REC_DTYPE.descr + [("topic", f"S{len(topic_b)}")]) if topic_b else REC_DTYPE
+        topic_lens: np.ndarray | int = len(topic_b)
+        topics_b = None
     else:
-        cache: dict[str, bytes] = {}
-        for t in set(batch.topics):
-            cache[t] = _encode_text(t, MAX_TOPIC_BYTES, "topic")
+        cache = {t: _encode_text(t, MAX_TOPIC_BYTES, "topic") for t in set(batch.topics)}
         topics_b = list(map(cache.__getitem__, batch.topics))
         topic_lens = np.fromiter(map(len, topics_b), np.int64, n)
-        dtype = REC_DTYPE
+
+    if shared_topic and keys_b is None and tags_b is None and props_b is None:
+        meta = topic_b  # every record points at the one copy
+        meta_off: np.ndarray | int = headers_end
+    else:
+        columns = [c for c in ([topic_b] * n if shared_topic else topics_b,
+                               keys_b, tags_b, props_b) if c is not None]
+        meta = b"".join(chain.from_iterable(zip(*columns)))
+        meta_lens = topic_lens + key_lens + tags_lens + props_lens
+        meta_off = np.empty(n, np.int64)
+        meta_off[0] = headers_end
+        np.cumsum(meta_lens[:-1], out=meta_off[1:])
+        meta_off[1:] += headers_end
+    try:
+        body_blob = b"".join(bodies)
+    except TypeError:
+        bad = next(b for b in bodies if not isinstance(b, (bytes, bytearray, memoryview)))
+        raise InvalidMessageError(f"message body must be bytes, got {type(bad).__name__}") from None
+    bodies_start = headers_end + len(meta)
+    body_off = np.empty(n, np.int64)
+    body_off[0] = bodies_start
+    np.cumsum(body_lens[:-1], out=body_off[1:])
+    body_off[1:] += bodies_start
+    rel = np.arange(FRAME_HEADER_BYTES, headers_end, REC_HEADER_BYTES, dtype=np.int64)
 
     tag_given = batch.tag_codes
     if tag_given is None:
@@ -375,42 +402,36 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int) -
             (t if t is not None else tags_hash(s) for t, s in zip(tag_given, tags_list)),
             np.int64, n)
 
-    rec_lens = REC_HEADER_BYTES + topic_lens + key_lens + tags_lens + props_lens + body_lens
-    rel = np.empty(n, np.int64)
-    rel[0] = FRAME_HEADER_BYTES
-    np.cumsum(rec_lens[:-1], out=rel[1:])
-    rel[1:] += FRAME_HEADER_BYTES
-
-    h = np.empty(n, dtype)
-    h["rec_len"] = rec_lens
-    h["frame_delta"] = rel
-    h["queue_id"] = _int_column(batch.queue_ids, n, np.uint32)
-    h["flags"] = _int_column(batch.flags, n, np.uint32)
+    h = np.repeat(_TEMPLATE, n)
     h["queue_offset"] = queue_offsets
-    h["born_ms"] = _int_column(batch.born_ms, n, np.int64)
     h["store_ms"] = store_ms
-    h["prepared_offset"] = _int_column(batch.prepared_offsets, n, np.int64)
-    h["tag_code"] = tag_codes
-    h["reconsume"] = _int_column(batch.reconsume, n, np.uint32)
+    h["frame_delta"] = rel
+    h["meta_off"] = meta_off
     h["topic_len"] = topic_lens
-    h["key_len"] = key_lens
-    h["tags_len"] = tags_lens
-    h["props_len"] = props_lens
+    h["body_off"] = body_off
     h["body_len"] = body_lens
-    if topics_b is None and topic_lens:
-        h["topic"] = topic_b
-    headers = h.view(np.dtype((np.void, dtype.itemsize))).tolist()
-    columns = [headers]
-    for col in (topics_b, keys_b, tags_b, props_b):
-        if col is not None:
-            columns.append(col)
-    columns.append(bodies)
-    payload = b"".join(chain.from_iterable(zip(*columns)))
-    frame_len = FRAME_HEADER_BYTES + len(payload)
+    for field, col, dt in (("queue_id", batch.queue_ids, np.uint32),
+                           ("flags", batch.flags, np.uint32),
+                           ("born_ms", batch.born_ms, np.int64),
+                           ("prepared_offset", batch.prepared_offsets, np.int64),
+                           ("reconsume", batch.reconsume, np.uint32)):
+        if isinstance(col, list) or col != _TEMPLATE_DEFAULTS[field]:
+            h[field] = _int_column(col, n, dt)
+    if tag_codes.any():
+        h["tag_code"] = tag_codes
+    for field, lens in (("key_len", key_lens), ("tags_len", tags_lens),
+                        ("props_len", props_lens)):
+        if not isinstance(lens, int):
+            h[field] = lens
+    headers = h.tobytes()
+    frame_len = bodies_start + len(body_blob)
     tail = FRAME.pack(0, 0, 0, FRAME_VERSION, 0, 0, n, store_ms)[FRAME_CRC_START:]
-    crc = zlib.crc32(payload, zlib.crc32(tail))
+    crc = zlib.crc32(tail)
+    for part in (headers, meta, body_blob):
+        crc = zlib.crc32(part, crc)
     header = FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, 0, 0, n, store_ms)
-    return EncodedFrame(header, payload, rel, rec_lens, tag_codes)
+    rec_lens = body_off + body_lens - rel
+    return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
 
 
 class FrameError(Exception):
@@ -440,38 +461,14 @@ def check_frame(buf, pos: int, end: int) -> tuple[int, int]:
     return frame_len, count
 
 
-def iter_frame_records(buf, pos: int, frame_len: int):
-    """Yield (rel_offset, header tuple) for each record of a checked frame."""
-    off = pos + FRAME_HEADER_BYTES
-    end = pos + frame_len
-    unpack = REC.unpack_from
-    while off < end:
-        hdr = unpack(buf, off)
-        yield off - pos, hdr
-        off += hdr[0]
+def frame_headers(buf, pos: int, count: int) -> np.ndarray:
+    """The record headers of the checked frame at ``buf[pos:]`` (a copy)."""
+    return np.frombuffer(buf, REC_DTYPE, count, pos + FRAME_HEADER_BYTES).copy()
 
 
-def decode_record(buf, off: int, phys_offset: int) -> StoredMessage:
-    """Decode the record at ``buf[off:]``; ``phys_offset`` is its commit-log offset."""
-    (rec_len, _delta, queue_id, flags, queue_offset, born_ms, store_ms, prepared,
-     tag_code, reconsume, topic_len, key_len, tags_len, props_len, body_len) = REC.unpack_from(buf, off)
-    p = off + REC_HEADER_BYTES
-    tb = bytes(buf[p:p + topic_len])
-    topic = _TOPIC_DECODE.get(tb)
-    if topic is None:
-        if len(_TOPIC_DECODE) > 4096:
-            _TOPIC_DECODE.clear()
-        topic = _TOPIC_DECODE[tb] = tb.decode()
-    p += topic_len
-    key = bytes(buf[p:p + key_len]).decode() if key_len else None
-    p += key_len
-    tags = bytes(buf[p:p + tags_len]).decode() if tags_len else None
-    p += tags_len
-    props = bytes(buf[p:p + props_len])
-    p += props_len
-    body = bytes(buf[p:p + body_len])
-    return StoredMessage(topic, queue_id, queue_offset, phys_offset, rec_len, flags, born_ms,
-                         store_ms, prepared, tag_code, reconsume, key, tags, props, body)
+def record_sizes(h: np.ndarray) -> np.ndarray:
+    """Size of each record (header to end of body) from its header."""
+    return h["body_off"].astype(np.int64) + h["body_len"] - h["frame_delta"]
 
 
 class MessageBatch:
@@ -511,7 +508,7 @@ class MessageBatch:
         h = self.headers[i]
         return StoredMessage(
             self.topics[i], int(h["queue_id"]), int(h["queue_offset"]), self.phys_offsets[i],
-            int(h["rec_len"]), int(h["flags"]), int(h["born_ms"]), int(h["store_ms"]),
+            int(h["body_off"]) + int(h["body_len"]) - int(h["frame_delta"]), int(h["flags"]), int(h["born_ms"]), int(h["store_ms"]),
             int(h["prepared_offset"]), int(h["tag_code"]), int(h["reconsume"]),
             self.keys[i] if self.keys else None, self.tags[i] if self.tags else None,
             self.properties[i] if self.properties else b"", self.bodies[i])
@@ -520,7 +517,8 @@ class MessageBatch:
         n = len(self.bodies)
         h = self.headers
         return list(map(StoredMessage, self.topics, h["queue_id"].tolist(),
-                        h["queue_offset"].tolist(), self.phys_offsets, h["rec_len"].tolist(),
+                        h["queue_offset"].tolist(), self.phys_offsets,
+                        record_sizes(h).tolist(),
                         h["flags"].tolist(), h["born_ms"].tolist(), h["store_ms"].tolist(),
                         h["prepared_offset"].tolist(), h["tag_code"].tolist(),
                         h["reconsume"].tolist(), self.keys or [None] * n,
@@ -542,8 +540,11 @@ class MessageBatch:
                             self.bodies + other.bodies)
 
 
-def decode_records(buf: bytes, rel_offsets: list[int], phys_offsets: list[int]) -> MessageBatch:
-    """Decode many records of one buffer at once (headers gathered with numpy)."""
+def decode_records(buf: bytes, rel_offsets: np.ndarray, phys_offsets: list[int]) -> MessageBatch:
+    """Decode the records whose headers sit at ``rel_offsets`` in ``buf``.
+
+    ``buf`` must hold each record whole: header, meta fields and body.
+    """
     n = len(rel_offsets)
     if not n:
         return MessageBatch.empty()
@@ -552,38 +553,43 @@ def decode_records(buf: bytes, rel_offsets: list[int], phys_offsets: list[int]) 
     window = as_strided(raw, shape=(len(raw) - REC_HEADER_BYTES + 1, REC_HEADER_BYTES),
                         strides=(1, 1), writeable=False)
     h = window[rel].view(REC_DTYPE).reshape(n)
-    t0 = rel + REC_HEADER_BYTES
+    frame = rel - h["frame_delta"]
+    t0 = frame + h["meta_off"]
     k0 = t0 + h["topic_len"]
     g0 = k0 + h["key_len"]
     p0 = g0 + h["tags_len"]
-    b0 = p0 + h["props_len"]
+    b0 = frame + h["body_off"]
     b1 = b0 + h["body_len"]
-    t0l, k0l, g0l, p0l, b0l, b1l = (a.tolist() for a in (t0, k0, g0, p0, b0, b1))
-    topics = _decode_topics(buf, t0l, k0l)
+    topics = _decode_topics(raw, buf, t0, h["topic_len"])
     keys = tags = props = None
     if h["key_len"].any():
-        keys = [buf[a:b].decode() if b > a else None for a, b in zip(k0l, g0l)]
+        keys = [buf[a:b].decode() if b > a else None for a, b in zip(k0.tolist(), g0.tolist())]
     if h["tags_len"].any():
-        tags = [buf[a:b].decode() if b > a else None for a, b in zip(g0l, p0l)]
+        tags = [buf[a:b].decode() if b > a else None for a, b in zip(g0.tolist(), p0.tolist())]
     if h["props_len"].any():
-        props = [buf[a:b] for a, b in zip(p0l, b0l)]
-    bodies = [buf[a:b] for a, b in zip(b0l, b1l)]
+        p1 = p0 + h["props_len"]
+        props = [buf[a:b] for a, b in zip(p0.tolist(), p1.tolist())]
+    bodies = [buf[a:b] for a, b in zip(b0.tolist(), b1.tolist())]
     return MessageBatch(h, list(phys_offsets), topics, keys, tags, props, bodies)
 
 
-def _decode_topics(buf: bytes, starts: list[int], ends: list[int]) -> list[str]:
-    first = buf[starts[0]:ends[0]]
+def _decode_topics(raw: np.ndarray, buf: bytes, starts: np.ndarray,
+                   lens: np.ndarray) -> list[str]:
+    n = len(starts)
+    a0 = int(starts[0])
+    first = buf[a0:a0 + int(lens[0])]
     topic = _TOPIC_DECODE.get(first)
     if topic is None:
         if len(_TOPIC_DECODE) > 4096:
             _TOPIC_DECODE.clear()
         topic = _TOPIC_DECODE[first] = first.decode()
-    n = len(starts)
-    if all(e - s == len(first) for s, e in zip(starts, ends)) and \
-            all(buf[s:e] == first for s, e in zip(starts, ends)):
-        return [topic] * n
+    tl = len(first)
+    if tl and (lens == tl).all():
+        window = as_strided(raw, shape=(len(raw) - tl + 1, tl), strides=(1, 1), writeable=False)
+        if (window[starts] == np.frombuffer(first, np.uint8)).all():
+            return [topic] * n
     out = []
-    for a, b in zip(starts, ends):
+    for a, b in zip(starts.tolist(), (starts + lens).tolist()):
         tb = buf[a:b]
         name = _TOPIC_DECODE.get(tb)
         if name is None:

@@ -31,9 +31,9 @@ from storage.errors import (CorruptLogError, InvalidMessageError, MessageTooLarg
                             StorageError)
 from storage.fileutil import atomic_write, fsync_dir
 from storage.offsets import OffsetStore
-from storage.records import (REC, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
-                             StoredMessage,
-                             decode_record, decode_records, encode_frame, iter_frame_records)
+from storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
+                             StoredMessage, decode_records, encode_frame, frame_headers,
+                             record_sizes)
 
 log = logging.getLogger("raymq.storage")
 
@@ -55,12 +55,42 @@ class PutStatus(enum.Enum):
     FLUSH_DISK_TIMEOUT = 1
 
 
-@dataclass(frozen=True, slots=True)
 class PutResult:
-    status: PutStatus
-    phys_offsets: list[int]
-    queue_offsets: list[int]
-    sizes: list[int]
+    """Outcome of a put: status, and per record its physical offset, queue offset, size.
+
+    Offsets are kept as numpy arrays (``*_array``); the list views are made on
+    first access.
+    """
+
+    __slots__ = ("status", "phys_array", "queue_offset_array", "size_array", "_lists")
+
+    def __init__(self, status: PutStatus, phys, queue_offsets, sizes):
+        self.status = status
+        self.phys_array = np.asarray(phys, np.int64)
+        self.queue_offset_array = np.asarray(queue_offsets, np.int64)
+        self.size_array = np.asarray(sizes, np.int64)
+        self._lists: dict[str, list[int]] = {}
+
+    def _list(self, name: str) -> list[int]:
+        out = self._lists.get(name)
+        if out is None:
+            out = self._lists[name] = getattr(self, name).tolist()
+        return out
+
+    @property
+    def phys_offsets(self) -> list[int]:
+        return self._list("phys_array")
+
+    @property
+    def queue_offsets(self) -> list[int]:
+        return self._list("queue_offset_array")
+
+    @property
+    def sizes(self) -> list[int]:
+        return self._list("size_array")
+
+    def __len__(self) -> int:
+        return len(self.phys_array)
 
 
 class _QueueIndex:
@@ -110,6 +140,7 @@ class MessageStore:
         self.clock = clock or SystemClock()
         os.makedirs(directory, exist_ok=True)
         self._write_lock = threading.Lock()
+        self._valid_topics: set[str] = set()
         self._flush_cond = threading.Condition()
         self._flushing = False
         self._closed = False
@@ -167,26 +198,36 @@ class MessageStore:
                      self.directory, self.recovered_records, ckpt)
         self._write_checkpoint(self._log.max_offset, sync_queues=True)
 
-    def _replay_frame(self, frame_phys: int, buf, pos: int, frame_len: int) -> None:
-        pending: dict[ConsumeQueue, list[tuple[int, int, int]]] = {}
-        for rel, hdr in iter_frame_records(buf, pos, frame_len):
-            rec_len, _d, qid, _f, qoff = hdr[0], hdr[1], hdr[2], hdr[3], hdr[4]
-            tag_code, topic_len = hdr[8], hdr[10]
-            start = pos + rel + REC_HEADER_BYTES
-            topic = bytes(buf[start:start + topic_len]).decode()
-            phys = frame_phys + rel
+    def _replay_frame(self, frame_phys: int, buf, pos: int, frame_len: int,
+                      count: int) -> None:
+        h = frame_headers(buf, pos, count)
+        phys = frame_phys + h["frame_delta"].astype(np.int64)
+        sizes = record_sizes(h)
+        topic_at: dict[tuple[int, int], str] = {}
+        pending: dict[ConsumeQueue, list[int]] = {}
+        for i, (meta_off, topic_len, qid, qoff) in enumerate(zip(
+                h["meta_off"].tolist(), h["topic_len"].tolist(), h["queue_id"].tolist(),
+                h["queue_offset"].tolist())):
+            topic = topic_at.get((meta_off, topic_len))
+            if topic is None:
+                topic = topic_at[(meta_off, topic_len)] = bytes(
+                    buf[pos + meta_off:pos + meta_off + topic_len]).decode()
             cq = self._cq.get_or_create(topic, qid)
-            if phys <= cq.last_phys:
+            if phys[i] <= cq.last_phys:
                 continue
-            expected = cq.count + len(pending.get(cq, ()))
+            waiting = pending.setdefault(cq, [])
+            expected = cq.count + len(waiting)
             if qoff != expected:
-                raise _RebuildNeeded(f"{topic}/{qid}: record at {phys} has queue offset {qoff}, "
-                                     f"index expects {expected}")
-            pending.setdefault(cq, []).append((phys, rec_len, tag_code))
-        for cq, entries in pending.items():
-            arr = np.array(entries, CQ_ENTRY)
-            cq.append(arr.tobytes(), entries[-1][0])
-            self.recovered_records += len(entries)
+                raise _RebuildNeeded(f"{topic}/{qid}: record at {phys[i]} has queue offset "
+                                     f"{qoff}, the index expects {expected}")
+            waiting.append(i)
+        for cq, idx in pending.items():
+            entries = np.empty(len(idx), CQ_ENTRY)
+            entries["phys"] = phys[idx]
+            entries["size"] = sizes[idx]
+            entries["tag"] = h["tag_code"][idx]
+            cq.append(entries.tobytes(), int(phys[idx[-1]]))
+            self.recovered_records += len(idx)
 
     # ---------------------------------------------------------------- put
     def put(self, batch: RecordBatch | Sequence[Record]) -> PutResult:
@@ -202,15 +243,16 @@ class MessageStore:
         n = len(batch)
         if not n:
             return PutResult(PutStatus.PUT_OK, [], [], [])
-        self._validate(batch)
+        body_lens = self._validate(batch)
         with self._write_lock:
             if self._closed:
                 raise StorageError(f"store {self.directory} is closed")
             store_ms = self.clock.now_ms()
             qoffs, groups = self._assign_queue_offsets(batch)
             phys_parts, size_parts = [], []
-            for lo, hi in self._chunks(batch):
-                frame = encode_frame(batch.slice(lo, hi), qoffs[lo:hi], store_ms)
+            for lo, hi in self._chunks(body_lens):
+                frame = encode_frame(batch.slice(lo, hi), qoffs[lo:hi], store_ms,
+                                     body_lens[lo:hi])
                 pos = self._log.append(frame)
                 phys = frame.rel_offsets + pos
                 self._dispatch(batch, groups, lo, hi, phys, frame)
@@ -223,27 +265,35 @@ class MessageStore:
             status = PutStatus.FLUSH_DISK_TIMEOUT
         phys_all = phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts)
         sizes = size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts)
-        return PutResult(status, phys_all.tolist(), qoffs.tolist(), sizes.tolist())
+        return PutResult(status, phys_all, qoffs, sizes)
 
-    def _validate(self, batch: RecordBatch) -> None:
+    def _validate(self, batch: RecordBatch) -> np.ndarray:
+        """Check what can be checked before writing; return the body lengths.
+
+        (A body that is not bytes is caught when the frame is encoded.)
+        """
         limit = self.config.max_message_bytes
-        body_types = set(map(type, batch.bodies))
-        if body_types != {bytes}:
-            if not body_types <= {bytes, bytearray, memoryview}:
-                bad = next(t for t in body_types if t not in (bytes, bytearray, memoryview))
-                raise InvalidMessageError(f"message body must be bytes, got {bad.__name__}")
-            batch.bodies = [bytes(b) for b in batch.bodies]
-        biggest = max(map(len, batch.bodies))
+        try:
+            lens = np.array(list(map(len, batch.bodies)), np.int64)
+        except TypeError:
+            bad = next(b for b in batch.bodies if not hasattr(b, "__len__"))
+            raise InvalidMessageError(f"message body must be bytes, got "
+                                      f"{type(bad).__name__}") from None
+        biggest = int(lens.max())
         if biggest > limit:
             raise MessageTooLargeError(f"message body of {biggest} bytes exceeds the maximum "
                                        f"of {limit} bytes (max_message_bytes)")
         topics = batch.topics
         for topic in (set(topics) if isinstance(topics, list) else (topics,)):
-            check_topic_name(topic)
+            if topic not in self._valid_topics:
+                check_topic_name(topic)
+                if len(self._valid_topics) < 100_000:
+                    self._valid_topics.add(topic)
         qids = batch.queue_ids
         for qid in ((qids,) if not isinstance(qids, list) else set(qids)):
             if isinstance(qid, bool) or not isinstance(qid, int) or not 0 <= qid < 2**31:
                 raise InvalidMessageError(f"invalid queue id {qid!r}")
+        return lens
 
     def _assign_queue_offsets(self, batch: RecordBatch):
         """Queue offsets for the batch, and its per-queue index groups (None: one queue)."""
@@ -284,11 +334,11 @@ class MessageStore:
                 self._cq.get_or_create(*key).append(entries[part].tobytes(),
                                                     int(phys[part[-1]]))
 
-    def _chunks(self, batch: RecordBatch):
+    def _chunks(self, body_lens: np.ndarray):
         """Index ranges whose frames stay under max_frame_bytes."""
         budget = min(self.config.max_frame_bytes, self._log.segment_size - 64)
-        n = len(batch)
-        est = np.fromiter(map(len, batch.bodies), np.int64, n) + REC_HEADER_BYTES + 2048
+        n = len(body_lens)
+        est = body_lens + (REC_HEADER_BYTES + 2048)
         if est.sum() <= budget:
             yield 0, n
             return
@@ -382,9 +432,12 @@ class MessageStore:
         return cq.read(offset, max_entries)
 
     def get_message(self, phys_offset: int, size: int | None = None) -> StoredMessage:
+        """The message whose record header is at ``phys_offset``."""
         if size is None:
-            size = REC.unpack_from(self._log.read(phys_offset, REC_HEADER_BYTES))[0]
-        return decode_record(self._log.read(phys_offset, size), 0, phys_offset)
+            head = np.frombuffer(self._log.read(phys_offset, REC_HEADER_BYTES), REC_DTYPE)
+            size = int(record_sizes(head)[0])
+        return decode_records(self._log.read(phys_offset, size), np.zeros(1, np.int64),
+                              [phys_offset])[0]
 
     def read_queue(self, topic: str, queue_id: int, offset: int,
                    max_messages: int = 32) -> list[StoredMessage]:
@@ -410,8 +463,7 @@ class MessageStore:
         if len(entries) == 1 or (hi <= self._log.segment_end(lo)
                                  and span <= 4 * payload + _SPAN_READ_SLACK_BYTES):
             buf = self._log.read(lo, span)
-            phys_list = phys.tolist()
-            return decode_records(buf, [p - lo for p in phys_list], phys_list)
+            return decode_records(buf, phys - lo, phys.tolist())
         mid = len(entries) // 2
         return self.messages_at(entries[:mid]).concat(self.messages_at(entries[mid:]))
 

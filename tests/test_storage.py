@@ -65,6 +65,14 @@ def test_batch_over_several_queues_gets_offsets_per_queue(tmp_path):
         assert [m.body for m in store.read_queue("a", 0, 0, 10)] == [b"first", body(0), body(2)]
         assert [m.key for m in store.read_queue("b", 0, 0, 10)] == ["k", None]
         assert store.queues() == [("a", 0), ("a", 1), ("b", 0), ("c", 0)]
+        before = {q: store.read_queue(*q, 0, 10) for q in store.queues()}
+    # lose the whole index and the checkpoint: everything is re-indexed from the log
+    import shutil
+    shutil.rmtree(tmp_path / "consumequeue")
+    forget_checkpoint(tmp_path)
+    with open_store(tmp_path) as store:
+        assert {q: store.read_queue(*q, 0, 10) for q in store.queues()} == before
+        assert store.recovered_records == 7
 
 
 def test_many_segments_named_by_base_offset(tmp_path):

@@ -1,0 +1,141 @@
+"""``raymq bench``: benchmark suites printing one JSON object per line on stdout.
+
+Every figure with a baseline is printed with that baseline measured in the
+same run and their ratio, because absolute figures drift on shared machines.
+Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable
+
+SUITES: dict[str, Callable[["Bench"], None]] = {}
+
+
+def suite(name: str):
+    def register(fn):
+        SUITES[name] = fn
+        return fn
+    return register
+
+
+class Bench:
+    def __init__(self, *, scale: float = 1.0, workdir: str | None = None, out=None):
+        self.scale = scale
+        self.workdir = workdir
+        self.out = out or sys.stdout
+        self.results: dict[str, float] = {}
+
+    def n(self, count: int, minimum: int = 1) -> int:
+        return max(minimum, int(count * self.scale))
+
+    def emit(self, metric: str, value: float, unit: str, **params) -> None:
+        self.results[metric] = value
+        line = {"metric": metric, "value": round(float(value), 3), "unit": unit, "params": params}
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
+
+    def ratio(self, metric: str, num: str, den: str, **params) -> None:
+        self.emit(metric, self.results[num] / self.results[den], "ratio",
+                  numerator=num, denominator=den, **params)
+
+    @staticmethod
+    def progress(text: str) -> None:
+        print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+    def tempdir(self, name: str) -> str:
+        return tempfile.mkdtemp(prefix=f"raymq-bench-{name}-", dir=self.workdir)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@suite("storage")
+def bench_storage(b: Bench) -> None:
+    from storage import MessageStore, RecordBatch, StoreConfig
+
+    size = 256
+    bodies = [os.urandom(size) for _ in range(1000)]
+    cases = [(1, b.n(3000, 100)), (100, b.n(60_000, 1000)), (1000, b.n(200_000, 10_000))]
+    for batch_size, n in cases:
+        path = b.tempdir("storage")
+        try:
+            batch = RecordBatch("bench", 0, bodies[:batch_size])
+            raw = b"".join(bodies[:batch_size])
+            rounds = n // batch_size
+            slices = 5  # store and raw baseline alternate, so drift hits both alike
+            per_slice = max(1, rounds // slices)
+            t_store = t_raw = 0.0
+            fd = os.open(os.path.join(path, "raw"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            b.progress(f"storage: sync appends, batches of {batch_size}, {n} records "
+                       "(and the raw write+fsync baseline)")
+            try:
+                with MessageStore(os.path.join(path, "store"),
+                                  StoreConfig(flush_mode="sync")) as store:
+                    store.put(batch)  # warm up
+                    for _ in range(slices):
+                        t_store += timed(lambda: [store.put(batch) for _ in range(per_slice)])
+
+                        def raw_rounds():
+                            for _ in range(per_slice):
+                                os.write(fd, raw)
+                                os.fsync(fd)
+                        t_raw += timed(raw_rounds)
+            finally:
+                os.close(fd)
+            total = slices * per_slice * batch_size
+            b.emit(f"storage.append_sync_b{batch_size}", total / t_store, "appends/s",
+                   size=size, n=total, batch=batch_size, flush="sync")
+            b.emit(f"storage.raw_write_fsync_b{batch_size}", total / t_raw,
+                   "appends/s", size=size, n=total, batch=batch_size)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    for batch_size in (1, 100):
+        b.ratio(f"storage.append_sync_b{batch_size}_ratio", f"storage.append_sync_b{batch_size}",
+                f"storage.raw_write_fsync_b{batch_size}")
+    b.ratio("storage.append_sync_ratio", "storage.append_sync_b1000",
+            "storage.raw_write_fsync_b1000")
+
+    n = b.n(300_000, 10_000)
+    path = b.tempdir("storage")
+    try:
+        batch = RecordBatch("bench", 0, bodies)
+        rounds = n // 1000
+        with MessageStore(path, StoreConfig(flush_mode="async")) as store:
+            b.progress(f"storage: async appends, batches of 1000, {n} records")
+            dt = timed(lambda: [store.put(batch) for _ in range(rounds)])
+            b.emit("storage.append_async", rounds * 1000 / dt, "appends/s", size=size,
+                   n=rounds * 1000, batch=1000, flush="async")
+            b.progress(f"storage: consume-queue range reads of 1000, {rounds * 1000} records")
+            got = [0]
+
+            def read_all():
+                for r in range(rounds):
+                    got[0] += len(store.read_batch("bench", 0, r * 1000, 1000))
+            dt = timed(read_all)
+            if got[0] != rounds * 1000:
+                raise RuntimeError(f"read {got[0]} of {rounds * 1000} records")
+            b.emit("storage.read_cq", got[0] / dt, "entries/s", size=size, n=got[0], batch=1000,
+                   what="consume-queue entries resolved to decoded messages")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run(names: list[str], *, scale: float = 1.0, workdir: str | None = None) -> dict[str, float]:
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise SystemExit(f"raymq bench: unknown suite(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(SUITES)}")
+    bench = Bench(scale=scale, workdir=workdir)
+    for name in names or list(SUITES):
+        bench.progress(f"suite {name}")
+        SUITES[name](bench)
+    return bench.results
