@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up everything RayMQ needs on a fresh machine: Java 17 for Spark, a Python 3.11
+# virtual environment in .venv with the pinned dependencies, and the project itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { echo "[install] $*" >&2; }
+
+need_java() {
+    command -v java >/dev/null 2>&1 || return 0
+    local v
+    v=$(java -version 2>&1 | awk -F'"' '/version/ {print $2; exit}')
+    case "$v" in 17*|17) return 1 ;; *) return 0 ;; esac
+}
+
+if need_java; then
+    log "Java 17 not found: installing openjdk-17-jre-headless with apt"
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q openjdk-17-jre-headless
+fi
+log "$(java -version 2>&1 | head -1)"
+
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
+    if command -v python3.11 >/dev/null 2>&1; then
+        PYTHON=python3.11
+    else
+        log "RayMQ needs Python 3.11 (found $("$PYTHON" --version 2>&1))"
+        exit 1
+    fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $("$PYTHON" --version)"
+    "$PYTHON" -m venv .venv
+fi
+log "installing pinned dependencies (pyspark builds from source: about a minute)"
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip check >&2
+touch .venv/.raymq-installed
+log "done"

@@ -1,0 +1,19 @@
+# The two commands of the README.  Both set everything up first (Java 17, .venv, pins).
+VENV := .venv
+STAMP := $(VENV)/.raymq-installed
+
+.PHONY: demo test bench install
+
+$(STAMP): pyproject.toml .ci/install.sh
+	bash .ci/install.sh
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/raymq demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/raymq bench
