@@ -63,6 +63,9 @@ class StoreConfig:
     max_message_bytes: int = doc(
         "Largest body accepted; bigger messages are rejected with a clear error.",
         4 * 1024 * 1024)
+    producer_expiry_ms: int = doc(
+        "An idempotent producer not seen for this long is forgotten (its next put "
+        "is accepted whatever its sequence).", 7 * 24 * 3600 * 1000)
     max_frame_bytes: int = doc(
         "A put is written as CRC-framed batches of at most this many bytes.",
         8 * 1024 * 1024)
@@ -72,6 +75,7 @@ class StoreConfig:
         _positive_int(self, "flush_interval_ms")
         _positive_int(self, "flush_timeout_ms")
         _positive_int(self, "max_message_bytes")
+        _positive_int(self, "producer_expiry_ms")
         _positive_int(self, "max_frame_bytes", minimum=1024)
         if self.flush_mode not in FLUSH_MODES:
             raise ConfigError(

@@ -4,9 +4,10 @@ A put is written as one or more *frames* (Kafka record batches) with one CRC
 over the whole frame.  Inside a frame the records are laid out in columns, so
 that encoding is a handful of C-level operations whatever the record count:
 
-    frame header (28 bytes): magic u32, frame_len u32 (header included),
-        crc u32 (over everything after the crc field), version u8, attrs u8,
-        reserved u16, count u32, store_ms i64
+    frame header (44 bytes): magic u32, frame_len u32 (header included),
+        crc u32 (over everything after the crc field), version u8, attrs u8
+        (bit 0: last frame of its put), reserved u16, count u32, store_ms i64,
+        producer_id i64 (0: none), sequence i64 (the producer's put number)
     record headers: count x 78 bytes (layout ``REC_DTYPE``)
     meta region: topic, key, tags and properties of each record (a topic
         shared by every record of the frame is stored once)
@@ -35,8 +36,9 @@ from storage.errors import InvalidMessageError
 
 FRAME_MAGIC = 0x31514D52  # b"RMQ1" little-endian
 FRAME_VERSION = 1
-FRAME = struct.Struct("<IIIBBHIq")
-FRAME_HEADER_BYTES = FRAME.size  # 28
+FRAME = struct.Struct("<IIIBBHIqqq")
+FRAME_HEADER_BYTES = FRAME.size  # 44
+FRAME_ATTR_LAST = 1  # the last frame of a put
 FRAME_CRC_START = 12  # bytes 0..11: magic, len, crc
 
 REC_DTYPE = np.dtype([
@@ -340,7 +342,8 @@ class EncodedFrame:
 
 
 def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
-                 body_lens: np.ndarray | None = None) -> EncodedFrame:
+                 body_lens: np.ndarray | None = None, *, producer_id: int = 0,
+                 sequence: int = 0, last: bool = True) -> EncodedFrame:
     """Encode ``batch`` (bodies already checked for size) into one frame."""
     n = len(batch.bodies)
     bodies = batch.bodies
@@ -425,11 +428,14 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
             h[field] = lens
     headers = h.tobytes()
     frame_len = bodies_start + len(body_blob)
-    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, 0, 0, n, store_ms)[FRAME_CRC_START:]
+    attrs = FRAME_ATTR_LAST if last else 0
+    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, attrs, 0, n, store_ms, producer_id,
+                      sequence)[FRAME_CRC_START:]
     crc = zlib.crc32(tail)
     for part in (headers, meta, body_blob):
         crc = zlib.crc32(part, crc)
-    header = FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, 0, 0, n, store_ms)
+    header = FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, attrs, 0, n, store_ms,
+                        producer_id, sequence)
     rec_lens = body_off + body_lens - rel
     return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
 
@@ -447,7 +453,8 @@ def check_frame(buf, pos: int, end: int) -> tuple[int, int]:
     """Verify the frame at ``buf[pos:]``; return (frame_len, count) or raise FrameError."""
     if end - pos < FRAME_HEADER_BYTES:
         raise FrameError(f"{end - pos} bytes left, fewer than a frame header")
-    magic, frame_len, crc, version, _attrs, _res, count, _store = FRAME.unpack_from(buf, pos)
+    magic, frame_len, crc, version, _attrs, _res, count, _store, _pid, _seq = \
+        FRAME.unpack_from(buf, pos)
     if magic != FRAME_MAGIC:
         raise FrameError(f"bad frame magic {magic:#x}")
     if version != FRAME_VERSION:
@@ -459,6 +466,12 @@ def check_frame(buf, pos: int, end: int) -> tuple[int, int]:
     if actual != crc:
         raise FrameError(f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x})", frame_len)
     return frame_len, count
+
+
+def frame_producer(buf, pos: int) -> tuple[int, int, int]:
+    """(producer_id, sequence, store_ms) of the frame at ``buf[pos:]``."""
+    fields = FRAME.unpack_from(buf, pos)
+    return fields[8], fields[9], fields[7]
 
 
 def frame_headers(buf, pos: int, count: int) -> np.ndarray:

@@ -33,7 +33,8 @@ from storage.fileutil import atomic_write, fsync_dir
 from storage.offsets import OffsetStore
 from storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                              StoredMessage, decode_records, encode_frame, frame_headers,
-                             record_sizes)
+                             frame_producer, record_sizes)
+from storage.producers import ProducerTable
 
 log = logging.getLogger("raymq.storage")
 
@@ -62,10 +63,14 @@ class PutResult:
     first access.
     """
 
-    __slots__ = ("status", "phys_array", "queue_offset_array", "size_array", "_lists")
+    __slots__ = ("status", "phys_array", "queue_offset_array", "size_array", "_lists",
+                 "duplicate")
 
-    def __init__(self, status: PutStatus, phys, queue_offsets, sizes):
+    def __init__(self, status: PutStatus, phys, queue_offsets, sizes, *,
+                 duplicate: bool = False):
         self.status = status
+        self.duplicate = duplicate  # a resend of a put already stored; offsets are the
+        # original ones when still remembered, else empty
         self.phys_array = np.asarray(phys, np.int64)
         self.queue_offset_array = np.asarray(queue_offsets, np.int64)
         self.size_array = np.asarray(sizes, np.int64)
@@ -165,15 +170,19 @@ class MessageStore:
                 doc = json.loads(f.read())
             if doc.get("format") != CHECKPOINT_FORMAT:
                 raise ValueError("format")
-            return int(doc["consume_queue_offset"])
+            offset = int(doc["consume_queue_offset"])
+            self._producers = ProducerTable.restore(doc.get("producers", {}))
+            return offset
         except FileNotFoundError:
             return 0
         except (ValueError, KeyError, TypeError) as err:
-            log.warning("checkpoint %s is unreadable (%s); rebuilding consume queues from "
-                        "the start of the log", self._checkpoint_path, err)
+            log.warning("checkpoint %s is unreadable (%s); rebuilding consume queues and "
+                        "producer state from the start of the log", self._checkpoint_path, err)
+            self._producers = ProducerTable()
             return 0
 
     def _recover(self) -> None:
+        self._producers = ProducerTable()
         ckpt = self._read_checkpoint()
         self._cq.load()
         try:
@@ -186,6 +195,7 @@ class MessageStore:
             self._cq = _QueueIndex(self._cq.root)
             self._log = CommitLog(self._log.directory, self.config.segment_size_bytes)
             self.recovered_records = 0
+            self._producers = ProducerTable()
             self._log.open(0, self._replay_frame)
         end = self._log.max_offset
         for cq in self._cq.queues.values():
@@ -196,13 +206,18 @@ class MessageStore:
         if self.recovered_records:
             log.info("store %s: re-indexed %d records past checkpoint %d",
                      self.directory, self.recovered_records, ckpt)
-        self._write_checkpoint(self._log.max_offset, sync_queues=True)
+        self._write_checkpoint(self._log.max_offset, sync_queues=True,
+                               producers=self._producers.snapshot())
 
     def _replay_frame(self, frame_phys: int, buf, pos: int, frame_len: int,
                       count: int) -> None:
         h = frame_headers(buf, pos, count)
         phys = frame_phys + h["frame_delta"].astype(np.int64)
         sizes = record_sizes(h)
+        producer_id, sequence, store_ms = frame_producer(buf, pos)
+        if producer_id:
+            self._producers.record(producer_id, sequence, phys, h["queue_offset"].copy(),
+                                   sizes, frame_phys + frame_len, store_ms)
         topic_at: dict[tuple[int, int], str] = {}
         pending: dict[ConsumeQueue, list[int]] = {}
         for i, (meta_off, topic_len, qid, qoff) in enumerate(zip(
@@ -230,11 +245,14 @@ class MessageStore:
             self.recovered_records += len(idx)
 
     # ---------------------------------------------------------------- put
-    def put(self, batch: RecordBatch | Sequence[Record]) -> PutResult:
+    def put(self, batch: RecordBatch | Sequence[Record], *, producer_id: int = 0,
+            sequence: int = 0) -> PutResult:
         """Append a batch durably (per flush mode); one result for the batch.
 
-        Not idempotent: a retried put stores the records again (the broker
-        deduplicates by producer sequence above this layer).
+        With a ``producer_id`` (non-zero) and increasing ``sequence`` the put is
+        idempotent: a put whose sequence is not above the producer's last one
+        is not stored again and returns ``duplicate=True`` with the original
+        offsets (while remembered).  Without one, a retried put stores again.
         """
         if not isinstance(batch, RecordBatch):
             if not batch:
@@ -244,15 +262,23 @@ class MessageStore:
         if not n:
             return PutResult(PutStatus.PUT_OK, [], [], [])
         body_lens = self._validate(batch)
+        if producer_id and (not isinstance(producer_id, int) or not 0 < producer_id < 2**63
+                            or not isinstance(sequence, int) or not 0 < sequence < 2**63):
+            raise InvalidMessageError(f"producer id {producer_id!r} and sequence {sequence!r} "
+                                      "must be positive 63-bit integers")
         with self._write_lock:
             if self._closed:
                 raise StorageError(f"store {self.directory} is closed")
+            if producer_id and self._producers.is_duplicate(producer_id, sequence):
+                return self._duplicate(producer_id, sequence)
             store_ms = self.clock.now_ms()
             qoffs, groups = self._assign_queue_offsets(batch)
             phys_parts, size_parts = [], []
-            for lo, hi in self._chunks(body_lens):
+            chunks = list(self._chunks(body_lens))
+            for lo, hi in chunks:
                 frame = encode_frame(batch.slice(lo, hi), qoffs[lo:hi], store_ms,
-                                     body_lens[lo:hi])
+                                     body_lens[lo:hi], producer_id=producer_id,
+                                     sequence=sequence, last=(hi == chunks[-1][1]))
                 pos = self._log.append(frame)
                 phys = frame.rel_offsets + pos
                 self._dispatch(batch, groups, lo, hi, phys, frame)
@@ -260,12 +286,36 @@ class MessageStore:
                 size_parts.append(frame.rec_lens)
             end = self._log.max_offset
             self._dispatched_end = end
+            if producer_id:
+                self._producers.record(
+                    producer_id, sequence,
+                    phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts),
+                    qoffs, size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts),
+                    end, store_ms)
         status = PutStatus.PUT_OK
         if self.config.flush_mode == "sync" and not self._wait_flushed(end):
             status = PutStatus.FLUSH_DISK_TIMEOUT
         phys_all = phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts)
         sizes = size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts)
         return PutResult(status, phys_all, qoffs, sizes)
+
+    def _duplicate(self, producer_id: int, sequence: int) -> PutResult:
+        cached = self._producers.cached(producer_id, sequence)
+        if cached is None:
+            return PutResult(PutStatus.PUT_OK, [], [], [], duplicate=True)
+        end = cached.end_offset
+        self._write_lock.release()  # the original put may still be waiting for its fsync
+        try:
+            ok = self.config.flush_mode != "sync" or self._wait_flushed(end)
+        finally:
+            self._write_lock.acquire()
+        return PutResult(PutStatus.PUT_OK if ok else PutStatus.FLUSH_DISK_TIMEOUT,
+                         cached.phys, cached.queue_offsets, cached.sizes, duplicate=True)
+
+    def last_sequence(self, producer_id: int) -> int:
+        """The last put sequence stored for a producer (0: none)."""
+        with self._write_lock:
+            return self._producers.last_sequence(producer_id) or 0
 
     def _validate(self, batch: RecordBatch) -> np.ndarray:
         """Check what can be checked before writing; return the body lengths.
@@ -390,18 +440,25 @@ class MessageStore:
     def checkpoint(self) -> int:
         """Make consume-queue entries durable and record up to where; return it."""
         with self._write_lock:
-            end = min(self._log.flushed_offset, self._dispatched_end)
+            # fsync first, so that the producer snapshot covers only durable puts
+            if self._log.flushed_offset < self._dispatched_end:
+                self._log.sync()
+            end = self._dispatched_end
+            self._producers.expire(self.clock.now_ms(), self.config.producer_expiry_ms)
+            producers = self._producers.snapshot()
             queues = list(self._cq.queues.values())
         for cq in queues:
             cq.sync()
-        self._write_checkpoint(end, sync_queues=False)
+        self._write_checkpoint(end, sync_queues=False, producers=producers)
         return end
 
-    def _write_checkpoint(self, offset: int, *, sync_queues: bool) -> None:
+    def _write_checkpoint(self, offset: int, *, sync_queues: bool,
+                          producers: dict[str, list[int]]) -> None:
         if sync_queues:
             for cq in self._cq.queues.values():
                 cq.sync()
-        doc = {"format": CHECKPOINT_FORMAT, "version": 1, "consume_queue_offset": offset}
+        doc = {"format": CHECKPOINT_FORMAT, "version": 1, "consume_queue_offset": offset,
+               "producers": producers}
         atomic_write(self._checkpoint_path, json.dumps(doc).encode())
 
     def _flush_loop(self) -> None:
@@ -494,7 +551,7 @@ class MessageStore:
             self._closed = True
             self._log.sync()
             self._write_checkpoint(min(self._log.flushed_offset, self._dispatched_end),
-                                   sync_queues=True)
+                                   sync_queues=True, producers=self._producers.snapshot())
             self._log.close()
             self._cq.close()
 

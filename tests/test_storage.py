@@ -331,3 +331,30 @@ def wait_until(cond, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         ev.wait(0.005)
+
+
+def test_idempotent_put_is_stored_once_and_remembered_across_restarts(tmp_path):
+    pid = 0x1234_5678_9ABC
+    with open_store(tmp_path) as store:
+        first = store.put(batch("t", 0, 0, 5), producer_id=pid, sequence=1)
+        again = store.put(batch("t", 0, 0, 5), producer_id=pid, sequence=1)
+        assert not first.duplicate and again.duplicate
+        assert again.queue_offsets == first.queue_offsets == [0, 1, 2, 3, 4]
+        second = store.put(batch("t", 0, 5, 5), producer_id=pid, sequence=2)
+        assert second.queue_offsets == [5, 6, 7, 8, 9]
+        store.checkpoint()  # snapshot holds pid -> 2
+        third = store.put(batch("t", 0, 10, 5), producer_id=pid, sequence=3)
+    with open_store(tmp_path) as store:  # 3 comes back from the replayed frame
+        assert store.last_sequence(pid) == 3
+        dup = store.put(batch("t", 0, 10, 5), producer_id=pid, sequence=3)
+        assert dup.duplicate and dup.queue_offsets == third.queue_offsets
+        old = store.put(batch("t", 0, 0, 5), producer_id=pid, sequence=1)
+        assert old.duplicate and old.queue_offsets == []  # too old to remember offsets
+        assert store.max_queue_offset("t", 0) == 15
+        assert store.put(batch("t", 0, 15, 1), producer_id=pid + 1, sequence=1).queue_offsets == [15]
+    forget_checkpoint(tmp_path)  # and from a full replay of the log
+    with open_store(tmp_path) as store:
+        assert store.last_sequence(pid) == 3 and store.last_sequence(pid + 1) == 1
+    with open_store(tmp_path) as store:
+        with pytest.raises(InvalidMessageError, match="producer id"):
+            store.put(batch("t", 0, 0, 1), producer_id=-5, sequence=1)
