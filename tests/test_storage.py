@@ -344,8 +344,12 @@ def test_idempotent_put_is_stored_once_and_remembered_across_restarts(tmp_path):
         assert second.queue_offsets == [5, 6, 7, 8, 9]
         store.checkpoint()  # snapshot holds pid -> 2
         third = store.put(batch("t", 0, 10, 5), producer_id=pid, sequence=3)
-    with open_store(tmp_path) as store:  # 3 comes back from the replayed frame
+    with open_store(tmp_path) as store:  # after a clean close: from the snapshot
         assert store.last_sequence(pid) == 3
+        dup = store.put(batch("t", 0, 10, 5), producer_id=pid, sequence=3)
+        assert dup.duplicate and dup.queue_offsets == []  # stored once, offsets not kept
+    forget_checkpoint(tmp_path)  # after a crash: replayed from the log, offsets too
+    with open_store(tmp_path) as store:
         dup = store.put(batch("t", 0, 10, 5), producer_id=pid, sequence=3)
         assert dup.duplicate and dup.queue_offsets == third.queue_offsets
         old = store.put(batch("t", 0, 0, 5), producer_id=pid, sequence=1)
