@@ -353,7 +353,7 @@ def test_idempotent_put_is_stored_once_and_remembered_across_restarts(tmp_path):
         dup = store.put(batch("t", 0, 10, 5), producer_id=pid, sequence=3)
         assert dup.duplicate and dup.queue_offsets == third.queue_offsets
         old = store.put(batch("t", 0, 0, 5), producer_id=pid, sequence=1)
-        assert old.duplicate and old.queue_offsets == []  # too old to remember offsets
+        assert old.duplicate and old.queue_offsets == [0, 1, 2, 3, 4]  # among the last 8
         assert store.max_queue_offset("t", 0) == 15
         assert store.put(batch("t", 0, 15, 1), producer_id=pid + 1, sequence=1).queue_offsets == [15]
     forget_checkpoint(tmp_path)  # and from a full replay of the log
