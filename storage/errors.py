@@ -37,3 +37,39 @@ class MessageTooLargeError(RayMQError, ValueError):
 
 class InvalidMessageError(RayMQError, ValueError):
     code = "MESSAGE_INVALID"
+
+
+class UnknownTopicError(RayMQError, LookupError):
+    code = "TOPIC_NOT_EXIST"
+
+
+class TopicExistsError(RayMQError):
+    code = "TOPIC_EXISTS"
+
+
+class ReservedNameError(InvalidMessageError):
+    """A reserved system topic or system property used by an application."""
+
+    code = "RESERVED_NAME"
+
+
+class OffsetOutOfRangeError(RayMQError, ValueError):
+    code = "OFFSET_OUT_OF_RANGE"
+
+
+class BrokerUnavailableError(RayMQError):
+    """The actor serving a request is gone or restarting; retrying later can succeed."""
+
+    code = "BROKER_UNAVAILABLE"
+    retriable = True
+
+
+class RequestTimeoutError(RayMQError, TimeoutError):
+    code = "REQUEST_TIMEOUT"
+    retriable = True
+
+
+class NotOwnerError(RayMQError):
+    """A consumer acted on a queue it does not (or no longer) own."""
+
+    code = "NOT_QUEUE_OWNER"

@@ -1,0 +1,178 @@
+"""``connect()`` and the ``RayMQ`` handle: topics, producers, consumers, admin."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+
+from cluster import deploy, rpc
+from cluster.config import ClusterConfig
+from cluster.consumer import Consumer
+from cluster.message import MessageExt, make_msg_id, parse_msg_id
+from cluster.producer import Producer
+from storage.errors import InvalidMessageError, UnknownTopicError
+
+log = logging.getLogger("raymq.client")
+
+
+def connect(address: str | None = None, *, config: dict | None = None, **overrides: Any) -> "RayMQ":
+    """Attach to RayMQ on a Ray cluster, deploying it first if needed.
+
+    With Ray already initialised in this process, use that.  Otherwise join
+    ``address`` (or ``$RAY_ADDRESS``), or a cluster already running on this
+    machine, or start an embedded local Ray.  Deploying is idempotent: a
+    second ``connect()`` reuses the running actors, and the cluster's own
+    configuration wins over the one given here.
+    """
+    cfg = ClusterConfig.from_dict({**(config or {}), **overrides})
+    if not ray.is_initialized():
+        addr = address or os.environ.get("RAY_ADDRESS")
+        kwargs = dict(namespace=deploy.NAMESPACE, log_to_driver=False)
+        if addr:
+            ray.init(address=addr, **kwargs)
+        else:
+            ray.init(**kwargs)
+    controller, shards = deploy.deploy(cfg)
+    return RayMQ(controller, shards)
+
+
+class RayMQ:
+    def __init__(self, controller, shards: list):
+        self.controller = controller
+        self._shards = list(shards)
+        self.config = ClusterConfig.from_dict(rpc.call(controller.get_config, timeout_s=60))
+        self._routes: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._clients: list = []
+        self.admin = Admin(self)
+
+    # ------------------------------------------------------------ routing
+    def shard_handle(self, i: int):
+        return self._shards[i]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    def routes_for(self, topics: set[str]) -> dict[str, list[int]]:
+        """queue -> shard of each topic; unknown topics are created if configured, else an error."""
+        with self._lock:
+            missing = [t for t in topics if t not in self._routes]
+        if missing:
+            got = rpc.call(self.controller.routes, missing, timeout_s=30)
+            for t in missing:
+                if got[t] is None:
+                    if not self.config.auto_create_topics:
+                        raise UnknownTopicError(f"topic {t!r} does not exist (create it with "
+                                                "create_topic / `raymq topic create`)")
+                    got[t] = self.create_topic(t)["routes"]
+            with self._lock:
+                self._routes.update(got)
+        with self._lock:
+            return {t: self._routes[t] for t in topics}
+
+    # ------------------------------------------------------------- topics
+    def create_topic(self, name: str, queues: int | None = None) -> dict:
+        info = rpc.call(self.controller.create_topic, name, queues, timeout_s=30)
+        with self._lock:
+            self._routes[name] = info["routes"]
+        return info
+
+    def topics(self) -> dict[str, dict]:
+        return rpc.call(self.controller.topics, timeout_s=30)
+
+    def describe_topic(self, name: str) -> dict:
+        return rpc.call(self.controller.describe_topic, name, timeout_s=30)
+
+    def ensure_group_topics(self, group: str) -> None:
+        rpc.call(self.controller.ensure_group_topics, group, timeout_s=30)
+
+    # ------------------------------------------------------------ clients
+    def producer(self, group: str = "default") -> Producer:
+        p = Producer(self, group)
+        self._clients.append(p)
+        return p
+
+    def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_uncommitted",
+                 tags=None, ordered: bool = False, start_from: str = "earliest") -> Consumer:
+        c = Consumer(self, group, topics, isolation=isolation, tags=tags, ordered=ordered,
+                     start_from=start_from)
+        self._clients.append(c)
+        return c
+
+    def close(self) -> None:
+        """Close the producers and consumers made here (the cluster keeps running)."""
+        for c in reversed(self._clients):
+            try:
+                c.close()
+            except Exception as err:  # closing the rest matters more
+                log.warning("closing %s failed: %s", type(c).__name__, err)
+        self._clients.clear()
+
+
+class Admin:
+    """Look-ups and operator actions that do not consume."""
+
+    def __init__(self, mq: RayMQ):
+        self._mq = mq
+
+    def find(self, msg_id: str | None = None, *, topic: str | None = None,
+             key: str | None = None) -> list[MessageExt]:
+        """A message by id, or the messages of ``topic`` with ``key``."""
+        if msg_id is not None:
+            shard, phys = parse_msg_id(msg_id)
+            if shard >= self._mq.num_shards:
+                raise InvalidMessageError(f"message id {msg_id} names shard {shard}, "
+                                          f"the cluster has {self._mq.num_shards}")
+            m = rpc.call(self._mq.shard_handle(shard).get_message, phys, timeout_s=30)
+            return [MessageExt.from_stored(shard, m)]
+        if topic is None or key is None:
+            raise InvalidMessageError("find needs a message id, or a topic and a key")
+        shards = sorted(set(self._mq.routes_for({topic})[topic]))
+        refs = [self._mq.shard_handle(s).find_by_key.remote(topic, key) for s in shards]
+        out = []
+        for s, found in zip(shards, rpc.wait_all(refs, 60)):
+            if isinstance(found, Exception):
+                raise found
+            out += [MessageExt.from_stored(s, m) for m in found]
+        return out
+
+    def dlq_list(self, group: str, max_per_shard: int = 100) -> list[MessageExt]:
+        out = []
+        for s in range(self._mq.num_shards):
+            for m in rpc.call(self._mq.shard_handle(s).dlq_list, group, 0, max_per_shard,
+                              timeout_s=30):
+                ext = MessageExt.from_stored(s, m)
+                ext.extra["stored_id"] = make_msg_id(s, m.phys_offset)
+                out.append(ext)
+        return out
+
+    def dlq_resend(self, group: str, ids: list[str] | None = None) -> list[str]:
+        """Resend dead letters (all not resent yet, or those ids) to the group's retry topic."""
+        self._mq.ensure_group_topics(group)
+        resent = []
+        if ids is None:
+            for s in range(self._mq.num_shards):
+                resent += rpc.call(self._mq.shard_handle(s).dlq_resend, group, None, timeout_s=60)
+            return resent
+        by_shard: dict[int, list[int]] = {}
+        for i in ids:
+            shard, phys = parse_msg_id(i)
+            by_shard.setdefault(shard, []).append(phys)
+        for s, phys in by_shard.items():
+            resent += rpc.call(self._mq.shard_handle(s).dlq_resend, group, phys, timeout_s=60)
+        return resent
+
+    def status(self) -> dict:
+        mq = self._mq
+        infos = rpc.wait_all([mq.shard_handle(s).queue_info.remote()
+                              for s in range(mq.num_shards)], 30)
+        nodes = rpc.wait_all([mq.shard_handle(s).node_id.remote()
+                              for s in range(mq.num_shards)], 30)
+        return {"topics": mq.topics(), "groups": rpc.call(mq.controller.groups, timeout_s=30),
+                "shards": [{"shard": s, "node": n if not isinstance(n, Exception) else None,
+                            "info": i if not isinstance(i, Exception) else {"error": str(i)}}
+                           for s, (i, n) in enumerate(zip(infos, nodes))]}

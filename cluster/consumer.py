@@ -1,0 +1,332 @@
+"""Consumer: group membership, leased queues, pull with prefetch, commit, push with retries.
+
+Queues of the subscribed topics (and of the group's retry topic) are shared
+among the live members of the group by the controller; a member owns a queue
+only while its lease lasts, and releases it (after committing) when the
+controller moves it elsewhere.
+
+``poll`` returns messages of the owned queues; ``commit`` makes the position
+after everything polled so far durable at the shards.  ``run(handler)`` is
+push-style: a handler that raises (or returns False) sends the message to the
+group's retry topic with a growing delay, and after ``max_reconsume``
+failures to the group's dead-letter topic.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+
+from cluster import rpc
+from cluster.message import MessageExt, Prop, check_group, make_msg_id, retry_topic
+from storage.errors import InvalidMessageError, RayMQError
+from storage.records import MessageBatch
+
+log = logging.getLogger("raymq.consumer")
+
+ISOLATIONS = ("read_uncommitted", "read_committed")
+
+
+@dataclass
+class _Queue:
+    shard: int
+    fetch: int      # next offset to pull
+    position: int   # next offset after what poll() returned
+    committed: int  # last committed offset
+
+
+class Consumer:
+    def __init__(self, mq, group: str, topics: list[str], *, isolation: str = "read_uncommitted",
+                 tags: dict[str, list[str]] | list[str] | str | None = None,
+                 ordered: bool = False, start_from: str = "earliest"):
+        check_group(group)
+        if isolation not in ISOLATIONS:
+            raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        if start_from not in ("earliest", "latest"):
+            raise InvalidMessageError("start_from must be 'earliest' or 'latest'")
+        self._mq = mq
+        self.config = mq.config
+        self.group = group
+        self.isolation = isolation
+        self.ordered = ordered
+        self.start_from = start_from
+        topics = [topics] if isinstance(topics, str) else list(topics)
+        routes = mq.routes_for(set(topics))  # unknown topics fail here, clearly
+        self.topics = topics
+        self._routes = routes
+        mq.ensure_group_topics(group)
+        self._retry_topic = retry_topic(group)
+        self._routes.update(mq.routes_for({self._retry_topic}))
+        self._tags = self._tag_filter(tags)
+        self.member_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.RLock()
+        self._queues: dict[tuple[str, int], _Queue] = {}
+        self._buffer: list[MessageExt] = []
+        self._inflight: dict[int, object] = {}
+        self._inflight_req: dict[int, list[tuple[str, int, int, int]]] = {}
+        self._stop = threading.Event()
+        self._closed = False
+        self.generation = 0
+        self.heartbeat()  # own queues before the first poll
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="raymq-consumer-hb",
+                                    daemon=True)
+        self._hb.start()
+
+    def _tag_filter(self, tags) -> dict[str, list[str]] | None:
+        if tags is None:
+            return None
+        if isinstance(tags, str):
+            tags = [t.strip() for t in tags.split("||") if t.strip() and t.strip() != "*"]
+            if not tags:
+                return None
+        if isinstance(tags, list):
+            return {t: list(tags) for t in self.topics}
+        return {t: list(v) for t, v in tags.items()}
+
+    # ---------------------------------------------------------- membership
+    def assignment(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return sorted(self._queues)
+
+    def heartbeat(self) -> None:
+        """One heartbeat: take granted queues, release moved ones (committing first)."""
+        with self._lock:
+            held = sorted(self._queues)
+        res = rpc.call(self._mq.controller.heartbeat, self.group, self.member_id,
+                       self.topics + [self._retry_topic], held, socket.gethostname(),
+                       timeout_s=30)
+        release = [tuple(q) for q in res["release"]]
+        granted = [tuple(q) for q in res["granted"]]
+        if release:
+            self._release(release)
+        with self._lock:
+            new = [q for q in granted if q not in self._queues]
+        if new:
+            self._acquire(new)
+        self.generation = res["generation"]
+
+    def _acquire(self, queues: list[tuple[str, int]]) -> None:
+        by_shard = defaultdict(list)
+        for topic, qid in queues:
+            by_shard[self._routes[topic][qid]].append((topic, qid))
+        for shard, qs in by_shard.items():
+            offsets = rpc.call(self._mq.shard_handle(shard).get_offsets, self.group, qs,
+                               timeout_s=30)
+            ends = None
+            for q in qs:
+                off = offsets[q]
+                if off < 0 and self.start_from == "latest" and not q[0].startswith("%"):
+                    if ends is None:
+                        ends = rpc.call(self._mq.shard_handle(shard).pull,
+                                        [(t, i, 0, 0) for t, i in qs], 0, timeout_s=30)
+                    off = next(e[4] for e in ends if (e[0], e[1]) == q)
+                off = max(off, 0)
+                with self._lock:
+                    self._queues[q] = _Queue(shard, off, off, off)
+            log.info("consumer %s of %s: took %s", self.member_id, self.group, qs)
+
+    def _release(self, queues: list[tuple[str, int]]) -> None:
+        self._commit_queues(queues)
+        with self._lock:
+            for q in queues:
+                self._queues.pop(q, None)
+            self._buffer = [m for m in self._buffer if (m.source_topic, m.source_queue) not in queues]
+        log.info("consumer %s of %s: released %s", self.member_id, self.group, queues)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_ms / 1000.0):
+            try:
+                self.heartbeat()
+            except Exception as err:  # the next heartbeat retries
+                log.warning("consumer %s: heartbeat failed: %s", self.member_id, err)
+
+    # ----------------------------------------------------------------- pull
+    def poll(self, max_messages: int = 100, timeout_s: float = 1.0) -> list[MessageExt]:
+        """Up to ``max_messages`` messages of the owned queues, waiting up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._buffer:
+                    out, self._buffer = self._buffer[:max_messages], self._buffer[max_messages:]
+                    for m in out:
+                        q = self._queues.get((m.source_topic, m.source_queue))
+                        if q is not None:
+                            q.position = max(q.position, m.source_offset + 1)
+                    return out
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            self._fetch(min(remaining, self.config.pull_wait_ms / 1000.0))
+
+    def _fetch(self, wait_s: float) -> None:
+        """Start pulls for shards with none in flight; take in the results that are ready."""
+        with self._lock:
+            by_shard = defaultdict(list)
+            for (topic, qid), q in self._queues.items():
+                by_shard[q.shard].append((topic, qid, q.fetch, self.config.pull_batch_messages))
+            for shard, reqs in by_shard.items():
+                if shard not in self._inflight:
+                    self._inflight[shard] = self._mq.shard_handle(shard).pull.remote(
+                        reqs, int(wait_s * 1000), self._tags)
+                    self._inflight_req[shard] = reqs
+            refs = dict((ref, shard) for shard, ref in self._inflight.items())
+        if not refs:
+            time.sleep(min(wait_s, 0.05))
+            return
+        done, _ = ray.wait(list(refs), num_returns=1, timeout=wait_s + 5.0)
+        for ref in done:
+            shard = refs[ref]
+            with self._lock:
+                self._inflight.pop(shard, None)
+                reqs = self._inflight_req.pop(shard, [])
+            try:
+                results = rpc.get(ref, 0)
+            except RayMQError as err:
+                log.warning("consumer %s: pull from shard-%d failed: %s", self.member_id, shard, err)
+                time.sleep(0.1)
+                continue
+            self._take_results(shard, reqs, results)
+
+    def _take_results(self, shard: int, reqs, results) -> None:
+        sent = {(t, q): off for t, q, off, _ in reqs}
+        with self._lock:
+            for topic, qid, batch, next_offset, _end in results:
+                q = self._queues.get((topic, qid))
+                if q is None or q.shard != shard or q.fetch != sent.get((topic, qid)):
+                    continue  # released or repositioned meanwhile
+                self._buffer.extend(_to_ext(shard, batch))
+                if not len(batch):
+                    q.position = max(q.position, next_offset) if q.position == q.fetch else q.position
+                q.fetch = next_offset
+
+    # --------------------------------------------------------------- commit
+    def commit(self) -> None:
+        """Commit the position after everything ``poll`` returned so far."""
+        with self._lock:
+            queues = list(self._queues)
+        self._commit_queues(queues)
+
+    def _commit_queues(self, queues) -> None:
+        by_shard = defaultdict(dict)
+        with self._lock:
+            for key in queues:
+                q = self._queues.get(key)
+                if q is not None and q.position != q.committed:
+                    by_shard[q.shard][key] = q.position
+        for shard, offsets in by_shard.items():
+            rpc.call(self._mq.shard_handle(shard).commit_offsets, self.group, offsets, timeout_s=30)
+            with self._lock:
+                for key, off in offsets.items():
+                    q = self._queues.get(key)
+                    if q is not None:
+                        q.committed = off
+
+    def seek(self, topic: str, queue_id: int, offset: int) -> None:
+        with self._lock:
+            q = self._queues.get((topic, queue_id))
+            if q is None:
+                raise RayMQError(f"{topic}/{queue_id} is not owned by this consumer")
+            q.fetch = q.position = offset
+            self._buffer = [m for m in self._buffer
+                            if (m.source_topic, m.source_queue) != (topic, queue_id)]
+
+    # ------------------------------------------------------------- push mode
+    def nack(self, msg: MessageExt, reason: str = "") -> dict:
+        """Give a message back: redelivered later through the retry topic, or dead-lettered."""
+        return rpc.call(self._mq.shard_handle(msg.shard).send_back, self.group,
+                        msg.extra["phys"], reason=reason, timeout_s=30)
+
+    def run(self, handler: Callable[[MessageExt], object], *, threads: int = 4,
+            batch: int = 64, idle_s: float = 0.5) -> None:
+        """Consume until ``stop()``: ``handler(msg)`` per message, concurrently.
+
+        A handler that raises or returns False fails the message (retry topic,
+        then dead letters).  Offsets are committed after each polled batch is
+        done.  In ordered mode a queue's messages are handled one at a time,
+        in order, and a failing message is retried in place.
+        """
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raymq-handler")
+        try:
+            while not self._stop.is_set():
+                msgs = self.poll(batch, idle_s)
+                if not msgs:
+                    continue
+                if self.ordered:
+                    by_queue = defaultdict(list)
+                    for m in msgs:
+                        by_queue[(m.source_topic, m.source_queue)].append(m)
+                    list(pool.map(lambda ms: self._run_ordered(handler, ms), by_queue.values()))
+                else:
+                    outcomes = list(pool.map(lambda m: _handle(handler, m), msgs))
+                    for m, (ok, reason) in zip(msgs, outcomes):
+                        if not ok:
+                            self.nack(m, reason)
+                self.commit()
+        finally:
+            pool.shutdown(wait=True)
+
+    def _run_ordered(self, handler, msgs: list[MessageExt]) -> None:
+        for m in msgs:
+            for attempt in range(self.config.max_reconsume + 1):
+                ok, reason = _handle(handler, m)
+                if ok or self._stop.is_set():
+                    break
+                m.reconsume_count += 1
+                time.sleep(min(1.0, 0.05 * (2 ** attempt)))
+            else:
+                rpc.call(self._mq.shard_handle(m.shard).send_back, self.group,
+                         m.extra["phys"], reason=f"ordered: {reason}", dead_letter=True,
+                         timeout_s=30)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Commit, leave the group (its queues move to the other members)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._hb.join()
+        try:
+            self.commit()
+        finally:
+            rpc.call(self._mq.controller.leave, self.group, self.member_id, timeout_s=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _handle(handler, m: MessageExt) -> tuple[bool, str]:
+    try:
+        result = handler(m)
+    except Exception as err:  # the handler's failure is the message's failure
+        return False, f"{type(err).__name__}: {err}"
+    return (result is not False), ("handler returned False" if result is False else "")
+
+
+def _to_ext(shard: int, batch: MessageBatch) -> list[MessageExt]:
+    out = []
+    for m in batch.messages():
+        ext = MessageExt.from_stored(shard, m)
+        ext.extra["phys"] = m.phys_offset
+        ext.extra["stored_id"] = make_msg_id(shard, m.phys_offset)
+        if m.topic.startswith("%RETRY%"):
+            ext.queue_id = -1
+            ext.queue_offset = -1
+            ext.properties = {k: v for k, v in m.properties.items()
+                              if k not in (Prop.RETRY_TOPIC, Prop.CONSUME_GROUP)}
+        out.append(ext)
+    return out

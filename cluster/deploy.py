@@ -1,0 +1,164 @@
+"""Deploying RayMQ's actors into a Ray cluster (idempotent) and finding them.
+
+Actors live in namespace ``raymq``, detached, named, restartable
+(``max_restarts=-1``).  A shard is pinned so that a restart finds its files:
+by the custom resource ``raymq_shard_<i>`` when the cluster defines it
+(``ray_config.yaml`` does), else by node affinity to the node it was first
+placed on (remembered by the controller).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.controller import Controller
+from actors.shard import BrokerShard
+from cluster import rpc
+from cluster.config import ClusterConfig
+
+log = logging.getLogger("raymq.deploy")
+
+NAMESPACE = "raymq"
+CONTROLLER = "controller"
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i}"
+
+
+class RayMetrics:
+    """``ray.util.metrics`` behind the shard's metrics interface (Prometheus / dashboard)."""
+
+    def __init__(self, **default_tags):
+        from ray.util import metrics
+        self._m = metrics
+        self._tags = default_tags
+        self._made: dict[str, object] = {}
+
+    def _get(self, kind: str, name: str, tag_keys: tuple[str, ...]):
+        metric = self._made.get(name)
+        if metric is None:
+            full = f"raymq_{name}"
+            keys = tuple(sorted(set(tag_keys) | set(self._tags)))
+            if kind == "counter":
+                metric = self._m.Counter(full, description=name, tag_keys=keys)
+            elif kind == "gauge":
+                metric = self._m.Gauge(full, description=name, tag_keys=keys)
+            else:
+                metric = self._m.Histogram(full, description=name, tag_keys=keys,
+                                           boundaries=[1, 5, 10, 50, 100, 500, 1000, 5000])
+            self._made[name] = metric
+        return metric
+
+    def inc(self, name, value=1.0, **tags):
+        self._get("counter", name, tuple(tags)).inc(value, tags={**self._tags, **tags})
+
+    def set(self, name, value, **tags):
+        self._get("gauge", name, tuple(tags)).set(value, tags={**self._tags, **tags})
+
+    def observe(self, name, value, **tags):
+        self._get("histogram", name, tuple(tags)).observe(value, tags={**self._tags, **tags})
+
+
+class ShardActor(BrokerShard):
+    """The shard as a Ray actor: routes come from the controller."""
+
+    def __init__(self, index: int, config: dict):
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        super().__init__(index, config,
+                         fetch_routes=lambda i: rpc.call(controller.shard_routes, i, timeout_s=30),
+                         metrics=RayMetrics(shard=str(index)))
+        self.set_routes(rpc.call(controller.shard_routes, index, timeout_s=30))
+        node = ray.get_runtime_context().get_node_id()
+        rpc.call(controller.set_shard_node, index, node, timeout_s=30)
+        log.info("shard-%d up on node %s, data in %s", index, node, self.directory)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class ControllerActor(Controller):
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+_ControllerRemote = ray.remote(ControllerActor)
+_ShardRemote = ray.remote(ShardActor)
+
+
+def _alive_nodes() -> list[str]:
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+def get_controller():
+    return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+
+
+def get_shard(i: int):
+    return ray.get_actor(shard_name(i), namespace=NAMESPACE)
+
+
+def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
+    """Create the controller and shards unless they exist; return their handles."""
+    cfg = config.to_dict()
+    cfg["data_dir"] = config.resolved_data_dir()
+    here = ray.get_runtime_context().get_node_id()
+    controller = _ControllerRemote.options(
+        name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=16,
+        scheduling_strategy=(NodeAffinitySchedulingStrategy(here, soft=False)
+                             if "raymq_controller" not in ray.cluster_resources() else None),
+        resources=({"raymq_controller": 0.001}
+                   if "raymq_controller" in ray.cluster_resources() else None),
+    ).remote(cfg)
+    info = rpc.call(controller.ping, timeout_s=120)
+    num_shards = info["num_shards"]
+    resources = ray.cluster_resources()
+    nodes = _alive_nodes()
+    shards = []
+    for i in range(num_shards):
+        try:
+            shards.append(get_shard(i))
+            continue
+        except ValueError:
+            pass
+        opts = dict(name=shard_name(i), namespace=NAMESPACE, lifetime="detached",
+                    get_if_exists=True, max_restarts=-1, max_task_retries=-1, num_cpus=0,
+                    max_concurrency=config.shard_max_concurrency)
+        res = f"raymq_shard_{i}"
+        if res in resources:
+            opts["resources"] = {res: 0.001}
+        else:
+            node = rpc.call(controller.shard_node, i, timeout_s=30)
+            if node not in nodes:
+                node = nodes[i % len(nodes)]
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        shards.append(_ShardRemote.options(**opts).remote(i, cfg))
+    for s in shards:
+        rpc.call(s.ping, timeout_s=120)
+    return controller, shards
+
+
+def undeploy() -> list[str]:
+    """Kill RayMQ's actors (their data stays on disk); return the names killed."""
+    killed = []
+    names = [CONTROLLER]
+    try:
+        n = rpc.call(get_controller().ping, timeout_s=30)["num_shards"]
+        names += [shard_name(i) for i in range(n)]
+    except Exception:  # controller already gone: look for shards by name
+        names += [shard_name(i) for i in range(64)]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            killed.append(name)
+        except ValueError:
+            continue
+    return killed
+
+
+def data_dir_of(config: ClusterConfig) -> str:
+    return os.path.abspath(config.resolved_data_dir())
