@@ -215,6 +215,8 @@ class BrokerShard:
         return {(t, q): self.store.offsets.get(offset_key(group, t, q)) for t, q in queues}
 
     def queue_info(self) -> dict:
+        if self._fetch_routes is not None:
+            self.set_routes(self._fetch_routes(self.index))
         with self._routes_lock:
             routes = sorted(self._routes)
         depth = {f"{t}/{q}": self.store.max_queue_offset(t, q) for t, q in routes}

@@ -65,11 +65,11 @@ def check_user_topic(topic: Any) -> str:
     """A topic an application may create or produce to."""
     if not isinstance(topic, str) or not topic:
         raise InvalidMessageError(f"topic must be a non-empty string, got {topic!r}")
+    if is_system_topic(topic):
+        raise ReservedNameError(f"topic {topic!r} is reserved for RayMQ's own use")
     if not TOPIC_NAME_RE.match(topic) or topic in (".", ".."):
         raise InvalidMessageError(
             f"invalid topic name {topic!r}: use 1-127 letters, digits, '_', '-', '.' or '|'")
-    if is_system_topic(topic):
-        raise ReservedNameError(f"topic {topic!r} is reserved for RayMQ's own use")
     return topic
 
 
