@@ -105,10 +105,10 @@ class BrokerShard:
         res = self.store.put(batch, producer_id=producer_id, sequence=sequence)
         self._wake_pullers()
         self.metrics.inc("messages_in", n)
-        self.metrics.inc("bytes_in", float(sum(map(len, batch.bodies))))
+        self.metrics.inc("bytes_in", float(res.size_array.sum()))
         status = "SEND_OK" if res.status.name == "PUT_OK" else "FLUSH_DISK_TIMEOUT"
-        return {"status": status, "phys": res.phys_offsets, "queue_offsets": res.queue_offsets,
-                "duplicate": res.duplicate}
+        return {"status": status, "phys": res.phys_array.tolist(),
+                "queue_offsets": res.queue_offset_array.tolist(), "duplicate": res.duplicate}
 
     def _redirect_delayed(self, batch: RecordBatch) -> RecordBatch:
         """Messages with a delay level go to the schedule topic, the real place in properties."""

@@ -139,3 +139,148 @@ def run(names: list[str], *, scale: float = 1.0, workdir: str | None = None) -> 
         bench.progress(f"suite {name}")
         SUITES[name](bench)
     return bench.results
+
+
+class _Sink:
+    """The bare-actor ceiling: receives the same requests and only appends them to a list."""
+
+    def __init__(self):
+        self.items: list = []
+
+    def send(self, batch, *_args):
+        start = len(self.items)
+        self.items.extend(batch.bodies)
+        if len(self.items) > 1_000_000:
+            self.items.clear()
+        offsets = list(range(start, start + len(batch)))
+        return {"status": "SEND_OK", "phys": offsets, "queue_offsets": offsets,
+                "duplicate": False}
+
+    def put(self, batch, *_args):
+        return len(batch)
+
+
+def _bench_cluster(b: Bench, name: str, **overrides):
+    """An embedded local Ray with a fresh RayMQ deployment of its own."""
+    import ray
+
+    from cluster.client import connect
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
+                 log_to_driver=False, logging_level="ERROR")
+    data = b.tempdir(name)
+    b.progress(f"{name}: RayMQ with 2 shards, sync flush, data in {data}")
+    return connect(data_dir=data, num_shards=2, flush_mode="sync", **overrides), data
+
+
+def _teardown_cluster(data: str) -> None:
+    import ray
+
+    from cluster.deploy import undeploy
+    undeploy()
+    ray.shutdown()
+    shutil.rmtree(data, ignore_errors=True)
+
+
+@suite("produce")
+def bench_produce(b: Bench) -> None:
+    import threading
+
+    import ray
+
+    from cluster.message import Message, to_batch
+    mq, data = _bench_cluster(b, "produce")
+    try:
+        size = 256
+        body = os.urandom(size)
+        mq.create_topic("bench", queues=8)
+        p = mq.producer("bench")
+        n1 = b.n(3000, 200)
+        b.progress(f"produce: {n1} single sends, one at a time")
+        one = Message("bench", body)
+        p.send(one)
+        dt = timed(lambda: [p.send(one) for _ in range(n1)])
+        b.emit("produce.sync_b1", n1 / dt, "msgs/s", size=size, n=n1, batch=1, producers=1)
+
+        batch = [Message("bench", body) for _ in range(1000)]
+        rounds = b.n(200_000, 10_000) // 1000
+        p.send_batch(batch)
+        b.progress(f"produce: {rounds} batches of 1000, one producer")
+        dt = timed(lambda: [p.send_batch(batch) for _ in range(rounds)])
+        b.emit("produce.sync_b1000", rounds * 1000 / dt, "msgs/s", size=size, n=rounds * 1000,
+               batch=1000, producers=1)
+
+        producers = [mq.producer(f"bench{k}") for k in range(4)]
+        per = max(1, rounds // 4)
+        b.progress(f"produce: 4 producers x {per} batches of 1000")
+
+        def run4():
+            ts = [threading.Thread(target=lambda q=q: [q.send_batch(batch) for _ in range(per)])
+                  for q in producers]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        dt = timed(run4)
+        b.emit("produce.sync_b1000_p4", 4 * per * 1000 / dt, "msgs/s", size=size,
+               n=4 * per * 1000, batch=1000, producers=4)
+        for q in producers:
+            q.close()
+
+        # the ceiling: the same producer sending the same batches to bare actors that only
+        # append them to a list (no storage, no fsync) -- what the broker side costs
+        from types import SimpleNamespace
+
+        from cluster.producer import Producer
+        sinks = [ray.remote(_Sink).options(num_cpus=0, max_concurrency=mq.config.shard_max_concurrency)
+                 .remote() for _ in range(mq.num_shards)]
+        bare = SimpleNamespace(config=mq.config, routes_for=mq.routes_for,
+                               shard_handle=lambda i: sinks[i])
+        sink_producer = Producer(bare, "bench-ceiling")
+        sink_producer.send_batch(batch)
+        b.progress(f"produce: ceiling, {rounds} batches of 1000 to {len(sinks)} bare actors")
+        dt = timed(lambda: [sink_producer.send_batch(batch) for _ in range(rounds)])
+        sink_producer.close()
+        b.emit("produce.ceiling_b1000", rounds * 1000 / dt, "msgs/s", size=size,
+               n=rounds * 1000, batch=1000, actors=len(sinks), what="same producer, bare actors")
+        # and the bare transport: prebuilt request batches, one call at a time
+        request = to_batch(batch, [0] * 1000, 0)
+        ray.get([s.put.remote(request) for s in sinks])
+
+        def transport():
+            for r in range(rounds):
+                ray.get(sinks[r % len(sinks)].put.remote(request, 1, r + 1))
+        dt = timed(transport)
+        b.emit("produce.transport_b1000", rounds * 1000 / dt, "msgs/s", size=size,
+               n=rounds * 1000, batch=1000, what="prebuilt batches, bare ray calls")
+        b.ratio("produce.ceiling_ratio", "produce.sync_b1000", "produce.ceiling_b1000")
+        for s in sinks:
+            ray.kill(s)
+
+        # end to end: produce, consume and commit at the same time
+        n = b.n(200_000, 10_000)
+        mq.create_topic("e2e", queues=8)
+        msgs = [Message("e2e", body) for _ in range(1000)]
+        c = mq.consumer("bench-e2e", ["e2e"])
+        got = [0]
+
+        def consume():
+            while got[0] < n:
+                got[0] += len(c.poll(5000, 1.0))
+                c.commit()
+        b.progress(f"e2e: {n} messages produced, consumed and committed concurrently")
+
+        def e2e():
+            t = threading.Thread(target=consume)
+            t.start()
+            for _ in range(n // 1000):
+                p.send_batch(msgs)
+            t.join()
+        dt = timed(e2e)
+        b.emit("e2e.produce_consume", got[0] / dt, "msgs/s", size=size, n=got[0])
+        c.close()
+        p.close()
+    finally:
+        mq.close()
+        _teardown_cluster(data)

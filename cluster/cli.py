@@ -2,23 +2,190 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
 
 DESCRIPTION = """RayMQ: a transactional message broker on Ray actors, feeding Spark through RayDP.
 
-Commands:
-  demo     run the main demonstration and print a consistency report
-  bench    run benchmark suites; JSON lines on stdout, progress on stderr
+Cluster commands attach to the running Ray cluster (--address, $RAY_ADDRESS, or
+the cluster started on this machine with `ray start --head` / `ray up`).
+
+  up                 deploy RayMQ's actors into the cluster (idempotent)
+  down               stop RayMQ's actors (data stays on disk)
+  status             shards, nodes, topics, queue depths, consumer groups and lag
+  topic create|list  manage topics
+  send               send messages (body arguments, or lines of stdin with -)
+  consume            consume messages of a group and print them
+  dlq list|resend    inspect and redeliver a group's dead letters
+  msg show|find      look a message up by id, or by topic and key
+  demo               the main demonstration on an embedded local cluster
+  bench              benchmark suites: JSON lines on stdout, progress on stderr
 """
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _connect(args, **overrides):
+    import os
+
+    import ray
+
+    from cluster.client import connect
+    if not ray.is_initialized():
+        address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=address, namespace="raymq", log_to_driver=False,
+                     logging_level=logging.WARNING)
+        except ConnectionError as err:
+            raise SystemExit(f"raymq: no Ray cluster to attach to ({err}).\n"
+                             "Start one with `ray start --head` (or `ray up ray_config.yaml`), "
+                             "or run `raymq demo` for an embedded local cluster.") from None
+    config = {}
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            config = json.load(f)
+    return connect(config=config, **overrides)
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def _cmd_up(args) -> int:
+    overrides = {}
+    if args.num_shards:
+        overrides["num_shards"] = args.num_shards
+    if args.data_dir:
+        overrides["data_dir"] = args.data_dir
+    mq = _connect(args, **overrides)
+    print(f"RayMQ is up: controller + {mq.num_shards} shards "
+          f"(data under {mq.config.resolved_data_dir()} on each node)")
+    return 0
+
+
+def _cmd_down(args) -> int:
+    import os
+
+    import ray
+
+    from cluster.deploy import undeploy
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="raymq",
+             log_to_driver=False, logging_level=logging.WARNING)
+    killed = undeploy()
+    print(f"stopped: {', '.join(killed) or 'nothing was running'} (data kept on disk)")
+    return 0
+
+
+def _cmd_status(args) -> int:
+    mq = _connect(args)
+    st = mq.admin.status()
+    if args.json:
+        _print_json(st)
+        return 0
+    print(f"shards: {len(st['shards'])}")
+    for s in st["shards"]:
+        info = s["info"]
+        if "error" in info:
+            print(f"  shard-{s['shard']}: UNAVAILABLE ({info['error']})")
+            continue
+        depth = sum(info["queues"].values())
+        print(f"  shard-{s['shard']}: node {str(s['node'])[:12]}  queues {len(info['queues'])}  "
+              f"messages {depth}  log {info['log_bytes']} bytes  "
+              f"delayed pending {sum(info['schedule_pending'].values())}  "
+              f"max delay lateness {info['max_delay_lateness_ms']} ms")
+    print(f"topics: {len(st['topics'])}")
+    for name, t in st["topics"].items():
+        print(f"  {name}: {t['queues']} queues on shards {sorted(set(t['routes']))}")
+    lag: dict[str, int] = {}
+    for s in st["shards"]:
+        for group, lags in s["info"].get("lag", {}).items():
+            lag[group] = lag.get(group, 0) + sum(lags.values())
+    print(f"consumer groups: {len(st['groups'])}")
+    for name, g in st["groups"].items():
+        print(f"  {name}: {len(g['members'])} members, lag {lag.get(name, 0)}")
+    return 0
+
+
+def _cmd_topic(args) -> int:
+    mq = _connect(args)
+    if args.topic_cmd == "create":
+        info = mq.create_topic(args.name, args.queues)
+        print(f"topic {info['topic']}: {info['queues']} queues on shards {info['routes']}")
+    else:
+        for name, t in mq.topics().items():
+            print(f"{name}\t{t['queues']} queues")
+    return 0
+
+
+def _cmd_send(args) -> int:
+    from cluster.message import Message
+    mq = _connect(args)
+    bodies = args.body if args.body != ["-"] else [line.rstrip("\n") for line in sys.stdin]
+    msgs = [Message(args.topic, b.encode(), key=args.key, tags=args.tags,
+                    delay_level=args.delay_level) for b in bodies for _ in range(args.repeat)]
+    p = mq.producer(args.group)
+    try:
+        for r in p.send_batch(msgs):
+            print(f"{r.status.value}\t{r.msg_id}\t{r.topic}/{r.queue_id}@{r.queue_offset}")
+    finally:
+        p.close()
+    return 0
+
+
+def _cmd_consume(args) -> int:
+    mq = _connect(args)
+    c = mq.consumer(args.group, [args.topic], tags=args.tags)
+    n = 0
+    deadline = time.monotonic() + args.timeout
+    try:
+        while n < args.max and time.monotonic() < deadline:
+            for m in c.poll(min(100, args.max - n), 0.5):
+                print(f"{m.msg_id}\t{m.topic}/{m.queue_id}@{m.queue_offset}\tkey={m.key}\t"
+                      f"tags={m.tags}\t{m.body.decode(errors='replace')}")
+                n += 1
+            if not args.no_commit:
+                c.commit()
+    finally:
+        c.close()
+    print(f"consumed {n} messages", file=sys.stderr)
+    return 0
+
+
+def _cmd_dlq(args) -> int:
+    mq = _connect(args)
+    if args.dlq_cmd == "list":
+        for m in mq.admin.dlq_list(args.group):
+            print(f"{m.stored_id}\torigin {m.msg_id}\t{m.topic}\treconsumed "
+                  f"{m.reconsume_count}\t{m.properties.get('DLQ_REASON', '')}\t"
+                  f"{m.body[:60].decode(errors='replace')}")
+    else:
+        resent = mq.admin.dlq_resend(args.group, args.ids or None)
+        print(f"resent {len(resent)} dead letters to the retry topic of {args.group}")
+    return 0
+
+
+def _cmd_msg(args) -> int:
+    mq = _connect(args)
+    found = mq.admin.find(args.id) if args.msg_cmd == "show" else \
+        mq.admin.find(topic=args.topic, key=args.key)
+    for m in found:
+        _print_json({"msg_id": m.msg_id, "topic": m.topic, "queue_id": m.queue_id,
+                     "queue_offset": m.queue_offset, "key": m.key, "tags": m.tags,
+                     "properties": m.properties, "reconsume_count": m.reconsume_count,
+                     "born_ms": m.born_ms, "store_ms": m.store_ms,
+                     "body": m.body.decode(errors="replace")})
+    if not found:
+        print("no such message", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_demo(args) -> int:
     from cluster import storage_demo
     return storage_demo.run(args.data_dir)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_bench(args) -> int:
     from cluster import bench
     bench.run(args.suites, scale=args.scale, workdir=args.workdir)
     return 0
@@ -28,7 +195,64 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raymq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    parser.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, or the "
+                                          "cluster running on this machine)")
+    parser.add_argument("--config", help="JSON file of cluster settings (used when deploying)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    up = sub.add_parser("up", help="deploy RayMQ into the running Ray cluster")
+    up.add_argument("--num-shards", type=int, help="number of shards (first deploy only)")
+    up.add_argument("--data-dir", help="data directory on each node (first deploy only)")
+    up.set_defaults(func=_cmd_up)
+    sub.add_parser("down", help="stop RayMQ's actors; data stays").set_defaults(func=_cmd_down)
+    st = sub.add_parser("status", help="shards, topics, depths, groups and lag")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=_cmd_status)
+
+    topic = sub.add_parser("topic", help="create or list topics")
+    tsub = topic.add_subparsers(dest="topic_cmd", required=True, metavar="ACTION")
+    tc = tsub.add_parser("create", help="create a topic")
+    tc.add_argument("name")
+    tc.add_argument("--queues", type=int, help="number of queues (default: cluster default)")
+    tsub.add_parser("list", help="list topics")
+    topic.set_defaults(func=_cmd_topic)
+
+    send = sub.add_parser("send", help="send messages")
+    send.add_argument("topic")
+    send.add_argument("body", nargs="+", help="message bodies; '-' reads one per stdin line")
+    send.add_argument("--key")
+    send.add_argument("--tags")
+    send.add_argument("--delay-level", type=int, default=0)
+    send.add_argument("--repeat", type=int, default=1, help="send each body this many times")
+    send.add_argument("--group", default="cli", help="producer group")
+    send.set_defaults(func=_cmd_send)
+
+    consume = sub.add_parser("consume", help="consume and print messages")
+    consume.add_argument("topic")
+    consume.add_argument("--group", required=True)
+    consume.add_argument("--tags", help="tag filter, e.g. 'paid || refunded'")
+    consume.add_argument("--max", type=int, default=100, help="stop after this many")
+    consume.add_argument("--timeout", type=float, default=5.0, help="stop after this many seconds")
+    consume.add_argument("--no-commit", action="store_true", help="do not commit offsets")
+    consume.set_defaults(func=_cmd_consume)
+
+    dlq = sub.add_parser("dlq", help="dead letters of a consumer group")
+    dsub = dlq.add_subparsers(dest="dlq_cmd", required=True, metavar="ACTION")
+    dl = dsub.add_parser("list", help="list dead letters")
+    dl.add_argument("group")
+    dr = dsub.add_parser("resend", help="redeliver dead letters (all not resent yet, or IDS)")
+    dr.add_argument("group")
+    dr.add_argument("ids", nargs="*", help="dead-letter ids as printed by `dlq list`")
+    dlq.set_defaults(func=_cmd_dlq)
+
+    msg = sub.add_parser("msg", help="look messages up without consuming")
+    msub = msg.add_subparsers(dest="msg_cmd", required=True, metavar="ACTION")
+    ms = msub.add_parser("show", help="a message by id")
+    ms.add_argument("id")
+    mf = msub.add_parser("find", help="messages of a topic with a key")
+    mf.add_argument("topic")
+    mf.add_argument("key")
+    msg.set_defaults(func=_cmd_msg)
 
     demo = sub.add_parser("demo", help="run the main demonstration",
                           description="Run the RayMQ demonstration end to end and print a "
@@ -60,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    from storage.errors import RayMQError
+    try:
+        return args.func(args)
+    except RayMQError as err:
+        print(f"raymq: {err.code}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import ray
 from cluster import deploy, rpc
 from cluster.config import ClusterConfig
 from cluster.consumer import Consumer
-from cluster.message import MessageExt, make_msg_id, parse_msg_id
+from cluster.message import MessageExt, parse_msg_id
 from cluster.producer import Producer
 from storage.errors import InvalidMessageError, UnknownTopicError
 
@@ -145,9 +145,7 @@ class Admin:
         for s in range(self._mq.num_shards):
             for m in rpc.call(self._mq.shard_handle(s).dlq_list, group, 0, max_per_shard,
                               timeout_s=30):
-                ext = MessageExt.from_stored(s, m)
-                ext.extra["stored_id"] = make_msg_id(s, m.phys_offset)
-                out.append(ext)
+                out.append(MessageExt.from_stored(s, m))
         return out
 
     def dlq_resend(self, group: str, ids: list[str] | None = None) -> list[str]:

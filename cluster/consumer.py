@@ -27,7 +27,7 @@ from typing import Callable
 import ray
 
 from cluster import rpc
-from cluster.message import MessageExt, Prop, check_group, make_msg_id, retry_topic
+from cluster.message import MessageExt, check_group, messages_ext, retry_topic
 from storage.errors import InvalidMessageError, RayMQError
 from storage.records import MessageBatch
 
@@ -243,7 +243,7 @@ class Consumer:
     def nack(self, msg: MessageExt, reason: str = "") -> dict:
         """Give a message back: redelivered later through the retry topic, or dead-lettered."""
         return rpc.call(self._mq.shard_handle(msg.shard).send_back, self.group,
-                        msg.extra["phys"], reason=reason, timeout_s=30)
+                        msg.phys, reason=reason, timeout_s=30)
 
     def run(self, handler: Callable[[MessageExt], object], *, threads: int = 4,
             batch: int = 64, idle_s: float = 0.5) -> None:
@@ -284,7 +284,7 @@ class Consumer:
                 time.sleep(min(1.0, 0.05 * (2 ** attempt)))
             else:
                 rpc.call(self._mq.shard_handle(m.shard).send_back, self.group,
-                         m.extra["phys"], reason=f"ordered: {reason}", dead_letter=True,
+                         m.phys, reason=f"ordered: {reason}", dead_letter=True,
                          timeout_s=30)
 
     def stop(self) -> None:
@@ -318,15 +318,4 @@ def _handle(handler, m: MessageExt) -> tuple[bool, str]:
 
 
 def _to_ext(shard: int, batch: MessageBatch) -> list[MessageExt]:
-    out = []
-    for m in batch.messages():
-        ext = MessageExt.from_stored(shard, m)
-        ext.extra["phys"] = m.phys_offset
-        ext.extra["stored_id"] = make_msg_id(shard, m.phys_offset)
-        if m.topic.startswith("%RETRY%"):
-            ext.queue_id = -1
-            ext.queue_offset = -1
-            ext.properties = {k: v for k, v in m.properties.items()
-                              if k not in (Prop.RETRY_TOPIC, Prop.CONSUME_GROUP)}
-        out.append(ext)
-    return out
+    return messages_ext(shard, batch)

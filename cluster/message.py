@@ -8,11 +8,13 @@ from __future__ import annotations
 import enum
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 from typing import Any, Iterable
 
 from storage.errors import InvalidMessageError, ReservedNameError
-from storage.records import RecordBatch, StoredMessage, SysFlag
+from storage.records import (MessageBatch, RecordBatch, StoredMessage, SysFlag,
+                             decode_properties)
 
 # --- reserved names --------------------------------------------------------------
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
@@ -131,6 +133,45 @@ class Message:
                 raise InvalidMessageError("deliver_at_ms must be epoch milliseconds (int)")
 
 
+_ATTRS = ("topic", "body", "key", "tags", "properties", "delay_level", "deliver_at_ms")
+_GETTERS = {name: attrgetter(name) for name in _ATTRS}
+_NONE = type(None)
+
+
+class Columns:
+    """The fields of many messages as lists (extracted once, C-level passes)."""
+
+    __slots__ = _ATTRS + ("n",)
+
+    def __init__(self, messages: list["Message"]):
+        self.n = len(messages)
+        for name in _ATTRS:
+            setattr(self, name, list(map(_GETTERS[name], messages)))
+
+    def has(self, name: str, empty=None) -> bool:
+        col = getattr(self, name)
+        return col.count(empty) != self.n
+
+
+def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int,
+                      cols: Columns | None = None) -> Columns:
+    """``Message.validate`` for many messages in a few passes; returns their columns."""
+    cols = cols or Columns(messages)
+    for topic in set(cols.topic):
+        check_user_topic(topic)
+    suspicious = (set(map(type, cols.body)) != {bytes}
+                  or (cols.n and max(map(len, cols.body)) > max_bytes)
+                  or not set(map(type, cols.key)) <= {str, _NONE}
+                  or not set(map(type, cols.tags)) <= {str, _NONE}
+                  or cols.properties.count(None) + cols.properties.count({}) != cols.n
+                  or cols.has("delay_level", 0) or cols.has("deliver_at_ms"))
+    if suspicious:
+        for m in messages:
+            m.validate(max_bytes, num_levels)
+        cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
+    return cols
+
+
 class SendStatus(enum.Enum):
     SEND_OK = "SEND_OK"
     FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
@@ -138,52 +179,134 @@ class SendStatus(enum.Enum):
     SLAVE_NOT_AVAILABLE = "SLAVE_NOT_AVAILABLE"
 
 
-@dataclass(frozen=True)
-class SendResult:
-    status: SendStatus
-    msg_id: str
-    queue_id: int
-    queue_offset: int
-    topic: str = ""
+class SendResult(tuple):
+    """RocketMQ's send result: status, msg_id, queue_id, queue_offset (and topic).
 
+    A light tuple: producers make one per message, and the message id is
+    formatted only when read.
+    """
 
-@dataclass
-class MessageExt:
-    """A consumed message."""
+    __slots__ = ()
 
-    msg_id: str
-    topic: str
-    queue_id: int
-    queue_offset: int
-    body: bytes
-    key: str | None
-    tags: str | None
-    properties: dict[str, str]
-    reconsume_count: int
-    born_ms: int
-    store_ms: int
-    shard: int = 0
-    # where it was pulled from (a retry-topic copy has the original topic in ``topic``)
-    source_topic: str = ""
-    source_queue: int = 0
-    source_offset: int = 0
-    extra: dict = field(default_factory=dict)
+    def __new__(cls, status: SendStatus, msg_id: str, queue_id: int, queue_offset: int,
+                topic: str = ""):
+        return tuple.__new__(cls, (status, msg_id, queue_id, queue_offset, topic, -1, -1))
 
     @classmethod
-    def from_stored(cls, shard: int, m: StoredMessage) -> "MessageExt":
-        props = m.properties
-        topic = props.get(Prop.RETRY_TOPIC, m.topic) if m.topic.startswith(RETRY_PREFIX) else m.topic
-        return cls(msg_id=props.get(Prop.ORIGIN_MSG_ID) or make_msg_id(shard, m.phys_offset),
-                   topic=topic, queue_id=m.queue_id, queue_offset=m.queue_offset, body=m.body,
-                   key=m.key, tags=m.tags, properties=props,
-                   reconsume_count=m.reconsume_count, born_ms=m.born_ms, store_ms=m.store_ms,
-                   shard=shard, source_topic=m.topic, source_queue=m.queue_id,
-                   source_offset=m.queue_offset)
+    def located(cls, status: SendStatus, shard: int, phys: int, queue_id: int,
+                queue_offset: int, topic: str) -> "SendResult":
+        return tuple.__new__(cls, (status, None, queue_id, queue_offset, topic, shard, phys))
+
+    status = property(itemgetter(0))
+    queue_id = property(itemgetter(2))
+    queue_offset = property(itemgetter(3))
+    topic = property(itemgetter(4))
+
+    @property
+    def msg_id(self) -> str:
+        return self[1] if self[1] is not None else make_msg_id(self[5], self[6])
+
+    def __repr__(self) -> str:
+        return (f"SendResult(status={self.status.value}, msg_id={self.msg_id!r}, "
+                f"queue_id={self.queue_id}, queue_offset={self.queue_offset}, topic={self.topic!r})")
+
+    def __reduce__(self):
+        return (tuple.__new__, (SendResult, tuple(self)))
+
+
+class MessageExt:
+    """A consumed message.
+
+    ``msg_id`` is the id the producer got back (a retry copy keeps the
+    original's); ``stored_id`` names this stored copy; ``topic`` is the
+    original topic also for retry copies (``source_topic`` is where it was
+    read from).  Properties are decoded on first access.
+    """
+
+    __slots__ = ("topic", "queue_id", "queue_offset", "body", "key", "tags", "_props",
+                 "reconsume_count", "born_ms", "store_ms", "shard", "phys", "source_topic",
+                 "source_queue", "source_offset")
+
+    def __init__(self, topic, queue_id, queue_offset, body, key, tags, props, reconsume_count,
+                 born_ms, store_ms, shard, phys, source_topic, source_queue, source_offset):
+        self.topic = topic
+        self.queue_id = queue_id
+        self.queue_offset = queue_offset
+        self.body = body
+        self.key = key
+        self.tags = tags
+        self._props = props
+        self.reconsume_count = reconsume_count
+        self.born_ms = born_ms
+        self.store_ms = store_ms
+        self.shard = shard
+        self.phys = phys
+        self.source_topic = source_topic
+        self.source_queue = source_queue
+        self.source_offset = source_offset
+
+    @property
+    def properties(self) -> dict[str, str]:
+        props = self._props
+        if not isinstance(props, dict):
+            props = decode_properties(props) if props else {}
+            if self.source_topic.startswith(RETRY_PREFIX):
+                props.pop(Prop.RETRY_TOPIC, None)
+                props.pop(Prop.CONSUME_GROUP, None)
+            self._props = props
+        return props
 
     @property
     def stored_id(self) -> str:
-        """Id of this stored copy (a retry copy has its own)."""
-        return self.extra.get("stored_id", self.msg_id)
+        return make_msg_id(self.shard, self.phys)
+
+    @property
+    def msg_id(self) -> str:
+        if self.source_topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+            origin = self.properties.get(Prop.ORIGIN_MSG_ID)
+            if origin:
+                return origin
+        return make_msg_id(self.shard, self.phys)
+
+    def __repr__(self) -> str:
+        return (f"MessageExt(msg_id={self.msg_id!r}, topic={self.topic!r}, "
+                f"queue_id={self.queue_id}, queue_offset={self.queue_offset}, key={self.key!r}, "
+                f"tags={self.tags!r}, reconsume_count={self.reconsume_count}, "
+                f"body={self.body[:32]!r})")
+
+    def __reduce__(self):
+        return (MessageExt, tuple(getattr(self, s) for s in self.__slots__))
+
+    @classmethod
+    def from_stored(cls, shard: int, m: StoredMessage) -> "MessageExt":
+        return messages_ext(shard, [m])[0]
+
+
+def messages_ext(shard: int, msgs) -> list[MessageExt]:
+    """Consumer-side messages from stored ones (a ``MessageBatch`` or a list)."""
+    if isinstance(msgs, MessageBatch):
+        n = len(msgs)
+        if not n:
+            return []
+        h = msgs.headers
+        topics = msgs.topics
+        qids = h["queue_id"].tolist()
+        qoffs = h["queue_offset"].tolist()
+        out = list(map(MessageExt, topics, qids, qoffs, msgs.bodies, msgs.keys or [None] * n,
+                       msgs.tags or [None] * n, msgs.properties or [b""] * n,
+                       h["reconsume"].tolist(), h["born_ms"].tolist(), h["store_ms"].tolist(),
+                       [shard] * n, msgs.phys_offsets, topics, qids, qoffs))
+    else:
+        out = [MessageExt(m.topic, m.queue_id, m.queue_offset, m.body, m.key, m.tags,
+                          m.properties, m.reconsume_count, m.born_ms, m.store_ms, shard,
+                          m.phys_offset, m.topic, m.queue_id, m.queue_offset) for m in msgs]
+    for m in out:
+        if m.source_topic.startswith(RETRY_PREFIX):
+            raw = m._props
+            props = raw if isinstance(raw, dict) else decode_properties(raw) if raw else {}
+            m.topic = props.get(Prop.RETRY_TOPIC, m.topic)
+            m.queue_id = m.queue_offset = -1
+    return out
 
 
 def key_queue(key: str, num_queues: int) -> int:
@@ -191,9 +314,41 @@ def key_queue(key: str, num_queues: int) -> int:
     return zlib.crc32(key.encode()) % num_queues
 
 
+def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
+                     born_ms: int) -> RecordBatch:
+    """The request batch of the messages at ``idx`` (validated columns)."""
+    if len(idx) == cols.n:
+        pick = list
+    elif len(idx) == 1:
+        i0 = idx[0]
+        pick = lambda col: [col[i0]]  # noqa: E731
+    else:
+        getter = itemgetter(*idx)
+        pick = lambda col: list(getter(col))  # noqa: E731
+    props_col = None
+    if cols.properties.count(None) + cols.properties.count({}) != cols.n \
+            or cols.has("delay_level", 0) or cols.has("deliver_at_ms"):
+        props_col = []
+        for p0, level, at in zip(pick(cols.properties), pick(cols.delay_level),
+                                 pick(cols.deliver_at_ms)):
+            p = dict(p0) if p0 else {}
+            if level:
+                p[Prop.DELAY] = str(level)
+            elif at is not None:
+                p[Prop.DELIVER_AT] = str(at)
+            props_col.append(p or None)
+    return RecordBatch(_shared(pick(cols.topic)), _shared(queue_ids), pick(cols.body),
+                       keys=pick(cols.key) if cols.has("key") else None,
+                       tags=pick(cols.tags) if cols.has("tags") else None,
+                       properties=props_col, born_ms=born_ms, flags=int(SysFlag.NONE))
+
+
 def to_batch(messages: list[Message], queue_ids: list[int], born_ms: int) -> RecordBatch:
     """The columns of one producer request (all messages already validated)."""
     topics = [m.topic for m in messages]
+    bodies = [m.body for m in messages]
+    if any(type(b) is not bytes for b in bodies):
+        bodies = [bytes(b) for b in bodies]
     props_col = None
     if any(m.properties or m.delay_level or m.deliver_at_ms is not None for m in messages):
         props_col = []
@@ -206,7 +361,7 @@ def to_batch(messages: list[Message], queue_ids: list[int], born_ms: int) -> Rec
             props_col.append(p or None)
     keys = [m.key for m in messages]
     tags = [m.tags for m in messages]
-    return RecordBatch(_shared(topics), _shared(queue_ids), [bytes(m.body) for m in messages],
+    return RecordBatch(_shared(topics), _shared(queue_ids), bodies,
                        keys=None if keys.count(None) == len(keys) else keys,
                        tags=None if tags.count(None) == len(tags) else tags,
                        properties=props_col, born_ms=born_ms,

@@ -9,19 +9,21 @@ shard is in flight at a time, which keeps the order of a queue.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import ray
 
 from cluster import rpc
-from cluster.message import Message, SendResult, SendStatus, key_queue, make_msg_id, merge_batches, to_batch
+from cluster.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
+                             key_queue, merge_batches, validate_messages)
 from storage.errors import RayMQError, RequestTimeoutError
 
 log = logging.getLogger("raymq.producer")
@@ -30,8 +32,9 @@ log = logging.getLogger("raymq.producer")
 @dataclass
 class _Pending:
     batch: object  # RecordBatch of one message or one send_batch call's slice
-    futures: list[Future]
+    future: Future  # -> list[SendResult], one per message
     topic_qids: list[tuple[str, int]]
+    positions: list[int]  # where each message stands in its send_batch call
 
 
 @dataclass
@@ -42,6 +45,58 @@ class _InFlight:
     sequence: int
     attempt: int
     deadline: float
+
+
+class _Results:
+    """The results of one part of a send, made into ``SendResult`` objects on demand."""
+
+    __slots__ = ("status", "shard", "topic_qids", "queue_offsets", "phys")
+
+    def __init__(self, status, shard, topic_qids, queue_offsets, phys):
+        self.status, self.shard, self.topic_qids = status, shard, topic_qids
+        self.queue_offsets, self.phys = queue_offsets, phys
+
+    def __len__(self) -> int:
+        return len(self.topic_qids)
+
+    def __getitem__(self, i: int) -> SendResult:
+        topic, qid = self.topic_qids[i]
+        if self.phys is None:
+            return SendResult(self.status, "", qid, -1, topic)
+        return SendResult.located(self.status, self.shard, self.phys[i], qid,
+                                  self.queue_offsets[i], topic)
+
+
+class SendResults(Sequence):
+    """What ``send_batch`` returns: one ``SendResult`` per message, in send order."""
+
+    def __init__(self, parts: list[tuple[_Results, list[int]]], n: int):
+        self._parts = parts
+        self._n = n
+        self._where: dict[int, tuple[int, int]] | None = None
+        if len(parts) == 1 and parts[0][1] == list(range(n)):
+            self._where = None  # identity
+        else:
+            self._where = {pos: (p, i) for p, (_, positions) in enumerate(parts)
+                           for i, pos in enumerate(positions)}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        if self._where is None:
+            return self._parts[0][0][i]
+        p, j = self._where[i]
+        return self._parts[p][0][j]
+
+    def __repr__(self) -> str:
+        return f"SendResults({self._n} results)"
 
 
 class Producer:
@@ -55,7 +110,7 @@ class Producer:
         self._inflight: dict[int, _InFlight] = {}
         self._retrying: dict[int, tuple[_InFlight, float]] = {}
         self._cv = threading.Condition()
-        self._rr: dict[str, itertools.count] = defaultdict(itertools.count)
+        self._rr_next: dict[str, int] = {}
         self._closed = False
         self.retries = 0
         self._thread = threading.Thread(target=self._run, name="raymq-producer", daemon=True)
@@ -64,14 +119,30 @@ class Producer:
     # --------------------------------------------------------------- API
     def send(self, msg: Message, timeout_s: float | None = None) -> SendResult:
         """Send one message; blocks until the shard stored it (or raises)."""
-        return self.send_async(msg).result(timeout_s)
+        return self.send_batch([msg], timeout_s)[0]
 
     def send_async(self, msg: Message) -> Future:
-        return self._submit([msg])[0]
+        """Send one message; the future gives its ``SendResult``."""
+        out: Future = Future()
+        [part] = self._submit([msg])
 
-    def send_batch(self, msgs: list[Message], timeout_s: float | None = None) -> list[SendResult]:
-        """Send many messages; one result each, in order."""
-        return [f.result(timeout_s) for f in self._submit(list(msgs))]
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(f.result()[0])
+        part[0].add_done_callback(done)
+        return out
+
+    def send_batch(self, msgs: list[Message], timeout_s: float | None = None) -> "SendResults":
+        """Send many messages; a sequence with one ``SendResult`` each, in order.
+
+        Messages to different shards travel in parallel; a failure of any
+        raises (the others may have been stored: results are per shard).
+        """
+        msgs = list(msgs)
+        parts = [(fut.result(timeout_s), positions) for fut, positions in self._submit(msgs)]
+        return SendResults(parts, len(msgs))
 
     def close(self) -> None:
         """Send what is pending, then stop."""
@@ -81,76 +152,139 @@ class Producer:
         self._thread.join()
 
     # ---------------------------------------------------------- internal
-    def _choose_queue(self, msg: Message, routes: list[int]) -> int:
-        if msg.key:
-            return key_queue(msg.key, len(routes))
-        return next(self._rr[msg.topic]) % len(routes)
+    def _next_rr(self, topic: str, count: int) -> int:
+        """Reserve ``count`` round-robin slots of a topic; return the first."""
+        with self._cv:
+            start = self._rr_next.get(topic, 0)
+            self._rr_next[topic] = start + count
+            return start
 
-    def _submit(self, msgs: list[Message]) -> list[Future]:
+    def _assign(self, cols: Columns, routes: dict[str, list[int]]):
+        """Queue id and shard of every message.
+
+        A key picks its queue by hash (same key, same queue, order kept).
+        Messages without a key are spread round-robin -- one queue per chunk
+        of ``batch_max_messages`` of a ``send_batch`` call (Kafka's sticky
+        partitioning: whole batches, fewer and larger requests), one queue
+        per message for single sends.
+        """
+        n = cols.n
+        if len(set(cols.topic)) == 1 and not cols.has("key"):
+            topic = cols.topic[0]
+            route = np.asarray(routes[topic])
+            chunk = self.config.batch_max_messages
+            chunks = -(-n // chunk)
+            first = self._next_rr(topic, chunks)
+            qids = (first + np.arange(n) // chunk) % len(route)
+            return qids, route[qids]
+        qids = np.empty(n, np.int64)
+        shards = np.empty(n, np.int64)
+        for i, (topic, key) in enumerate(zip(cols.topic, cols.key)):
+            route = routes[topic]
+            q = key_queue(key, len(route)) if key else self._next_rr(topic, 1) % len(route)
+            qids[i] = q
+            shards[i] = route[q]
+        return qids, shards
+
+    def _submit(self, msgs: list[Message]) -> list[tuple[Future, list[int]]]:
+        """Queue messages for the sender; (future of results, positions) per part."""
         if self._closed:
             raise RayMQError("producer is closed")
-        levels = len(self.config.delay_levels_ms)
-        for m in msgs:
-            m.validate(self.config.max_message_bytes, levels)
-        routes = self._mq.routes_for({m.topic for m in msgs})
-        by_shard: dict[int, list[tuple[Message, int, Future]]] = defaultdict(list)
-        futures = []
-        for m in msgs:
-            qid = self._choose_queue(m, routes[m.topic])
-            fut: Future = Future()
-            futures.append(fut)
-            by_shard[routes[m.topic][qid]].append((m, qid, fut))
+        cols = validate_messages(msgs, self.config.max_message_bytes,
+                                 len(self.config.delay_levels_ms))
+        routes = self._mq.routes_for(set(cols.topic))
+        qids, shards = self._assign(cols, routes)
         born = int(time.time() * 1000)
+        limit = self.config.batch_max_messages
+        parts, pendings = [], []
+        for shard in np.unique(shards).tolist():
+            idx_all = np.flatnonzero(shards == shard) if len(parts) or shards.min() != shards.max() \
+                else np.arange(cols.n)
+            for lo in range(0, len(idx_all), limit):
+                idx = idx_all[lo:lo + limit].tolist()
+                q = qids[idx_all[lo:lo + limit]].tolist()
+                batch = columns_to_batch(cols, idx, q, born)
+                fut: Future = Future()
+                topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
+                pendings.append((shard, _Pending(batch, fut, list(zip(topics, q)), idx)))
+                parts.append((fut, idx))
         with self._cv:
-            for shard, items in by_shard.items():
-                limit = self.config.batch_max_messages
-                for lo in range(0, len(items), limit):
-                    part = items[lo:lo + limit]
-                    batch = to_batch([m for m, _, _ in part], [q for _, q, _ in part], born)
-                    self._pending[shard].append(_Pending(batch, [f for _, _, f in part],
-                                                         [(m.topic, q) for m, q, _ in part]))
+            for shard, pending in pendings:
+                self._pending[shard].append(pending)
             self._cv.notify_all()
-        return futures
+        return parts
 
     def _take(self, shard: int) -> list[_Pending]:
         queue = self._pending[shard]
         items, count = [], 0
-        while queue and count + len(queue[0].futures) <= self.config.batch_max_messages:
+        while queue and count + len(queue[0].positions) <= self.config.batch_max_messages:
             p = queue.popleft()
             items.append(p)
-            count += len(p.futures)
+            count += len(p.positions)
         if not items and queue:
             items.append(queue.popleft())
         return items
 
     def _start(self, shard: int, items: list[_Pending], request, sequence: int,
                attempt: int) -> None:
+        """Send a request; its completion arrives through ``_on_done`` (no polling)."""
         handle = self._mq.shard_handle(shard)
         ref = handle.send.remote(request, self.producer_id, sequence)
-        self._inflight[shard] = _InFlight(ref, items, request, sequence, attempt,
-                                          time.monotonic() + self.config.send_timeout_ms / 1000)
+        f = _InFlight(ref, items, request, sequence, attempt,
+                      time.monotonic() + self.config.send_timeout_ms / 1000)
+        with self._cv:
+            self._inflight[shard] = f
+        ref.future().add_done_callback(lambda _fut: self._on_done(shard, f))
+
+    def _on_done(self, shard: int, f: _InFlight) -> None:
+        """Runs in a Ray callback thread when a request finished (or failed)."""
+        with self._cv:
+            if self._inflight.get(shard) is not f:
+                return  # timed out and resent meanwhile: the resend decides
+            del self._inflight[shard]
+        try:
+            result = rpc.get(f.ref, 0)
+        except RayMQError as err:
+            with self._cv:
+                self._retry_or_fail(shard, f, err)
+                self._cv.notify_all()
+            return
+        except Exception as err:  # a bug in the shard: surface it
+            self._fail(f.items, err)
+        else:
+            self._complete(shard, f, result)
+        with self._cv:
+            self._cv.notify_all()
 
     def _run(self) -> None:
-        linger = self.config.linger_ms / 1000.0
         while True:
             with self._cv:
                 now = time.monotonic()
+                for shard, f in list(self._inflight.items()):
+                    if now > f.deadline:
+                        del self._inflight[shard]
+                        self._retry_or_fail(shard, f, RequestTimeoutError(
+                            f"shard-{shard} did not answer within "
+                            f"{self.config.send_timeout_ms} ms"))
                 ready = [s for s, q in self._pending.items()
                          if q and s not in self._inflight and s not in self._retrying]
-                due = [s for s, (_, when) in self._retrying.items() if when <= now]
-                if not ready and not self._inflight and not due:
-                    if self._closed and not any(self._pending.values()) and not self._retrying:
+                due = [s for s, (_, when) in self._retrying.items()
+                       if when <= now and s not in self._inflight]
+                if not ready and not due:
+                    if self._closed and not any(self._pending.values()) \
+                            and not self._retrying and not self._inflight:
                         return
-                    self._cv.wait(0.05 if not self._retrying else
-                                  max(0.001, min(w for _, w in self._retrying.values()) - now))
+                    waits = [0.05] + [w - now for _, w in self._retrying.values()] + \
+                        [f.deadline - now for f in self._inflight.values()]
+                    self._cv.wait(max(0.001, min(waits)))
                     continue
                 starts = []
                 for shard in ready:
                     items = self._take(shard)
                     self._seq[shard] += 1
                     starts.append((shard, items, self._seq[shard]))
-            for shard in due:
-                f, _ = self._retrying.pop(shard)
+                retries = [(shard, self._retrying.pop(shard)[0]) for shard in due]
+            for shard, f in retries:
                 try:
                     self._start(shard, f.items, f.request, f.sequence, f.attempt + 1)
                 except Exception as err:
@@ -161,30 +295,6 @@ class Producer:
                     self._start(shard, items, request, seq, 0)
                 except Exception as err:  # no handle: fail these callers
                     self._fail(items, err)
-            if not self._inflight:
-                continue
-            refs = [f.ref for f in self._inflight.values()]
-            done, _ = ray.wait(refs, num_returns=1, timeout=max(linger, 0.001))
-            if done:
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            done_set = set(done)
-            now = time.monotonic()
-            for shard, f in list(self._inflight.items()):
-                if f.ref in done_set:
-                    del self._inflight[shard]
-                    try:
-                        result = rpc.get(f.ref, 0)
-                    except RayMQError as err:
-                        self._retry_or_fail(shard, f, err)
-                        continue
-                    except Exception as err:  # a bug in the shard: surface it
-                        self._fail(f.items, err)
-                        continue
-                    self._complete(shard, f, result)
-                elif now > f.deadline:
-                    del self._inflight[shard]
-                    self._retry_or_fail(shard, f, RequestTimeoutError(
-                        f"shard-{shard} did not answer within {self.config.send_timeout_ms} ms"))
 
     def _retry_or_fail(self, shard: int, f: _InFlight, err: RayMQError) -> None:
         if err.retriable and f.attempt < self.config.send_retries and not (
@@ -200,20 +310,20 @@ class Producer:
 
     def _complete(self, shard: int, f: _InFlight, result: dict) -> None:
         status = SendStatus(result["status"])
-        phys, qoffs = result["phys"], result["queue_offsets"]
+        phys, qoffs = list(result["phys"]), list(result["queue_offsets"])
         i = 0
+        known = len(phys)
         for p in f.items:
-            for fut, (topic, qid) in zip(p.futures, p.topic_qids):
-                if i < len(phys):
-                    res = SendResult(status, make_msg_id(shard, phys[i]), qid, qoffs[i], topic)
-                else:  # a duplicate whose offsets the shard no longer remembers
-                    res = SendResult(status, "", qid, -1, topic)
-                fut.set_result(res)
-                i += 1
+            k = len(p.topic_qids)
+            if i + k <= known:
+                p.future.set_result(_Results(status, shard, p.topic_qids, qoffs[i:i + k],
+                                             phys[i:i + k]))
+            else:  # a duplicate whose offsets the shard no longer remembers
+                p.future.set_result(_Results(status, shard, p.topic_qids, [-1] * k, None))
+            i += k
 
     @staticmethod
     def _fail(items: list[_Pending], err: BaseException) -> None:
         for p in items:
-            for fut in p.futures:
-                if not fut.done():
-                    fut.set_exception(err)
+            if not p.future.done():
+                p.future.set_exception(err)

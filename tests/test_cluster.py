@@ -155,7 +155,7 @@ def test_retry_then_dead_letter_then_resend(mq, name):
     c.close()
 
     resent = mq.admin.dlq_resend(group)
-    assert resent == [dlq[0].extra["stored_id"]]
+    assert resent == [dlq[0].stored_id]
     assert mq.admin.dlq_resend(group) == []  # progress is kept
     ok = []
     c2 = mq.consumer(group, [name])
