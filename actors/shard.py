@@ -21,7 +21,10 @@ from typing import Callable, Iterable
 import numpy as np
 
 from cluster.config import ClusterConfig
-from cluster.message import (SCHEDULE_TOPIC, Prop, dlq_topic, make_msg_id, retry_topic)
+from actors.transactions import (Action, CheckPolicy, HalfState, HalfView, IllegalTransition,
+                                 next_state, op_progress, plan_round)
+from cluster.message import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, Prop,
+                             dlq_topic, make_msg_id, retry_topic)
 from storage import MessageStore, RecordBatch
 from storage.clock import Clock, SystemClock
 from storage.errors import InvalidMessageError, OffsetOutOfRangeError, UnknownTopicError
@@ -68,6 +71,13 @@ class BrokerShard:
         self._stop = threading.Event()
         self._scheduler: threading.Thread | None = None
         self.max_lateness_ms = 0
+        self._tx_lock = threading.RLock()
+        self._pending_halves: dict[int, int] = {}    # unresolved origin -> its latest copy
+        self._latest_copy: dict[int, int] = {}       # origin -> queue offset of its latest copy
+        self._resolved: dict[int, HalfState] = {}   # origin -> COMMITTED/ROLLED_BACK/EXPIRED
+        self._waiting_groups: set[str] = set()
+        self._fault: str | None = None
+        self._load_transactions()
         if background:
             self._scheduler = threading.Thread(target=self._schedule_loop,
                                                name=f"raymq-schedule-{index}", daemon=True)
@@ -103,6 +113,9 @@ class BrokerShard:
         if batch.properties is not None:
             batch = self._redirect_delayed(batch)
         res = self.store.put(batch, producer_id=producer_id, sequence=sequence)
+        if batch.properties is not None and (batch.topics == HALF_TOPIC or (
+                isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
+            self._note_new_halves(batch, res)
         self._wake_pullers()
         self.metrics.inc("messages_in", n)
         self.metrics.inc("bytes_in", float(res.size_array.sum()))
@@ -111,9 +124,16 @@ class BrokerShard:
                 "queue_offsets": res.queue_offset_array.tolist(), "duplicate": res.duplicate}
 
     def _redirect_delayed(self, batch: RecordBatch) -> RecordBatch:
-        """Messages with a delay level go to the schedule topic, the real place in properties."""
+        """Delayed messages go to the schedule topic and transactional ones to the half
+        topic, their real topic and queue kept in properties.
+
+        A transactional message keeps its delay level as a property: the delay
+        is applied when it is committed, never while it is a half (RocketMQ
+        4.x loops between the half and schedule topics here -- seed 000).
+        """
         props = batch.properties
-        if not any(p and (Prop.DELAY in p or Prop.DELIVER_AT in p) for p in props):
+        if not any(p and (Prop.DELAY in p or Prop.DELIVER_AT in p or Prop.TRAN_MSG in p)
+                   for p in props):
             return batch
         now = self.clock.now_ms()
         topics, qids = batch.column("topics"), batch.column("queue_ids")
@@ -121,6 +141,18 @@ class BrokerShard:
         new_props = list(props)
         for i, p in enumerate(props):
             if not p:
+                continue
+            if p.get(Prop.TRAN_MSG) == "true":
+                if not p.get(Prop.PRODUCER_GROUP) or not p.get(Prop.TRANSACTION_ID):
+                    raise InvalidMessageError("a transactional message needs its producer group "
+                                              "and transaction id")
+                q = dict(p)
+                q[Prop.REAL_TOPIC] = topics[i]
+                q[Prop.REAL_QID] = str(qids[i])
+                new_props[i] = q
+                topics[i] = HALF_TOPIC
+                qids[i] = 0
+                flags[i] = int(SysFlag.TRANSACTION_PREPARED)
                 continue
             if Prop.DELIVER_AT in p:
                 raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level "
@@ -368,6 +400,244 @@ class BrokerShard:
                 wait = 1000
             self._stop.wait(min(wait, self.config.schedule_tick_ms) / 1000.0)
 
+    # ---------------------------------------------------- transactional messages
+    _HALF_PROGRESS = "txn-half-progress"
+    _OP_PROGRESS = "txn-op-progress"
+
+    def _load_transactions(self) -> None:
+        """Rebuild the resolution index: ops from the op progress, halves from the half progress."""
+        op_start = max(0, self.store.offsets.get(self._OP_PROGRESS, 0))
+        end = self.store.max_queue_offset(OP_TOPIC, 0)
+        for off in range(op_start, end, 1000):
+            for m in self.store.read_queue(OP_TOPIC, 0, off, 1000):
+                self._resolved[int(m.properties[Prop.ORIGIN_HALF])] = HalfState[m.properties[Prop.OP_STATE]]
+        half_start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
+        end = self.store.max_queue_offset(HALF_TOPIC, 0)
+        for off in range(half_start, end, 1000):
+            for m in self.store.read_queue(HALF_TOPIC, 0, off, 1000):
+                origin = int(m.properties.get(Prop.ORIGIN_HALF, m.phys_offset))
+                self._latest_copy[origin] = m.queue_offset
+                if origin not in self._resolved:
+                    self._pending_halves[origin] = m.queue_offset
+
+    def _note_new_halves(self, batch: RecordBatch, res) -> None:
+        topics = batch.column("topics")
+        with self._tx_lock:
+            for t, phys, qoff in zip(topics, res.phys_offsets, res.queue_offsets):
+                if t == HALF_TOPIC and phys not in self._resolved:
+                    self._pending_halves.setdefault(phys, qoff)
+                    self._latest_copy.setdefault(phys, qoff)
+
+    def _half_state(self, origin: int) -> HalfState | None:
+        if origin in self._resolved:
+            return self._resolved[origin]
+        if origin in self._pending_halves:
+            return HalfState.PREPARED
+        return None  # resolved long ago (passed by the checker), or not a half
+
+    def end_transactions(self, requests: list[tuple[str, str, list[int], str]]) -> list[str]:
+        """Commit or roll back halves: [(producer group, transaction id, origins, state)].
+
+        Idempotent: a duplicate or late end for a resolved half does nothing.
+        UNKNOW does nothing.  A group or transaction id that does not match
+        the half is refused (that request's outcome says why; the others go on).
+        """
+        outcomes = []
+        for group, txid, origins, state in requests:
+            try:
+                outcomes.append(self._end(group, txid, list(origins), state, operator=False))
+            except (InvalidMessageError, IllegalTransition) as err:
+                outcomes.append(f"REFUSED: {err}")
+        return outcomes
+
+    def end_transaction(self, group: str, txid: str, origins: list[int], state: str) -> str:
+        """One end; refusals raise (the checker and operators use this)."""
+        return self._end(group, txid, list(origins), state, operator=False)
+
+    def resolve_half(self, origin: int, state: str) -> str:
+        """An operator commits or rolls back a pending or expired half."""
+        return self._end("", "", [origin], state, operator=True)
+
+    def _end(self, group: str, txid: str, origins: list[int], state: str, *, operator: bool) -> str:
+        wanted = {"COMMIT_MESSAGE": HalfState.COMMITTED, "COMMIT": HalfState.COMMITTED,
+                  "ROLLBACK_MESSAGE": HalfState.ROLLED_BACK, "ROLLBACK": HalfState.ROLLED_BACK,
+                  "UNKNOW": None, "UNKNOWN": None}
+        if state not in wanted:
+            raise InvalidMessageError(f"unknown transaction state {state!r}")
+        if wanted[state] is None:
+            return "UNKNOW"
+        target = wanted[state]
+        with self._tx_lock:
+            real, ops, done = [], [], []
+            for origin in origins:
+                half = self.store.get_message(origin)
+                props = half.properties
+                if half.topic != HALF_TOPIC or props.get(Prop.TRAN_MSG) != "true":
+                    raise InvalidMessageError(f"{make_msg_id(self.index, origin)} is not a half "
+                                              "message")
+                if not operator and (props.get(Prop.PRODUCER_GROUP) != group
+                                     or props.get(Prop.TRANSACTION_ID) != txid):
+                    raise InvalidMessageError(
+                        f"end of transaction {txid!r} from group {group!r} does not match half "
+                        f"{make_msg_id(self.index, origin)} (group "
+                        f"{props.get(Prop.PRODUCER_GROUP)!r}, transaction "
+                        f"{props.get(Prop.TRANSACTION_ID)!r})")
+                current = self._half_state(origin)
+                if current is None:
+                    continue
+                new = next_state(current, target)
+                if new is None:
+                    continue
+                if new == HalfState.COMMITTED:
+                    real.append(_real_from_half(self.index, half))
+                ops.append(_op_record(origin, new, props))
+                done.append((origin, new))
+            if not ops:
+                return "NOOP"
+            if self._fault == "crash_between_real_and_op" and real:
+                self.store.put(self._redirect_delayed(_merge(real)))
+                os._exit(17)  # test fault: the op write never happens
+            # one frame: the real message (delayed now if it asked for a delay) and its op
+            self.store.put(self._redirect_delayed(_merge(real + ops)))
+            for origin, new in done:
+                self._resolved[origin] = new
+                self._pending_halves.pop(origin, None)
+            self.metrics.inc("transactions_ended", len(done), state=target.name)
+        self._wake_pullers()
+        return target.name
+
+    def set_fault(self, fault: str | None) -> None:
+        """Test hook: 'crash_between_real_and_op' exits between the two writes of a commit."""
+        self._fault = fault
+
+    def check_round(self, live_groups: list[str], *, window: int = 2000,
+                    max_checks_per_group: int = 1000, now_ms: int | None = None) -> list[dict]:
+        """One check-back round over this shard's halves; returns the checks to ask.
+
+        Re-puts what it checks (check count + 1) or defers, moves halves past
+        the maximum number of checks to the check-expired topic, and advances
+        the durable half and op progress.  Safe to repeat after a crash: a
+        repeated re-put only makes a second copy of a half with the same
+        origin, which resolves with it.
+        """
+        now = self.clock.now_ms() if now_ms is None else now_ms
+        policy = CheckPolicy(max_checks=self.config.txn_max_checks,
+                             check_backoff_max_ms=self.config.txn_check_backoff_max_ms,
+                             max_checks_per_group=max_checks_per_group)
+        with self._tx_lock:
+            start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
+            halves = self.store.read_queue(HALF_TOPIC, 0, start, window)
+            views = []
+            for m in halves:
+                p = m.properties
+                views.append(HalfView(m.queue_offset, int(p.get(Prop.ORIGIN_HALF, m.phys_offset)),
+                                      p.get(Prop.PRODUCER_GROUP, ""),
+                                      int(p.get(Prop.CHECK_BASE_MS, m.store_ms)),
+                                      int(p.get(Prop.CHECK_TIMES, 0)),
+                                      int(p.get(Prop.TXN_TIMEOUT_MS, self.config.txn_timeout_ms))))
+            plan = plan_round(views, self._resolved, set(live_groups), now, policy)
+            by_offset = {m.queue_offset: m for m in halves}
+            writes, checks, progress = [], [], start
+            for view, action in plan.actions:
+                if action is Action.STOP:
+                    break
+                progress = view.queue_offset + 1
+                if action is Action.SKIP:
+                    continue
+                m = by_offset[view.queue_offset]
+                if action is Action.EXPIRE:
+                    writes.append(("expire", view, _copy(m, view.origin, view.checks,
+                                                         CHECK_EXPIRED_TOPIC, view.store_ms)))
+                    writes.append(("op", view, _op_record(view.origin, HalfState.EXPIRED,
+                                                          m.properties)))
+                    continue
+                count = view.checks + (1 if action is Action.CHECK else 0)
+                # the back-off runs from the last check; a deferred copy keeps its clock
+                base = now if action is Action.CHECK else view.store_ms
+                writes.append(("half", view, _copy(m, view.origin, count, HALF_TOPIC, base)))
+                if action is Action.CHECK:
+                    checks.append((view, m, count))
+            if writes:
+                res = self.store.put(_merge([w[2] for w in writes]))
+                for (kind, view, _rec), qoff in zip(writes, res.queue_offsets):
+                    if kind == "half":
+                        self._pending_halves[view.origin] = qoff
+                        self._latest_copy[view.origin] = qoff
+                    elif kind == "op":
+                        self._resolved[view.origin] = HalfState.EXPIRED
+                        self._pending_halves.pop(view.origin, None)
+            # groups stay "waiting" until a producer of theirs is live again
+            self._waiting_groups = (self._waiting_groups - set(live_groups)) | plan.waiting_groups
+            if progress != start:
+                self.store.offsets.update({self._HALF_PROGRESS: progress})
+            self._advance_op_progress(progress)
+        if plan.waiting_groups:
+            self.metrics.set("halves_waiting_for_producer", float(sum(
+                1 for v, a in plan.actions if a is Action.WAIT)))
+        self.metrics.inc("transaction_checks", len(checks))
+        return [{"shard": self.index, "group": v.group, "origin": v.origin, "checks": count,
+                 "txid": m.properties.get(Prop.TRANSACTION_ID), "message": _listener_view(m)}
+                for v, m, count in checks]
+
+    def _advance_op_progress(self, half_progress: int) -> None:
+        """Pass the ops (and forget the resolutions) whose halves can no longer come up.
+
+        A resolution is needed as long as any copy of its half lies at or past
+        the half progress; the smallest origin among those bounds what may go.
+        """
+        for origin in [o for o, q in self._latest_copy.items() if q < half_progress]:
+            del self._latest_copy[origin]
+        min_live = min(self._latest_copy) if self._latest_copy else None
+        start = max(0, self.store.offsets.get(self._OP_PROGRESS, 0))
+        ops = self.store.read_queue(OP_TOPIC, 0, start, 5000)
+        n = op_progress([int(m.properties[Prop.ORIGIN_HALF]) for m in ops], min_live)
+        if n:
+            self.store.offsets.update({self._OP_PROGRESS: start + n})
+        # forget what can no longer come up (expired halves stay: operators resolve them)
+        for origin in [o for o, st in self._resolved.items() if st is not HalfState.EXPIRED
+                       and o not in self._latest_copy
+                       and (min_live is None or o < min_live)]:
+            del self._resolved[origin]
+
+    def half_list(self, *, expired: bool = False, limit: int = 1000) -> list[dict]:
+        """Pending halves (or expired ones): id, group, transaction, age, checks, topic."""
+        now = self.clock.now_ms()
+        out = []
+        with self._tx_lock:
+            if not expired:
+                items = sorted(self._pending_halves.items())[:limit]
+                msgs = [(origin, self.store.read_queue(HALF_TOPIC, 0, qoff, 1)) for origin, qoff in items]
+            else:
+                origins = {o for o, st in self._resolved.items() if st is HalfState.EXPIRED}
+                msgs = []
+                end = self.store.max_queue_offset(CHECK_EXPIRED_TOPIC, 0)
+                for off in range(0, end, 1000):
+                    for m in self.store.read_queue(CHECK_EXPIRED_TOPIC, 0, off, 1000):
+                        origin = int(m.properties.get(Prop.ORIGIN_HALF, -1))
+                        if origin in origins:
+                            msgs.append((origin, [m]))
+            for origin, found in msgs:
+                if not found:
+                    continue
+                m = found[0]
+                p = m.properties
+                first = self.store.get_message(origin)
+                out.append({"id": make_msg_id(self.index, origin), "shard": self.index,
+                            "origin": origin, "group": p.get(Prop.PRODUCER_GROUP),
+                            "transaction_id": p.get(Prop.TRANSACTION_ID),
+                            "topic": p.get(Prop.REAL_TOPIC), "checks": int(p.get(Prop.CHECK_TIMES, 0)),
+                            "age_ms": now - first.store_ms,
+                            "state": "EXPIRED" if expired else "PREPARED",
+                            "waiting_for_producer": p.get(Prop.PRODUCER_GROUP) in self._waiting_groups})
+        return out
+
+    def transaction_status(self) -> dict:
+        with self._tx_lock:
+            return {"pending_halves": len(self._pending_halves),
+                    "expired_halves": sum(1 for s in self._resolved.values()
+                                          if s is HalfState.EXPIRED),
+                    "groups_without_live_producer": sorted(self._waiting_groups)}
+
     # ---------------------------------------------------------------- admin
     def ping(self) -> dict:
         return {"shard": self.index, "directory": self.directory, "pid": os.getpid()}
@@ -395,6 +665,51 @@ def _restore_real(msgs: list[StoredMessage]) -> RecordBatch:
                        born_ms=[m.born_ms for m in msgs],
                        reconsume=[m.reconsume_count for m in msgs],
                        prepared_offsets=[m.prepared_offset for m in msgs])
+
+
+_TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Prop.CHECK_TIMES,
+             Prop.ORIGIN_HALF, Prop.TXN_TIMEOUT_MS, Prop.CHECK_BASE_MS)
+
+
+def _real_from_half(shard: int, half: StoredMessage) -> RecordBatch:
+    """The real message a commit writes: real topic/queue, the half's origin id as its id."""
+    p = dict(half.properties)
+    topic, qid = p[Prop.REAL_TOPIC], int(p[Prop.REAL_QID])
+    for k in _TX_PROPS:
+        p.pop(k, None)
+    p[Prop.ORIGIN_MSG_ID] = make_msg_id(shard, half.phys_offset)
+    return RecordBatch(topic, qid, [half.body], keys=[half.key], tags=[half.tags], properties=[p],
+                       flags=int(SysFlag.TRANSACTION_COMMIT), born_ms=half.born_ms)
+
+
+def _op_record(origin: int, state: HalfState, half_props: dict) -> RecordBatch:
+    props = {Prop.ORIGIN_HALF: str(origin), Prop.OP_STATE: state.name,
+             Prop.PRODUCER_GROUP: half_props.get(Prop.PRODUCER_GROUP, ""),
+             Prop.TRANSACTION_ID: half_props.get(Prop.TRANSACTION_ID, "")}
+    return RecordBatch(OP_TOPIC, 0, [b""], tags=["d"], properties=[props], flags=int(SysFlag.OP))
+
+
+def _copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: int) -> RecordBatch:
+    p = dict(m.properties)
+    p[Prop.ORIGIN_HALF] = str(origin)
+    p[Prop.CHECK_TIMES] = str(checks)
+    p[Prop.CHECK_BASE_MS] = str(base_ms)
+    return RecordBatch(topic, 0, [m.body], keys=[m.key], tags=[m.tags], properties=[p],
+                       flags=int(SysFlag.TRANSACTION_PREPARED), born_ms=m.born_ms)
+
+
+def _merge(batches: list[RecordBatch]) -> RecordBatch:
+    from cluster.message import merge_batches
+    return merge_batches(batches)
+
+
+def _listener_view(m: StoredMessage) -> StoredMessage:
+    """The half as the application's check sees it: its real topic and queue."""
+    p = dict(m.properties)
+    topic, qid = p.get(Prop.REAL_TOPIC, m.topic), int(p.get(Prop.REAL_QID, 0))
+    return StoredMessage(topic, qid, -1, m.phys_offset, m.size, m.flags, m.born_ms, m.store_ms,
+                         m.prepared_offset, m.tag_code, m.reconsume_count, m.key, m.tags, p,
+                         m.body)
 
 
 def _select(batch: MessageBatch, keep: list[int]) -> MessageBatch:

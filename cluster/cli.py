@@ -20,6 +20,7 @@ the cluster started on this machine with `ray start --head` / `ray up`).
   consume            consume messages of a group and print them
   dlq list|resend    inspect and redeliver a group's dead letters
   msg show|find      look a message up by id, or by topic and key
+  half list|commit|rollback  pending transactional half messages (and expired ones)
   demo               the main demonstration on an embedded local cluster
   bench              benchmark suites: JSON lines on stdout, progress on stderr
 """
@@ -180,6 +181,22 @@ def _cmd_msg(args) -> int:
     return 0
 
 
+def _cmd_half(args) -> int:
+    mq = _connect(args)
+    if args.half_cmd == "list":
+        halves = mq.admin.half_list(expired=args.expired)
+        for h in halves:
+            wait = "  (waiting: no live producer in the group)" if h["waiting_for_producer"] else ""
+            print(f"{h['id']}\t{h['state']}\tgroup={h['group']}\ttopic={h['topic']}\t"
+                  f"age={h['age_ms'] / 1000:.1f}s\tchecks={h['checks']}\t"
+                  f"tx={h['transaction_id']}{wait}")
+        print(f"{len(halves)} {'expired' if args.expired else 'pending'} half messages",
+              file=sys.stderr)
+    else:
+        print(mq.admin.half_resolve(args.id, args.half_cmd))
+    return 0
+
+
 def _cmd_demo(args) -> int:
     from cluster import storage_demo
     return storage_demo.run(args.data_dir)
@@ -253,6 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("topic")
     mf.add_argument("key")
     msg.set_defaults(func=_cmd_msg)
+
+    half = sub.add_parser("half", help="pending transactional half messages")
+    hsub = half.add_subparsers(dest="half_cmd", required=True, metavar="ACTION")
+    hl = hsub.add_parser("list", help="list pending halves (age, group, check count)")
+    hl.add_argument("--expired", action="store_true",
+                    help="list halves that reached the maximum number of checks")
+    for action in ("commit", "rollback"):
+        ha = hsub.add_parser(action, help=f"{action} a pending or expired half (operator)")
+        ha.add_argument("id", help="half id as printed by `half list`")
+    half.set_defaults(func=_cmd_half)
 
     demo = sub.add_parser("demo", help="run the main demonstration",
                           description="Run the RayMQ demonstration end to end and print a "

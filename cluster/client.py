@@ -96,6 +96,20 @@ class RayMQ:
         self._clients.append(p)
         return p
 
+    def transaction_producer(self, group: str, listener, **kwargs):
+        """A RocketMQ-style transaction producer (see ``cluster.transaction``)."""
+        from cluster.transaction import TransactionProducer
+        p = TransactionProducer(self, group, listener, **kwargs)
+        self._clients.append(p)
+        return p
+
+    def registry_handle(self, group: str):
+        from actors.checker import registry_for
+        return deploy.get_registry(registry_for(group, self.config.num_registries))
+
+    def checker_handles(self) -> list:
+        return [deploy.get_checker(i) for i in range(self.config.num_checkers)]
+
     def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_uncommitted",
                  tags=None, ordered: bool = False, start_from: str = "earliest") -> Consumer:
         c = Consumer(self, group, topics, isolation=isolation, tags=tags, ordered=ordered,
@@ -164,13 +178,36 @@ class Admin:
             resent += rpc.call(self._mq.shard_handle(s).dlq_resend, group, phys, timeout_s=60)
         return resent
 
+    def half_list(self, *, expired: bool = False) -> list[dict]:
+        """Pending (or expired) half messages of every shard: id, group, age, checks..."""
+        out = []
+        for s in range(self._mq.num_shards):
+            out += rpc.call(self._mq.shard_handle(s).half_list, expired=expired, timeout_s=60)
+        return out
+
+    def half_resolve(self, half_id: str, state: str) -> str:
+        """An operator commits ('commit') or rolls back ('rollback') a pending or expired half."""
+        wanted = {"commit": "COMMIT_MESSAGE", "rollback": "ROLLBACK_MESSAGE"}.get(state)
+        if wanted is None:
+            raise InvalidMessageError("state must be 'commit' or 'rollback'")
+        shard, phys = parse_msg_id(half_id)
+        return rpc.call(self._mq.shard_handle(shard).resolve_half, phys, wanted, timeout_s=60)
+
+    def check_now(self) -> list[dict]:
+        """Run a check-back round on every checker now; returns checks sent per group."""
+        return [rpc.call(c.run_round, timeout_s=120) for c in self._mq.checker_handles()]
+
     def status(self) -> dict:
         mq = self._mq
         infos = rpc.wait_all([mq.shard_handle(s).queue_info.remote()
                               for s in range(mq.num_shards)], 30)
         nodes = rpc.wait_all([mq.shard_handle(s).node_id.remote()
                               for s in range(mq.num_shards)], 30)
+        tx = rpc.wait_all([mq.shard_handle(s).transaction_status.remote()
+                           for s in range(mq.num_shards)], 30)
         return {"topics": mq.topics(), "groups": rpc.call(mq.controller.groups, timeout_s=30),
+                "transactions": [t if not isinstance(t, Exception) else {"error": str(t)}
+                                 for t in tx],
                 "shards": [{"shard": s, "node": n if not isinstance(n, Exception) else None,
                             "info": i if not isinstance(i, Exception) else {"error": str(i)}}
                            for s, (i, n) in enumerate(zip(infos, nodes))]}

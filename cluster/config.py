@@ -69,12 +69,31 @@ class ClusterConfig:
                             500)
     schedule_tick_ms: int = doc("Longest wait of the delay scheduler between checks.", 100)
     shard_max_concurrency: int = doc("Concurrent calls a shard serves (threads).", 32)
+    txn_timeout_ms: int = doc("A half message with no commit/rollback this long after it was "
+                              "stored is checked back (per-message override: "
+                              "TransactionProducer.send_in_transaction(timeout_ms=...)).", 6000)
+    txn_check_interval_ms: int = doc("How often checker workers run a check-back round.", 30_000)
+    txn_max_checks: int = doc("Checks of one half before it moves to the check-expired topic.",
+                              15)
+    txn_check_backoff_max_ms: int = doc("Longest wait between two checks of the same half "
+                                        "(the wait doubles from txn_timeout_ms).", 300_000)
+    txn_max_checks_per_group: int = doc("Most checks sent to one producer group per shard per "
+                                        "round: a check storm stays bounded.", 1000)
+    num_checkers: int = doc("CheckerWorker actors; checker k covers the shards i with "
+                            "i % num_checkers == k.", 1)
+    num_registries: int = doc("ProducerGroupRegistry actors; a group is served by the "
+                              "registry its name hashes to.", 1)
+    producer_lease_ms: int = doc("A transaction producer that has not heartbeat for this long "
+                                 "is no longer live for check-backs.", 6000)
 
     def __post_init__(self) -> None:
         for name in ("num_shards", "default_queues", "max_reconsume", "heartbeat_interval_ms",
                      "session_timeout_ms", "send_timeout_ms", "retry_backoff_ms",
                      "retry_backoff_max_ms", "batch_max_messages", "pull_batch_messages",
-                     "schedule_tick_ms", "shard_max_concurrency", "retry_first_level"):
+                     "schedule_tick_ms", "shard_max_concurrency", "retry_first_level",
+                     "txn_timeout_ms", "txn_check_interval_ms", "txn_max_checks",
+                     "txn_check_backoff_max_ms", "txn_max_checks_per_group", "num_checkers",
+                     "num_registries", "producer_lease_ms"):
             _positive_int(self, name)
         for name in ("send_retries", "linger_ms", "pull_wait_ms"):
             _positive_int(self, name, minimum=0)

@@ -14,7 +14,9 @@ import os
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.checker import CheckerWorker
 from actors.controller import Controller
+from actors.registry import ProducerGroupRegistry
 from actors.shard import BrokerShard
 from cluster import rpc
 from cluster.config import ClusterConfig
@@ -53,14 +55,28 @@ class RayMetrics:
             self._made[name] = metric
         return metric
 
+    def _record(self, kind: str, name: str, value: float, tags: dict) -> None:
+        try:
+            metric = self._get(kind, name, tuple(tags))
+            full = {**self._tags, **{k: str(v) for k, v in tags.items()}}
+            if kind == "counter":
+                if value > 0:
+                    metric.inc(value, tags=full)
+            elif kind == "gauge":
+                metric.set(value, tags=full)
+            else:
+                metric.observe(value, tags=full)
+        except Exception as err:  # metrics must never break the broker
+            log.debug("metric %s not recorded: %s", name, err)
+
     def inc(self, name, value=1.0, **tags):
-        self._get("counter", name, tuple(tags)).inc(value, tags={**self._tags, **tags})
+        self._record("counter", name, float(value), tags)
 
     def set(self, name, value, **tags):
-        self._get("gauge", name, tuple(tags)).set(value, tags={**self._tags, **tags})
+        self._record("gauge", name, float(value), tags)
 
     def observe(self, name, value, **tags):
-        self._get("histogram", name, tuple(tags)).observe(value, tags={**self._tags, **tags})
+        self._record("histogram", name, float(value), tags)
 
 
 class ShardActor(BrokerShard):
@@ -80,6 +96,27 @@ class ShardActor(BrokerShard):
         return ray.get_runtime_context().get_node_id()
 
 
+class RegistryActor(ProducerGroupRegistry):
+    def __init__(self, index: int, config: dict):
+        super().__init__(lease_ms=ClusterConfig.from_dict(config).producer_lease_ms)
+        self.index = index
+
+
+class CheckerActor(CheckerWorker):
+    def __init__(self, index: int, config: dict):
+        cfg = ClusterConfig.from_dict(config)
+
+        def call_shard(i, method, *args, **kwargs):
+            return rpc.call(getattr(get_shard(i), method), *args, timeout_s=60, **kwargs)
+
+        def call_registry(i, method, *args):
+            return rpc.call(getattr(get_registry(i), method), *args, timeout_s=30)
+        shards = [i for i in range(cfg.num_shards) if i % cfg.num_checkers == index]
+        super().__init__(index, shards, call_shard=call_shard, call_registry=call_registry,
+                         num_registries=cfg.num_registries, interval_ms=cfg.txn_check_interval_ms,
+                         max_checks_per_group=cfg.txn_max_checks_per_group)
+
+
 class ControllerActor(Controller):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -87,6 +124,24 @@ class ControllerActor(Controller):
 
 _ControllerRemote = ray.remote(ControllerActor)
 _ShardRemote = ray.remote(ShardActor)
+_RegistryRemote = ray.remote(RegistryActor)
+_CheckerRemote = ray.remote(CheckerActor)
+
+
+def registry_name(i: int) -> str:
+    return f"registry-{i}"
+
+
+def checker_name(i: int) -> str:
+    return f"checker-{i}"
+
+
+def get_registry(i: int):
+    return ray.get_actor(registry_name(i), namespace=NAMESPACE)
+
+
+def get_checker(i: int):
+    return ray.get_actor(checker_name(i), namespace=NAMESPACE)
 
 
 def _alive_nodes() -> list[str]:
@@ -139,6 +194,15 @@ def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
         shards.append(_ShardRemote.options(**opts).remote(i, cfg))
     for s in shards:
         rpc.call(s.ping, timeout_s=120)
+    cluster_cfg = ClusterConfig.from_dict(rpc.call(controller.get_config, timeout_s=60))
+    common = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
+                  max_task_retries=-1, num_cpus=0)
+    registries = [_RegistryRemote.options(name=registry_name(i), max_concurrency=64, **common)
+                  .remote(i, cfg) for i in range(cluster_cfg.num_registries)]
+    checkers = [_CheckerRemote.options(name=checker_name(i), max_concurrency=4, **common)
+                .remote(i, cfg) for i in range(cluster_cfg.num_checkers)]
+    for a in registries + checkers:
+        rpc.call(a.ping, timeout_s=120)
     return controller, shards
 
 
@@ -147,10 +211,12 @@ def undeploy() -> list[str]:
     killed = []
     names = [CONTROLLER]
     try:
-        n = rpc.call(get_controller().ping, timeout_s=30)["num_shards"]
-        names += [shard_name(i) for i in range(n)]
-    except Exception:  # controller already gone: look for shards by name
-        names += [shard_name(i) for i in range(64)]
+        cfg = ClusterConfig.from_dict(rpc.call(get_controller().get_config, timeout_s=30))
+        names += [shard_name(i) for i in range(cfg.num_shards)]
+        names += [registry_name(i) for i in range(cfg.num_registries)]
+        names += [checker_name(i) for i in range(cfg.num_checkers)]
+    except Exception:  # controller already gone: look for the actors by name
+        names += [f(i) for f in (shard_name, registry_name, checker_name) for i in range(64)]
     for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

@@ -43,7 +43,10 @@ class Prop:
     PRODUCER_GROUP = "PGROUP"
     TRANSACTION_ID = "__transactionId__"
     CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
-    CHECK_IMMUNITY_MS = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+    TXN_TIMEOUT_MS = "TRANSACTION_TIMEOUT_MS"
+    ORIGIN_HALF = "ORIGIN_HALF_OFFSET"
+    CHECK_BASE_MS = "CHECK_BASE_MS"
+    OP_STATE = "OP_STATE"
 
 
 SYSTEM_PROPERTIES = frozenset(v for k, v in vars(Prop).items() if not k.startswith("_"))
@@ -106,6 +109,7 @@ class Message:
     properties: dict[str, str] | None = None
     delay_level: int = 0
     deliver_at_ms: int | None = None
+    transaction_id: str | None = None  # set by the transaction producer
 
     def validate(self, max_bytes: int, num_levels: int) -> None:
         check_user_topic(self.topic)
@@ -261,8 +265,14 @@ class MessageExt:
         return make_msg_id(self.shard, self.phys)
 
     @property
+    def transaction_id(self) -> str | None:
+        return self.properties.get(Prop.TRANSACTION_ID) if self._props else None
+
+    @property
     def msg_id(self) -> str:
-        if self.source_topic.startswith((RETRY_PREFIX, DLQ_PREFIX)):
+        """The id the producer was given (retry copies and committed transactional
+        messages carry it as a property)."""
+        if self._props:
             origin = self.properties.get(Prop.ORIGIN_MSG_ID)
             if origin:
                 return origin

@@ -186,12 +186,19 @@ class Producer:
             shards[i] = route[q]
         return qids, shards
 
-    def _submit(self, msgs: list[Message]) -> list[tuple[Future, list[int]]]:
-        """Queue messages for the sender; (future of results, positions) per part."""
+    def _submit(self, msgs: list[Message], system_props: dict[str, str] | None = None
+                ) -> list[tuple[Future, list[int]]]:
+        """Queue messages for the sender; (future of results, positions) per part.
+
+        ``system_props`` (RayMQ's own, e.g. transaction markers) are added to
+        every message after validation.
+        """
         if self._closed:
             raise RayMQError("producer is closed")
         cols = validate_messages(msgs, self.config.max_message_bytes,
                                  len(self.config.delay_levels_ms))
+        if system_props:
+            cols.properties = [{**(p or {}), **system_props} for p in cols.properties]
         routes = self._mq.routes_for(set(cols.topic))
         qids, shards = self._assign(cols, routes)
         born = int(time.time() * 1000)

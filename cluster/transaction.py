@@ -1,7 +1,37 @@
-"""RocketMQ-style transactions: the application's side of the contract."""
+"""RocketMQ-style transactional messages, the application's side.
+
+``send_in_transaction(msg, arg)``:
+
+1. the message is stored as a *half* in its shard (invisible to consumers);
+2. on ``SEND_OK`` the listener's ``execute_local_transaction(msg, arg)`` runs
+   the local (database) transaction -- an exception or ``None`` counts as
+   ``UNKNOW``; a send that is not ``SEND_OK`` rolls back without running it;
+3. ``end_transaction`` (commit / rollback; nothing for ``UNKNOW``) is sent
+   one-way and a failure of it is swallowed: the broker's check-back settles
+   the transaction later by asking ``check_local_transaction(msg)`` of *any*
+   live producer instance of the group.
+
+Check channel: each producer instance long-polls its group's
+``ProducerGroupRegistry`` (``poll_checks``), which also renews its lease; a
+check runs the listener in this process, where the database connection is.
+A batch (several messages, topics, shards) is one transaction: all its halves
+commit or roll back together.
+"""
 from __future__ import annotations
 
 import enum
+import logging
+import threading
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from cluster.message import Message, MessageExt, Prop, SendResult, SendStatus, messages_ext
+from storage.errors import RayMQError
+
+log = logging.getLogger("raymq.transaction")
 
 
 class LocalTransactionState(enum.Enum):
@@ -14,9 +44,197 @@ class TransactionListener:
     """Implemented by the application; runs in the application's process."""
 
     def execute_local_transaction(self, msg, arg) -> LocalTransactionState:
-        """Run the local (database) transaction of a half message that was stored."""
+        """Run the local (database) transaction of a stored half message.
+
+        ``msg`` is the ``Message`` (``msg.transaction_id`` set), or the list of
+        messages of a batch transaction.
+        """
         raise NotImplementedError
 
-    def check_local_transaction(self, msg) -> LocalTransactionState:
-        """Answer a broker check-back: did the local transaction of ``msg`` commit?"""
+    def check_local_transaction(self, msg: MessageExt) -> LocalTransactionState:
+        """Answer a check-back: did the local transaction of ``msg`` commit?
+
+        ``msg.transaction_id`` names the transaction; ``msg.topic`` is its real topic.
+        """
         raise NotImplementedError
+
+
+@dataclass
+class TransactionSendResult:
+    send_status: SendStatus | None
+    local_state: LocalTransactionState
+    transaction_id: str
+    results: list[SendResult]
+
+    @property
+    def msg_id(self) -> str:
+        return self.results[0].msg_id if self.results else ""
+
+    @property
+    def msg_ids(self) -> list[str]:
+        return [r.msg_id for r in self.results]
+
+
+def _state(value) -> LocalTransactionState:
+    if isinstance(value, LocalTransactionState):
+        return value
+    return LocalTransactionState.UNKNOW
+
+
+class TransactionProducer:
+    def __init__(self, mq, group: str, listener: TransactionListener, *, check_threads: int = 4,
+                 drop_end: Callable[[str], bool] | None = None):
+        from cluster.producer import Producer
+        self._mq = mq
+        self.group = group
+        self.listener = listener
+        self.instance_id = f"{group}-{uuid.uuid4().hex[:12]}"
+        self._producer = Producer(mq, group)
+        self._drop_end = drop_end  # fault injection: lose this transaction's end
+        self._registry = mq.registry_handle(group)
+        self._stop = threading.Event()
+        self._ends: dict[int, list] = defaultdict(list)
+        self._ends_inflight: set[int] = set()
+        self._cv = threading.Condition()
+        self.checks_answered = 0
+        from cluster import rpc
+        rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
+        self._pool = ThreadPoolExecutor(max_workers=check_threads,
+                                        thread_name_prefix="raymq-tx-check")
+        self._poller = threading.Thread(target=self._poll_checks, daemon=True,
+                                        name="raymq-tx-checks")
+        self._poller.start()
+        self._ender = threading.Thread(target=self._send_ends, daemon=True, name="raymq-tx-ends")
+        self._ender.start()
+
+    # ----------------------------------------------------------------- send
+    def send_in_transaction(self, msg: Message | list[Message], arg=None, *,
+                            timeout_ms: int | None = None) -> TransactionSendResult:
+        """Send half message(s), run the local transaction, end the transaction.
+
+        A list of messages (to one or several topics) is one transaction.
+        """
+        batch = isinstance(msg, list)
+        msgs = list(msg) if batch else [msg]
+        if not msgs:
+            raise RayMQError("a transaction needs at least one message")
+        txid = uuid.uuid4().hex
+        props = {Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: self.group,
+                 Prop.TRANSACTION_ID: txid}
+        if timeout_ms is not None:
+            props[Prop.TXN_TIMEOUT_MS] = str(int(timeout_ms))
+        parts = self._producer._submit(msgs, system_props=props)
+        results: list = [None] * len(msgs)
+        for fut, positions in parts:
+            part = fut.result()
+            for j, pos in enumerate(positions):
+                results[pos] = part[j]
+        statuses = {r.status for r in results}
+        send_status = SendStatus.SEND_OK if statuses == {SendStatus.SEND_OK} else \
+            next(s for s in statuses if s is not SendStatus.SEND_OK)
+        shown = [replace(m, transaction_id=txid) for m in msgs]
+        if send_status is not SendStatus.SEND_OK:
+            state = LocalTransactionState.ROLLBACK_MESSAGE
+        else:
+            try:
+                state = _state(self.listener.execute_local_transaction(
+                    shown if batch else shown[0], arg))
+            except Exception as err:  # the local transaction's failure: outcome unknown
+                log.warning("execute_local_transaction of %s raised %s: %s; state UNKNOW",
+                            txid, type(err).__name__, err)
+                state = LocalTransactionState.UNKNOW
+        self._end(txid, results, state)
+        return TransactionSendResult(send_status, state, txid, results)
+
+    def _end(self, txid: str, results: list[SendResult], state: LocalTransactionState) -> None:
+        if state is LocalTransactionState.UNKNOW:
+            return
+        if self._drop_end is not None and self._drop_end(txid):
+            log.warning("fault injection: end_transaction of %s dropped", txid)
+            return
+        by_shard: dict[int, list[int]] = defaultdict(list)
+        for r in results:
+            by_shard[r[5]].append(r[6])
+        with self._cv:
+            for shard, origins in by_shard.items():
+                self._ends[shard].append((self.group, txid, origins, state.value))
+            self._cv.notify_all()
+
+    def _send_ends(self) -> None:
+        """One-way ends, coalesced per shard (one call carries many transactions)."""
+        while True:
+            with self._cv:
+                ready = [s for s, e in self._ends.items() if e and s not in self._ends_inflight]
+                if not ready:
+                    if self._stop.is_set() and not any(self._ends.values()) \
+                            and not self._ends_inflight:
+                        return
+                    self._cv.wait(0.05)
+                    continue
+                batches = [(s, self._ends.pop(s)) for s in ready]
+                self._ends_inflight.update(ready)
+            for shard, ends in batches:
+                try:
+                    ref = self._mq.shard_handle(shard).end_transactions.remote(ends)
+                except Exception as err:  # swallowed: check-back settles it
+                    log.warning("end_transaction to shard-%d not sent: %s", shard, err)
+                    self._end_done(shard)
+                    continue
+                ref.future().add_done_callback(lambda f, s=shard: self._end_done(s, f))
+
+    def _end_done(self, shard: int, fut=None) -> None:
+        if fut is not None:
+            try:
+                for outcome in fut.result():
+                    if outcome.startswith("REFUSED"):
+                        log.warning("end_transaction refused by shard-%d: %s", shard, outcome)
+            except Exception as err:  # swallowed: check-back settles it
+                log.warning("end_transaction to shard-%d failed: %s", shard, err)
+        with self._cv:
+            self._ends_inflight.discard(shard)
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------- checks
+    def _poll_checks(self) -> None:
+        from cluster import rpc
+        while not self._stop.is_set():
+            try:
+                reqs = rpc.call(self._registry.poll_checks, self.group, self.instance_id, 100,
+                                500, timeout_s=30)
+            except Exception as err:  # registry restarting: keep trying
+                log.warning("transaction producer %s: poll_checks failed: %s",
+                            self.instance_id, err)
+                self._stop.wait(0.5)
+                continue
+            for req in reqs:
+                self._pool.submit(self._answer, req)
+
+    def _answer(self, req: dict) -> None:
+        [msg] = messages_ext(req["shard"], [req["message"]])
+        try:
+            state = _state(self.listener.check_local_transaction(msg))
+        except Exception as err:  # unknown: asked again later
+            log.warning("check_local_transaction of %s raised %s", req.get("txid"), err)
+            state = LocalTransactionState.UNKNOW
+        self.checks_answered += 1
+        if state is LocalTransactionState.UNKNOW:
+            return
+        with self._cv:
+            self._ends[req["shard"]].append((self.group, req["txid"], [req["origin"]],
+                                             state.value))
+            self._cv.notify_all()
+
+    # ----------------------------------------------------------------- close
+    def close(self) -> None:
+        from cluster import rpc
+        self._stop.set()
+        self._poller.join()
+        self._pool.shutdown(wait=True)
+        with self._cv:
+            self._cv.notify_all()
+        self._ender.join()
+        self._producer.close()
+        try:
+            rpc.call(self._registry.unregister, self.group, self.instance_id, timeout_s=10)
+        except Exception as err:  # the lease runs out anyway
+            log.warning("unregister failed: %s", err)

@@ -11,7 +11,10 @@ import pytest
 TEST_CONFIG = dict(num_shards=2, heartbeat_interval_ms=200, session_timeout_ms=1500,
                    delay_levels="100ms 200ms 300ms 400ms 500ms 600ms 700ms 800ms",
                    retry_first_level=1, max_reconsume=3, send_timeout_ms=5000,
-                   pull_wait_ms=200, retry_backoff_ms=50, schedule_tick_ms=20)
+                   pull_wait_ms=200, retry_backoff_ms=50, schedule_tick_ms=20,
+                   txn_timeout_ms=400, txn_check_interval_ms=200, txn_max_checks=3,
+                   txn_check_backoff_max_ms=800, txn_max_checks_per_group=20,
+                   producer_lease_ms=1500)
 
 
 @pytest.fixture(scope="session")

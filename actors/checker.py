@@ -1,0 +1,98 @@
+"""CheckerWorker: runs the check-back rounds for a set of shards.
+
+Every ``txn_check_interval_ms`` it asks the registries which producer groups
+have a live instance, lets each of its shards plan and record a round
+(``BrokerShard.check_round``: re-puts, expiries, durable progress) and hands
+the resulting check requests to the group's registry, where any live
+producer instance takes them.  It never waits for a listener, so a slow
+listener or a bad half cannot stall a round.  Its progress lives in the
+shards, so a restarted checker resumes where the last one stopped.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from typing import Callable
+
+log = logging.getLogger("raymq.checker")
+
+
+def registry_for(group: str, num_registries: int) -> int:
+    return zlib.crc32(group.encode()) % num_registries
+
+
+class CheckerWorker:
+    def __init__(self, index: int, shards: list[int], *, call_shard: Callable,
+                 call_registry: Callable, num_registries: int, interval_ms: int,
+                 max_checks_per_group: int, background: bool = True):
+        self.index = index
+        self.shards = shards
+        self._call_shard = call_shard        # (shard, method, *args, **kwargs) -> result
+        self._call_registry = call_registry  # (registry, method, *args) -> result
+        self.num_registries = num_registries
+        self.interval_ms = interval_ms
+        self.max_checks_per_group = max_checks_per_group
+        self.rounds = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name=f"raymq-checker-{index}",
+                                            daemon=True)
+            self._thread.start()
+
+    def run_round(self) -> dict:
+        """One round over every shard; returns how many checks went to each group."""
+        live: list[str] = []
+        for r in range(self.num_registries):
+            live += self._call_registry(r, "live_groups")
+        sent: dict[str, int] = {}
+        for shard in self.shards:
+            try:
+                requests = self._call_shard(shard, "check_round", sorted(set(live)),
+                                            max_checks_per_group=self.max_checks_per_group)
+            except Exception as err:  # one shard down must not stop the others
+                log.warning("checker-%d: shard-%d round failed: %s", self.index, shard, err)
+                self.last_error = f"shard-{shard}: {err}"
+                continue
+            by_group: dict[str, list[dict]] = {}
+            for req in requests:
+                by_group.setdefault(req["group"], []).append(req)
+            for group, reqs in by_group.items():
+                try:
+                    self._call_registry(registry_for(group, self.num_registries), "push_checks",
+                                        group, reqs)
+                    sent[group] = sent.get(group, 0) + len(reqs)
+                except Exception as err:  # asked again next round (the half stays pending)
+                    log.warning("checker-%d: registry unavailable for %s: %s", self.index,
+                                group, err)
+                    self.last_error = f"registry: {err}"
+        self.rounds += 1
+        return sent
+
+    def trigger(self) -> None:
+        """Run a round now (operators, tests)."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_round()
+            except Exception as err:  # the loop never dies; next round retries
+                log.exception("checker-%d: round failed", self.index)
+                self.last_error = str(err)
+            self._wake.wait(self.interval_ms / 1000.0)
+            self._wake.clear()
+
+    def ping(self) -> dict:
+        return {"checker": self.index}
+
+    def status(self) -> dict:
+        return {"checker": self.index, "shards": self.shards, "rounds": self.rounds,
+                "last_error": self.last_error}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
