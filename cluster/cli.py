@@ -198,8 +198,11 @@ def _cmd_half(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from cluster import storage_demo
-    return storage_demo.run(args.data_dir)
+    if args.storage:
+        from cluster import storage_demo
+        return storage_demo.run(args.data_dir)
+    from cluster import demo
+    return demo.run(args.data_dir, orders=args.orders)
 
 
 def _cmd_bench(args) -> int:
@@ -282,10 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
     half.set_defaults(func=_cmd_half)
 
     demo = sub.add_parser("demo", help="run the main demonstration",
-                          description="Run the RayMQ demonstration end to end and print a "
-                                      "consistency report; exit status 1 when inconsistent.")
+                          description="The seeds' shopping scenario on an embedded local "
+                                      "cluster: an order service (SQLite + transactional "
+                                      "messages) and a points service, with a producer killed "
+                                      "after its DB commit, lost end_transactions, failing "
+                                      "local transactions and failing consumers; then a "
+                                      "consistency report. Exit status 1 when inconsistent.")
     demo.add_argument("--data-dir", help="where to keep the demo's data (default: a new "
                                          "temporary directory)")
+    demo.add_argument("--orders", type=int, default=60, help="orders to place (default 60)")
+    demo.add_argument("--storage", action="store_true",
+                      help="run the storage-engine crash demonstration instead")
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="run benchmarks (JSON lines on stdout)",
