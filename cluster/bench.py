@@ -284,3 +284,82 @@ def bench_produce(b: Bench) -> None:
     finally:
         mq.close()
         _teardown_cluster(data)
+
+
+@suite("txmsg")
+def bench_txmsg(b: Bench) -> None:
+    import threading
+
+    from cluster.message import Message
+    from cluster.transaction import LocalTransactionState, TransactionListener
+    mq, data = _bench_cluster(b, "txmsg", txn_timeout_ms=1000, txn_check_interval_ms=500)
+    size = 256
+    body = os.urandom(size)
+
+    class NoOp(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return arg
+
+        def check_local_transaction(self, msg):
+            return LocalTransactionState.COMMIT_MESSAGE
+
+    try:
+        mq.create_topic("tx", queues=8)
+        tp = mq.transaction_producer("bench-tx", NoOp())
+        commit = LocalTransactionState.COMMIT_MESSAGE
+        tp.send_in_transaction(Message("tx", body), commit)
+        n1 = b.n(1500, 100)
+        b.progress(f"txmsg: {n1} transactions, one producer thread")
+        dt = timed(lambda: [tp.send_in_transaction(Message("tx", body), commit)
+                            for _ in range(n1)])
+        b.emit("txmsg.p1", n1 / dt, "msgs/s", size=size, n=n1, threads=1)
+
+        def concurrently(fn, per_thread: int, threads: int = 8) -> float:
+            ts = [threading.Thread(target=lambda: [fn() for _ in range(per_thread)])
+                  for _ in range(threads)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            return time.perf_counter() - t0
+
+        per = b.n(800, 50)
+        b.progress(f"txmsg: 8 threads x {per} transactions on one transaction producer")
+        dt = concurrently(lambda: tp.send_in_transaction(Message("tx", body), commit), per)
+        b.emit("txmsg.p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8)
+        p = mq.producer("bench-plain")
+        p.send(Message("tx", body))
+        b.progress(f"txmsg: 8 threads x {per} plain single-message sends")
+        dt = concurrently(lambda: p.send(Message("tx", body)), per)
+        b.emit("txmsg.plain_p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8)
+        b.ratio("txmsg.vs_plain_ratio", "txmsg.p8", "txmsg.plain_p8")
+
+        # check-back: transactions left UNKNOW, settled by the broker asking the producer
+        k = 20
+        mq.create_topic("txcheck", queues=2)
+        c = mq.consumer("bench-check", ["txcheck"])
+        sent_at = {}
+        b.progress(f"txmsg: {k} UNKNOW transactions settled by check-back "
+                   f"(txn_timeout_ms={mq.config.txn_timeout_ms}, "
+                   f"check interval {mq.config.txn_check_interval_ms} ms)")
+        for i in range(k):
+            sent_at[str(i).encode()] = time.time()
+            tp.send_in_transaction(Message("txcheck", str(i).encode()),
+                                   LocalTransactionState.UNKNOW)
+        resolved = {}
+        deadline = time.monotonic() + 120
+        while len(resolved) < k and time.monotonic() < deadline:
+            for m in c.poll(100, 0.2):
+                resolved.setdefault(m.body, time.time())
+        waits = sorted((resolved[x] - sent_at[x]) * 1000 for x in resolved)
+        b.emit("txmsg.checkback_resolution_ms", waits[len(waits) // 2] if waits else -1, "ms",
+               n=len(waits), txn_timeout_ms=mq.config.txn_timeout_ms,
+               check_interval_ms=mq.config.txn_check_interval_ms,
+               max_ms=round(waits[-1], 1) if waits else None, statistic="median")
+        c.close()
+        p.close()
+        tp.close()
+    finally:
+        mq.close()
+        _teardown_cluster(data)

@@ -57,8 +57,14 @@ class RayMQ:
     def num_shards(self) -> int:
         return len(self._shards)
 
-    def routes_for(self, topics: set[str]) -> dict[str, list[int]]:
+    def routes_for(self, topics) -> dict[str, list[int]]:
         """queue -> shard of each topic; unknown topics are created if configured, else an error."""
+        routes = self._routes
+        if len(topics) == 1:
+            for t in topics:
+                r = routes.get(t)
+                if r is not None:
+                    return {t: r}
         with self._lock:
             missing = [t for t in topics if t not in self._routes]
         if missing:

@@ -22,8 +22,9 @@ import numpy as np
 import ray
 
 from cluster import rpc
-from cluster.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
+from cluster.message import (Message, Prop, SendResult, SendStatus, columns_to_batch,
                              key_queue, merge_batches, validate_messages)
+from storage.records import RecordBatch
 from storage.errors import RayMQError, RequestTimeoutError
 
 log = logging.getLogger("raymq.producer")
@@ -111,6 +112,7 @@ class Producer:
         self._retrying: dict[int, tuple[_InFlight, float]] = {}
         self._cv = threading.Condition()
         self._rr_next: dict[str, int] = {}
+        self._num_levels = len(self.config.delay_levels_ms)
         self._closed = False
         self.retries = 0
         self._thread = threading.Thread(target=self._run, name="raymq-producer", daemon=True)
@@ -195,6 +197,8 @@ class Producer:
         """
         if self._closed:
             raise RayMQError("producer is closed")
+        if len(msgs) == 1:
+            return [self._submit_one(msgs[0], system_props)]
         cols = validate_messages(msgs, self.config.max_message_bytes,
                                  len(self.config.delay_levels_ms))
         if system_props:
@@ -220,6 +224,33 @@ class Producer:
                 self._pending[shard].append(pending)
             self._cv.notify_all()
         return parts
+
+    def _submit_one(self, m: Message, system_props: dict[str, str] | None
+                    ) -> tuple[Future, list[int]]:
+        """The single-message path: no columns, no numpy (this is per message)."""
+        m.validate(self.config.max_message_bytes, self._num_levels)
+        route = self._mq.routes_for((m.topic,))[m.topic]
+        qid = key_queue(m.key, len(route)) if m.key else self._next_rr(m.topic, 1) % len(route)
+        shard = route[qid]
+        props = None
+        if m.properties or m.delay_level or m.deliver_at_ms is not None or system_props:
+            p = dict(m.properties) if m.properties else {}
+            if m.delay_level:
+                p[Prop.DELAY] = str(m.delay_level)
+            elif m.deliver_at_ms is not None:
+                p[Prop.DELIVER_AT] = str(m.deliver_at_ms)
+            if system_props:
+                p.update(system_props)
+            props = [p]
+        body = m.body if type(m.body) is bytes else bytes(m.body)
+        batch = RecordBatch(m.topic, qid, [body], keys=[m.key] if m.key else None,
+                            tags=[m.tags] if m.tags else None, properties=props,
+                            born_ms=int(time.time() * 1000))
+        fut: Future = Future()
+        with self._cv:
+            self._pending[shard].append(_Pending(batch, fut, [(m.topic, qid)], [0]))
+            self._cv.notify_all()
+        return fut, [0]
 
     def _take(self, shard: int) -> list[_Pending]:
         queue = self._pending[shard]
