@@ -151,7 +151,11 @@ class Consumer:
 
     # ----------------------------------------------------------------- pull
     def poll(self, max_messages: int = 100, timeout_s: float = 1.0) -> list[MessageExt]:
-        """Up to ``max_messages`` messages of the owned queues, waiting up to ``timeout_s``."""
+        """Up to ``max_messages`` messages of the owned queues, waiting up to ``timeout_s``.
+
+        Pulls run ahead of the application (prefetch): while the buffer runs
+        low, the next pulls are already on their way.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
@@ -161,14 +165,21 @@ class Consumer:
                         q = self._queues.get((m.source_topic, m.source_queue))
                         if q is not None:
                             q.position = max(q.position, m.source_offset + 1)
-                    return out
+                    low = len(self._buffer) < self.config.pull_batch_messages
+                else:
+                    out = None
+            if out is not None:
+                if low:
+                    self._start_pulls(self.config.pull_wait_ms)
+                    self._collect(0)
+                return out
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
             self._fetch(min(remaining, self.config.pull_wait_ms / 1000.0))
 
-    def _fetch(self, wait_s: float) -> None:
-        """Start pulls for shards with none in flight; take in the results that are ready."""
+    def _start_pulls(self, wait_ms: int) -> bool:
+        """Start a pull on every shard of the owned queues that has none in flight."""
         with self._lock:
             by_shard = defaultdict(list)
             for (topic, qid), q in self._queues.items():
@@ -176,16 +187,24 @@ class Consumer:
             for shard, reqs in by_shard.items():
                 if shard not in self._inflight:
                     self._inflight[shard] = self._mq.shard_handle(shard).pull.remote(
-                        reqs, int(wait_s * 1000), self._tags)
+                        reqs, int(wait_ms), self._tags)
                     self._inflight_req[shard] = reqs
-            refs = dict((ref, shard) for shard, ref in self._inflight.items())
+            return bool(self._inflight)
+
+    def _collect(self, timeout_s: float) -> None:
+        """Take in the pulls that finished (waiting up to ``timeout_s`` for the first)."""
+        with self._lock:
+            refs = {ref: shard for shard, ref in self._inflight.items()}
         if not refs:
-            time.sleep(min(wait_s, 0.05))
             return
-        done, _ = ray.wait(list(refs), num_returns=1, timeout=wait_s + 5.0)
+        done, _ = ray.wait(list(refs), num_returns=1, timeout=timeout_s)
+        if done and len(refs) > 1:
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             shard = refs[ref]
             with self._lock:
+                if self._inflight.get(shard) is not ref:
+                    continue
                 self._inflight.pop(shard, None)
                 reqs = self._inflight_req.pop(shard, [])
             try:
@@ -195,6 +214,13 @@ class Consumer:
                 time.sleep(0.1)
                 continue
             self._take_results(shard, reqs, results)
+
+    def _fetch(self, wait_s: float) -> None:
+        """Start pulls for shards with none in flight; take in the results that are ready."""
+        if not self._start_pulls(int(wait_s * 1000)):
+            time.sleep(min(wait_s, 0.05))
+            return
+        self._collect(wait_s + 5.0)
 
     def _take_results(self, shard: int, reqs, results) -> None:
         sent = {(t, q): off for t, q, off, _ in reqs}

@@ -34,3 +34,26 @@ def test_cli_errors_are_clear(mq, name, capsys):
     assert "not a RayMQ message id" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["topic"])  # an action is required
+
+
+def test_half_list_and_operator_rollback(mq, name, capsys):
+    from cluster import LocalTransactionState as S
+    from cluster import Message, TransactionListener
+
+    class Undecided(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        def check_local_transaction(self, msg):
+            return S.UNKNOW
+    mq.create_topic(name, queues=1)
+    tp = mq.transaction_producer(f"p{name}", Undecided())
+    res = tp.send_in_transaction(Message(name, b"x"), None)
+    tp.close()  # nobody left to answer: the half waits, uncounted
+    assert main(["half", "list"]) == 0
+    out = capsys.readouterr().out
+    assert res.msg_id in out and f"group=p{name}" in out
+    assert main(["half", "rollback", res.msg_id]) == 0
+    assert capsys.readouterr().out.strip() == "ROLLED_BACK"
+    assert main(["half", "list"]) == 0
+    assert res.msg_id not in capsys.readouterr().out

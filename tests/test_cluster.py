@@ -321,3 +321,30 @@ def test_connect_again_reuses_the_running_actors(mq):
     assert [rpc.call(again.shard_handle(i).ping)["pid"] for i in range(again.num_shards)] == \
         [b["pid"] for b in before]
     assert make_msg_id(1, 255) == "000100000000000000FF"
+
+
+def test_ordered_mode_handles_each_queue_in_order_and_retries_in_place(mq, name):
+    mq.create_topic(name, queues=2)
+    p = mq.producer("p")
+    p.send_batch([Message(name, f"{k}:{i}".encode(), key=f"key{k}")
+                  for i in range(20) for k in range(3)])
+    handled = defaultdict(list)
+    failed_once = set()
+
+    def handler(m):
+        key, i = m.body.decode().split(":")
+        if i == "5" and key not in failed_once:
+            failed_once.add(key)
+            raise RuntimeError("first attempt fails")
+        handled[key].append(int(i))
+    c = mq.consumer(f"g{name}", [name], ordered=True)
+    t = threading.Thread(target=c.run, args=(handler,), kwargs={"idle_s": 0.2})
+    t.start()
+    wait_for(lambda: sum(len(v) for v in handled.values()) >= 60, what="all handled")
+    c.stop()
+    t.join()
+    assert {k: v for k, v in handled.items()} == {str(k): list(range(20)) for k in range(3)}
+    assert failed_once == {"0", "1", "2"}
+    assert mq.admin.dlq_list(f"g{name}") == []
+    c.close()
+    p.close()
