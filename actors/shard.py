@@ -112,7 +112,9 @@ class BrokerShard:
         self._check_routes(keys)
         if batch.properties is not None:
             batch = self._redirect_delayed(batch)
+        t0 = self.clock.monotonic_ms()
         res = self.store.put(batch, producer_id=producer_id, sequence=sequence)
+        self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         if batch.properties is not None and (batch.topics == HALF_TOPIC or (
                 isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
             self._note_new_halves(batch, res)
@@ -226,6 +228,8 @@ class BrokerShard:
             out.append((topic, qid, batch, next_offset, end))
         if total:
             self.metrics.inc("messages_out", total)
+            self.metrics.inc("bytes_out", float(sum(sum(map(len, batch.bodies))
+                                                    for _t, _q, batch, _n, _e in out)))
         return out, total
 
     # ------------------------------------------------------------ offsets
@@ -252,6 +256,8 @@ class BrokerShard:
         with self._routes_lock:
             routes = sorted(self._routes)
         depth = {f"{t}/{q}": self.store.max_queue_offset(t, q) for t, q in routes}
+        for key, d in depth.items():
+            self.metrics.set("queue_depth", float(d), queue=key)
         groups: dict[str, dict[str, int]] = {}
         for key, off in self.store.offsets.snapshot().items():
             parts = key.split("@")

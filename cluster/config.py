@@ -64,6 +64,9 @@ class ClusterConfig:
     retry_backoff_max_ms: int = doc("Longest back-off between send attempts.", 3000)
     linger_ms: int = doc("How long a producer waits to fill a batch when sends trickle in.", 1)
     batch_max_messages: int = doc("Most messages in one producer request to a shard.", 2000)
+    producer_lanes: int = doc("Requests a producer may have in flight to one shard (queue i "
+                              "always uses lane i % lanes, so queue order is kept). More lanes overlap requests "
+                              "but make more, smaller ones: measure before raising it.", 1)
     pull_batch_messages: int = doc("Most messages a consumer fetches per queue per pull.", 1000)
     pull_wait_ms: int = doc("How long a pull waits at the shard for new messages (long poll).",
                             500)
@@ -93,7 +96,7 @@ class ClusterConfig:
                      "schedule_tick_ms", "shard_max_concurrency", "retry_first_level",
                      "txn_timeout_ms", "txn_check_interval_ms", "txn_max_checks",
                      "txn_check_backoff_max_ms", "txn_max_checks_per_group", "num_checkers",
-                     "num_registries", "producer_lease_ms"):
+                     "num_registries", "producer_lease_ms", "producer_lanes"):
             _positive_int(self, name)
         for name in ("send_retries", "linger_ms", "pull_wait_ms"):
             _positive_int(self, name, minimum=0)

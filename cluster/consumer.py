@@ -76,6 +76,8 @@ class Consumer:
         self._stop = threading.Event()
         self._closed = False
         self.generation = 0
+        from cluster.metrics import RayMetrics
+        self.metrics = RayMetrics(client="consumer", group=group)
         self.heartbeat()  # own queues before the first poll
         self._hb = threading.Thread(target=self._heartbeat_loop, name="raymq-consumer-hb",
                                     daemon=True)
@@ -230,6 +232,7 @@ class Consumer:
                 if q is None or q.shard != shard or q.fetch != sent.get((topic, qid)):
                     continue  # released or repositioned meanwhile
                 self._buffer.extend(_to_ext(shard, batch))
+                self.metrics.inc("messages_consumed", len(batch))
                 if not len(batch):
                     q.position = max(q.position, next_offset) if q.position == q.fetch else q.position
                 q.fetch = next_offset

@@ -20,6 +20,7 @@ from actors.registry import ProducerGroupRegistry
 from actors.shard import BrokerShard
 from cluster import rpc
 from cluster.config import ClusterConfig
+from cluster.metrics import RayMetrics
 
 log = logging.getLogger("raymq.deploy")
 
@@ -29,54 +30,6 @@ CONTROLLER = "controller"
 
 def shard_name(i: int) -> str:
     return f"shard-{i}"
-
-
-class RayMetrics:
-    """``ray.util.metrics`` behind the shard's metrics interface (Prometheus / dashboard)."""
-
-    def __init__(self, **default_tags):
-        from ray.util import metrics
-        self._m = metrics
-        self._tags = default_tags
-        self._made: dict[str, object] = {}
-
-    def _get(self, kind: str, name: str, tag_keys: tuple[str, ...]):
-        metric = self._made.get(name)
-        if metric is None:
-            full = f"raymq_{name}"
-            keys = tuple(sorted(set(tag_keys) | set(self._tags)))
-            if kind == "counter":
-                metric = self._m.Counter(full, description=name, tag_keys=keys)
-            elif kind == "gauge":
-                metric = self._m.Gauge(full, description=name, tag_keys=keys)
-            else:
-                metric = self._m.Histogram(full, description=name, tag_keys=keys,
-                                           boundaries=[1, 5, 10, 50, 100, 500, 1000, 5000])
-            self._made[name] = metric
-        return metric
-
-    def _record(self, kind: str, name: str, value: float, tags: dict) -> None:
-        try:
-            metric = self._get(kind, name, tuple(tags))
-            full = {**self._tags, **{k: str(v) for k, v in tags.items()}}
-            if kind == "counter":
-                if value > 0:
-                    metric.inc(value, tags=full)
-            elif kind == "gauge":
-                metric.set(value, tags=full)
-            else:
-                metric.observe(value, tags=full)
-        except Exception as err:  # metrics must never break the broker
-            log.debug("metric %s not recorded: %s", name, err)
-
-    def inc(self, name, value=1.0, **tags):
-        self._record("counter", name, float(value), tags)
-
-    def set(self, name, value, **tags):
-        self._record("gauge", name, float(value), tags)
-
-    def observe(self, name, value, **tags):
-        self._record("histogram", name, float(value), tags)
 
 
 class ShardActor(BrokerShard):

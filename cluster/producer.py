@@ -2,10 +2,15 @@
 
 Concurrent ``send`` calls from many threads are coalesced into one request
 per shard (Kafka-producer style ``linger_ms`` / ``batch_max_messages``); each
-caller still gets its own ``SendResult``.  Every request carries the
-producer's id and a per-shard sequence; a request is resent unchanged after a
-timeout or a shard restart, and the shard stores it once.  One request per
-shard is in flight at a time, which keeps the order of a queue.
+caller still gets its own ``SendResult``.
+
+Requests to a shard travel in *lanes*: a queue always uses lane
+``queue_id % producer_lanes``, each lane has its own producer id and
+sequence, and one request per lane is in flight at a time.  So the order of
+a queue is kept (its messages are in one lane, one request after another),
+requests for different queues overlap, and every request is idempotent: it
+is resent unchanged after a timeout or a shard restart and the shard stores
+it once.
 """
 from __future__ import annotations
 
@@ -105,7 +110,10 @@ class Producer:
         self._mq = mq
         self.group = group
         self.config = mq.config
-        self.producer_id = random.SystemRandom().getrandbits(62) | 1
+        rng = random.SystemRandom()
+        self.lanes = max(1, int(mq.config.producer_lanes))
+        self._lane_pids = [rng.getrandbits(62) | 1 for _ in range(self.lanes)]
+        self.producer_id = self._lane_pids[0]
         self._seq: dict[int, int] = defaultdict(int)
         self._pending: dict[int, deque[_Pending]] = defaultdict(deque)
         self._inflight: dict[int, _InFlight] = {}
@@ -115,6 +123,8 @@ class Producer:
         self._num_levels = len(self.config.delay_levels_ms)
         self._closed = False
         self.retries = 0
+        from cluster.metrics import RayMetrics
+        self.metrics = RayMetrics(client="producer", group=group)
         self._thread = threading.Thread(target=self._run, name="raymq-producer", daemon=True)
         self._thread.start()
 
@@ -208,20 +218,22 @@ class Producer:
         born = int(time.time() * 1000)
         limit = self.config.batch_max_messages
         parts, pendings = [], []
-        for shard in np.unique(shards).tolist():
-            idx_all = np.flatnonzero(shards == shard) if len(parts) or shards.min() != shards.max() \
-                else np.arange(cols.n)
+        lanes = shards * self.lanes + qids % self.lanes
+        single = lanes.min() == lanes.max()
+        for lane_key in np.unique(lanes).tolist():
+            key = divmod(lane_key, self.lanes)
+            idx_all = np.arange(cols.n) if single else np.flatnonzero(lanes == lane_key)
             for lo in range(0, len(idx_all), limit):
                 idx = idx_all[lo:lo + limit].tolist()
                 q = qids[idx_all[lo:lo + limit]].tolist()
                 batch = columns_to_batch(cols, idx, q, born)
                 fut: Future = Future()
                 topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
-                pendings.append((shard, _Pending(batch, fut, list(zip(topics, q)), idx)))
+                pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx)))
                 parts.append((fut, idx))
         with self._cv:
-            for shard, pending in pendings:
-                self._pending[shard].append(pending)
+            for key, pending in pendings:
+                self._pending[key].append(pending)
             self._cv.notify_all()
         return parts
 
@@ -248,12 +260,13 @@ class Producer:
                             born_ms=int(time.time() * 1000))
         fut: Future = Future()
         with self._cv:
-            self._pending[shard].append(_Pending(batch, fut, [(m.topic, qid)], [0]))
+            self._pending[(shard, qid % self.lanes)].append(
+                _Pending(batch, fut, [(m.topic, qid)], [0]))
             self._cv.notify_all()
         return fut, [0]
 
-    def _take(self, shard: int) -> list[_Pending]:
-        queue = self._pending[shard]
+    def _take(self, key: tuple[int, int]) -> list[_Pending]:
+        queue = self._pending[key]
         items, count = [], 0
         while queue and count + len(queue[0].positions) <= self.config.batch_max_messages:
             p = queue.popleft()
@@ -263,11 +276,11 @@ class Producer:
             items.append(queue.popleft())
         return items
 
-    def _start(self, shard: int, items: list[_Pending], request, sequence: int,
+    def _start(self, shard: tuple[int, int], items: list[_Pending], request, sequence: int,
                attempt: int) -> None:
-        """Send a request; its completion arrives through ``_on_done`` (no polling)."""
-        handle = self._mq.shard_handle(shard)
-        ref = handle.send.remote(request, self.producer_id, sequence)
+        """Send a request of lane ``(shard, lane)``; completion arrives in ``_on_done``."""
+        handle = self._mq.shard_handle(shard[0])
+        ref = handle.send.remote(request, self._lane_pids[shard[1]], sequence)
         f = _InFlight(ref, items, request, sequence, attempt,
                       time.monotonic() + self.config.send_timeout_ms / 1000)
         with self._cv:
@@ -302,7 +315,7 @@ class Producer:
                     if now > f.deadline:
                         del self._inflight[shard]
                         self._retry_or_fail(shard, f, RequestTimeoutError(
-                            f"shard-{shard} did not answer within "
+                            f"shard-{shard[0]} did not answer within "
                             f"{self.config.send_timeout_ms} ms"))
                 ready = [s for s, q in self._pending.items()
                          if q and s not in self._inflight and s not in self._retrying]
@@ -340,14 +353,17 @@ class Producer:
             backoff = min(self.config.retry_backoff_ms * (2 ** f.attempt),
                           self.config.retry_backoff_max_ms) / 1000.0
             self.retries += 1
-            log.warning("send to shard-%d failed (%s); retry %d in %.2f s", shard, err,
+            self.metrics.inc("send_retries")
+            log.warning("send to shard-%d failed (%s); retry %d in %.2f s", shard[0], err,
                         f.attempt + 1, backoff)
             self._retrying[shard] = (f, time.monotonic() + backoff)
             return
         self._fail(f.items, err)
 
-    def _complete(self, shard: int, f: _InFlight, result: dict) -> None:
+    def _complete(self, key: tuple[int, int], f: _InFlight, result: dict) -> None:
+        shard = key[0]
         status = SendStatus(result["status"])
+        self.metrics.inc("messages_sent", len(result["phys"]) or len(f.request))
         phys, qoffs = list(result["phys"]), list(result["queue_offsets"])
         i = 0
         known = len(phys)

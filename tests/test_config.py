@@ -54,3 +54,13 @@ def test_ray_up_file_is_a_local_provider_cluster_that_installs_the_project():
     assert any(".ci/install.sh" in c for c in cfg["setup_commands"])
     assert any("cluster.placement" in c for c in cfg["head_start_ray_commands"])
     assert any("cluster.placement" in c for c in cfg["worker_start_ray_commands"])
+
+
+def test_metrics_never_raise_even_for_values_ray_refuses():
+    from cluster.metrics import RayMetrics
+    m = RayMetrics(shard="0")
+    m.inc("test_counter", 0)      # ray refuses 0 for counters: skipped
+    m.inc("test_counter", 2, group="g")
+    m.set("test_gauge", 1.5)
+    m.observe("test_hist", 12.0)
+    assert set(m._made) == {"test_counter", "test_gauge", "test_hist"}
