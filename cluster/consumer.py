@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -70,7 +70,9 @@ class Consumer:
         self.member_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
         self._queues: dict[tuple[str, int], _Queue] = {}
-        self._buffer: list[MessageExt] = []
+        # fetched, not yet polled: chunks of one queue's messages, in offset order
+        self._buffer: deque[tuple[tuple[str, int], list[MessageExt]]] = deque()
+        self._buffered = 0
         self._inflight: dict[int, object] = {}
         self._inflight_req: dict[int, list[tuple[str, int, int, int]]] = {}
         self._stop = threading.Event()
@@ -141,8 +143,13 @@ class Consumer:
         with self._lock:
             for q in queues:
                 self._queues.pop(q, None)
-            self._buffer = [m for m in self._buffer if (m.source_topic, m.source_queue) not in queues]
+            self._drop_buffered(set(queues))
         log.info("consumer %s of %s: released %s", self.member_id, self.group, queues)
+
+    def _drop_buffered(self, queues: set) -> None:
+        kept = deque((k, c) for k, c in self._buffer if k not in queues)
+        self._buffered = sum(len(c) for _, c in kept)
+        self._buffer = kept
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_ms / 1000.0):
@@ -162,12 +169,19 @@ class Consumer:
         while True:
             with self._lock:
                 if self._buffer:
-                    out, self._buffer = self._buffer[:max_messages], self._buffer[max_messages:]
-                    for m in out:
-                        q = self._queues.get((m.source_topic, m.source_queue))
-                        if q is not None:
-                            q.position = max(q.position, m.source_offset + 1)
-                    low = len(self._buffer) < self.config.pull_batch_messages
+                    out = []
+                    while self._buffer and len(out) < max_messages:
+                        key, chunk = self._buffer.popleft()
+                        room = max_messages - len(out)
+                        if len(chunk) > room:
+                            self._buffer.appendleft((key, chunk[room:]))
+                            chunk = chunk[:room]
+                        out += chunk
+                        q = self._queues.get(key)
+                        if q is not None:  # a chunk is in offset order: its last is the newest
+                            q.position = max(q.position, chunk[-1].source_offset + 1)
+                    self._buffered -= len(out)
+                    low = self._buffered < self.config.pull_batch_messages
                 else:
                     out = None
             if out is not None:
@@ -231,7 +245,9 @@ class Consumer:
                 q = self._queues.get((topic, qid))
                 if q is None or q.shard != shard or q.fetch != sent.get((topic, qid)):
                     continue  # released or repositioned meanwhile
-                self._buffer.extend(_to_ext(shard, batch))
+                if len(batch):
+                    self._buffer.append(((topic, qid), _to_ext(shard, batch)))
+                    self._buffered += len(batch)
                 self.metrics.inc("messages_consumed", len(batch))
                 if not len(batch):
                     q.position = max(q.position, next_offset) if q.position == q.fetch else q.position
@@ -265,8 +281,7 @@ class Consumer:
             if q is None:
                 raise RayMQError(f"{topic}/{queue_id} is not owned by this consumer")
             q.fetch = q.position = offset
-            self._buffer = [m for m in self._buffer
-                            if (m.source_topic, m.source_queue) != (topic, queue_id)]
+            self._drop_buffered({(topic, queue_id)})
 
     # ------------------------------------------------------------- push mode
     def nack(self, msg: MessageExt, reason: str = "") -> dict:

@@ -310,6 +310,9 @@ def messages_ext(shard: int, msgs) -> list[MessageExt]:
         out = [MessageExt(m.topic, m.queue_id, m.queue_offset, m.body, m.key, m.tags,
                           m.properties, m.reconsume_count, m.born_ms, m.store_ms, shard,
                           m.phys_offset, m.topic, m.queue_id, m.queue_offset) for m in msgs]
+    topics = set(msgs.topics) if isinstance(msgs, MessageBatch) else {m.topic for m in msgs}
+    if not any(t.startswith(RETRY_PREFIX) for t in topics):
+        return out
     for m in out:
         if m.source_topic.startswith(RETRY_PREFIX):
             raw = m._props
