@@ -9,6 +9,10 @@ Idempotence of methods (what a retried Ray call may do):
 - ``commit_offsets``: idempotent (sets, never adds).
 - ``send_back``: not idempotent; a retried call may produce a second retry copy
   (at-least-once redelivery, never loss).
+- ``dlq_resend``: not idempotent; a retried call may resend twice (progress is
+  recorded after the resend: at least once, never loss).
+- ``end_transactions`` / ``resolve_half``: idempotent (a resolved half stays resolved).
+- ``check_round``: safe to repeat (stale copies are skipped).
 - reads (``pull``, ``get_message``, ...): no effect.
 """
 from __future__ import annotations
@@ -28,12 +32,13 @@ from cluster.message import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE
 from storage import MessageStore, RecordBatch
 from storage.clock import Clock, SystemClock
 from storage.errors import InvalidMessageError, OffsetOutOfRangeError, UnknownTopicError
+from storage.producers import INTERNAL_PRODUCER_BASE
 from storage.records import MessageBatch, StoredMessage, SysFlag, tags_hash
 
 log = logging.getLogger("raymq.shard")
 
 #: Producer ids of the shard's own writers (clients draw theirs below 2**62).
-SCHEDULER_PID_BASE = 1 << 62
+SCHEDULER_PID_BASE = INTERNAL_PRODUCER_BASE
 
 
 class NullMetrics:
@@ -145,6 +150,11 @@ class BrokerShard:
             if not p:
                 continue
             if p.get(Prop.TRAN_MSG) == "true":
+                if Prop.DELIVER_AT in p:
+                    raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level")
+                if Prop.DELAY in p and not 1 <= int(p[Prop.DELAY]) <= len(self._levels_ms):
+                    raise InvalidMessageError(f"delay level {p[Prop.DELAY]} is not "
+                                              f"1..{len(self._levels_ms)}")
                 if not p.get(Prop.PRODUCER_GROUP) or not p.get(Prop.TRANSACTION_ID):
                     raise InvalidMessageError("a transactional message needs its producer group "
                                               "and transaction id")
@@ -454,6 +464,9 @@ class BrokerShard:
                 outcomes.append(self._end(group, txid, list(origins), state, operator=False))
             except (InvalidMessageError, IllegalTransition) as err:
                 outcomes.append(f"REFUSED: {err}")
+            except Exception as err:  # one bad request must not lose the others' ends
+                log.warning("shard-%d: end of %s failed: %s", self.index, txid, err)
+                outcomes.append(f"FAILED: {type(err).__name__}: {err}")
         return outcomes
 
     def end_transaction(self, group: str, txid: str, origins: list[int], state: str) -> str:
@@ -529,7 +542,8 @@ class BrokerShard:
         now = self.clock.now_ms() if now_ms is None else now_ms
         policy = CheckPolicy(max_checks=self.config.txn_max_checks,
                              check_backoff_max_ms=self.config.txn_check_backoff_max_ms,
-                             max_checks_per_group=max_checks_per_group)
+                             max_checks_per_group=max_checks_per_group,
+                             base_timeout_ms=self.config.txn_timeout_ms)
         with self._tx_lock:
             start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
             halves = self.store.read_queue(HALF_TOPIC, 0, start, window)
@@ -550,6 +564,8 @@ class BrokerShard:
                 progress = view.queue_offset + 1
                 if action is Action.SKIP:
                     continue
+                if self._latest_copy.get(view.origin, view.queue_offset) != view.queue_offset:
+                    continue  # a stale copy (a round repeated after a crash): the newer one counts
                 m = by_offset[view.queue_offset]
                 if action is Action.EXPIRE:
                     writes.append(("expire", view, _copy(m, view.origin, view.checks,
@@ -596,7 +612,12 @@ class BrokerShard:
         min_live = min(self._latest_copy) if self._latest_copy else None
         start = max(0, self.store.offsets.get(self._OP_PROGRESS, 0))
         ops = self.store.read_queue(OP_TOPIC, 0, start, 5000)
-        n = op_progress([int(m.properties[Prop.ORIGIN_HALF]) for m in ops], min_live)
+        # an op whose half is still EXPIRED is kept (operators and late ends may still
+        # resolve it, and a restart must find it): it counts as not matched yet
+        blocked = min_live if min_live is not None else float("inf")
+        n = op_progress([int(m.properties[Prop.ORIGIN_HALF])
+                         if self._resolved.get(int(m.properties[Prop.ORIGIN_HALF]))
+                         is not HalfState.EXPIRED else blocked for m in ops], min_live)
         if n:
             self.store.offsets.update({self._OP_PROGRESS: start + n})
         # forget what can no longer come up (expired halves stay: operators resolve them)

@@ -86,6 +86,7 @@ class CheckPolicy:
     max_checks: int = 15
     check_backoff_max_ms: int = 300_000
     max_checks_per_group: int = 1000  # per round: a storm of checks is bounded
+    base_timeout_ms: int = 6000  # the default transaction timeout (the smallest usual one)
 
     def due_ms(self, h: HalfView) -> int:
         """When a half may be checked: after its timeout, then with doubling back-off."""
@@ -118,10 +119,10 @@ def plan_round(halves: list[HalfView], resolved: set[int] | dict, live_groups: s
             plan.actions.append((h, Action.SKIP))
             continue
         if now_ms < policy.due_ms(h):
-            if h.checks == 0:
-                plan.actions.append((h, Action.STOP))
+            if h.checks == 0 and now_ms < h.store_ms + policy.base_timeout_ms:
+                plan.actions.append((h, Action.STOP))  # young: so is everything after it
                 break
-            plan.actions.append((h, Action.DEFER))
+            plan.actions.append((h, Action.DEFER))  # backing off, or a long custom timeout
             continue
         if h.group not in live_groups:
             plan.waiting_groups.add(h.group)

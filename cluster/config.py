@@ -62,7 +62,9 @@ class ClusterConfig:
                             "(exponential back-off).", 8)
     retry_backoff_ms: int = doc("First back-off between send attempts; doubles each time.", 100)
     retry_backoff_max_ms: int = doc("Longest back-off between send attempts.", 3000)
-    linger_ms: int = doc("How long a producer waits to fill a batch when sends trickle in.", 1)
+    linger_ms: int = doc("How long a producer holds a request that is not full, waiting for "
+                         "more sends to join it (0: send as soon as the shard's lane is free; "
+                         "while a request is in flight, sends gather anyway).", 0)
     batch_max_messages: int = doc("Most messages in one producer request to a shard.", 2000)
     producer_lanes: int = doc("Requests a producer may have in flight to one shard (queue i "
                               "always uses lane i % lanes, so queue order is kept). More lanes overlap requests "

@@ -78,6 +78,7 @@ class Consumer:
         self._stop = threading.Event()
         self._closed = False
         self.generation = 0
+        self._processing: dict[tuple[str, int], int] = {}  # queue -> first offset in a handler
         from cluster.metrics import RayMetrics
         self.metrics = RayMetrics(client="consumer", group=group)
         self.heartbeat()  # own queues before the first poll
@@ -265,8 +266,12 @@ class Consumer:
         with self._lock:
             for key in queues:
                 q = self._queues.get(key)
-                if q is not None and q.position != q.committed:
-                    by_shard[q.shard][key] = q.position
+                if q is None:
+                    continue
+                # in push mode, never past a message a handler is still working on
+                upto = min(q.position, self._processing.get(key, q.position))
+                if upto != q.committed:
+                    by_shard[q.shard][key] = upto
         for shard, offsets in by_shard.items():
             rpc.call(self._mq.shard_handle(shard).commit_offsets, self.group, offsets, timeout_s=30)
             with self._lock:
@@ -304,6 +309,11 @@ class Consumer:
                 msgs = self.poll(batch, idle_s)
                 if not msgs:
                     continue
+                with self._lock:
+                    for m in msgs:
+                        key = (m.source_topic, m.source_queue)
+                        self._processing[key] = min(self._processing.get(key, m.source_offset),
+                                                    m.source_offset)
                 if self.ordered:
                     by_queue = defaultdict(list)
                     for m in msgs:
@@ -314,6 +324,8 @@ class Consumer:
                     for m, (ok, reason) in zip(msgs, outcomes):
                         if not ok:
                             self.nack(m, reason)
+                with self._lock:
+                    self._processing.clear()
                 self.commit()
         finally:
             pool.shutdown(wait=True)
@@ -322,8 +334,11 @@ class Consumer:
         for m in msgs:
             for attempt in range(self.config.max_reconsume + 1):
                 ok, reason = _handle(handler, m)
-                if ok or self._stop.is_set():
+                if ok:
                     break
+                if self._stop.is_set():  # stopping on a failure: this message comes again
+                    self.seek(m.source_topic, m.source_queue, m.source_offset)
+                    return
                 m.reconsume_count += 1
                 time.sleep(min(1.0, 0.05 * (2 ** attempt)))
             else:

@@ -41,6 +41,7 @@ class _Pending:
     future: Future  # -> list[SendResult], one per message
     topic_qids: list[tuple[str, int]]
     positions: list[int]  # where each message stands in its send_batch call
+    queued_at: float = 0.0
 
 
 @dataclass
@@ -229,7 +230,8 @@ class Producer:
                 batch = columns_to_batch(cols, idx, q, born)
                 fut: Future = Future()
                 topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
-                pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx)))
+                pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx,
+                                               time.monotonic())))
                 parts.append((fut, idx))
         with self._cv:
             for key, pending in pendings:
@@ -261,7 +263,7 @@ class Producer:
         fut: Future = Future()
         with self._cv:
             self._pending[(shard, qid % self.lanes)].append(
-                _Pending(batch, fut, [(m.topic, qid)], [0]))
+                _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic()))
             self._cv.notify_all()
         return fut, [0]
 
@@ -317,8 +319,16 @@ class Producer:
                         self._retry_or_fail(shard, f, RequestTimeoutError(
                             f"shard-{shard[0]} did not answer within "
                             f"{self.config.send_timeout_ms} ms"))
-                ready = [s for s, q in self._pending.items()
-                         if q and s not in self._inflight and s not in self._retrying]
+                linger = self.config.linger_ms / 1000.0
+                ready, lingering = [], []
+                for key, q in self._pending.items():
+                    if not q or key in self._inflight or key in self._retrying:
+                        continue
+                    if linger and sum(len(p.positions) for p in q) < self.config.batch_max_messages \
+                            and now - q[0].queued_at < linger:
+                        lingering.append(q[0].queued_at + linger)  # wait for more to come
+                    else:
+                        ready.append(key)
                 due = [s for s, (_, when) in self._retrying.items()
                        if when <= now and s not in self._inflight]
                 if not ready and not due:
@@ -326,7 +336,8 @@ class Producer:
                             and not self._retrying and not self._inflight:
                         return
                     waits = [0.05] + [w - now for _, w in self._retrying.values()] + \
-                        [f.deadline - now for f in self._inflight.values()]
+                        [f.deadline - now for f in self._inflight.values()] + \
+                        [t - now for t in lingering]
                     self._cv.wait(max(0.001, min(waits)))
                     continue
                 starts = []

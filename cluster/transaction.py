@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from cluster.message import Message, MessageExt, Prop, SendResult, SendStatus, messages_ext
-from storage.errors import RayMQError
+from storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.transaction")
 
@@ -118,22 +119,47 @@ class TransactionProducer:
         msgs = list(msg) if batch else [msg]
         if not msgs:
             raise RayMQError("a transaction needs at least one message")
+        if any(m.deliver_at_ms is not None for m in msgs):
+            raise InvalidMessageError("deliver_at_ms is not supported for transactional messages "
+                                      "yet; use delay_level")
+        if timeout_ms is not None and (isinstance(timeout_ms, bool) or not isinstance(
+                timeout_ms, int) or timeout_ms <= 0):
+            raise InvalidMessageError("timeout_ms must be a positive number of milliseconds")
         txid = uuid.uuid4().hex
         props = {Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: self.group,
                  Prop.TRANSACTION_ID: txid}
         if timeout_ms is not None:
             props[Prop.TXN_TIMEOUT_MS] = str(int(timeout_ms))
+        started = time.monotonic()
         parts = self._producer._submit(msgs, system_props=props)
         results: list = [None] * len(msgs)
+        failure = None
         for fut, positions in parts:
-            part = fut.result()
+            try:
+                part = fut.result()
+            except Exception as err:  # this part was not stored
+                failure = failure or err
+                continue
             for j, pos in enumerate(positions):
                 results[pos] = part[j]
+        if failure is not None:  # roll back the parts that were stored, then report
+            self._end(txid, [r for r in results if r is not None],
+                      LocalTransactionState.ROLLBACK_MESSAGE)
+            raise failure
         statuses = {r.status for r in results}
         send_status = SendStatus.SEND_OK if statuses == {SendStatus.SEND_OK} else \
             next(s for s in statuses if s is not SendStatus.SEND_OK)
         shown = [replace(m, transaction_id=txid) for m in msgs]
-        if send_status is not SendStatus.SEND_OK:
+        limit_ms = timeout_ms if timeout_ms is not None else self._mq.config.txn_timeout_ms
+        if send_status is SendStatus.SEND_OK and (time.monotonic() - started) * 1000 >= limit_ms:
+            # the halves may already have been checked back (and rolled back): do not run
+            # a local transaction whose message could be gone
+            log.warning("half of %s stored only after its transaction timeout; rolling back",
+                        txid)
+            send_status_late = True
+        else:
+            send_status_late = False
+        if send_status is not SendStatus.SEND_OK or send_status_late:
             state = LocalTransactionState.ROLLBACK_MESSAGE
         else:
             try:
@@ -154,6 +180,8 @@ class TransactionProducer:
             return
         by_shard: dict[int, list[int]] = defaultdict(list)
         for r in results:
+            if r[5] is None or r[5] < 0 or r[6] is None or r[6] < 0:
+                continue  # a resend the shard had stored before: check-back settles it
             by_shard[r[5]].append(r[6])
         with self._cv:
             for shard, origins in by_shard.items():

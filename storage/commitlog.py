@@ -268,6 +268,21 @@ class CommitLog:
             raise StorageError(f"short read at {offset} in {seg.path}")
         return data
 
+    def truncate_to(self, offset: int) -> None:
+        """Cut the log at physical ``offset`` (recovery only): later segments go."""
+        i = max(0, bisect.bisect_right(self._bases, offset) - 1)
+        seg = self._segments[i]
+        keep = max(SEGMENT_HEADER_BYTES, offset - seg.base)
+        os.ftruncate(seg.fd, keep)
+        os.fsync(seg.fd)
+        seg.size = keep
+        for later in self._segments[i + 1:]:
+            os.close(later.fd)
+            os.unlink(later.path)
+        del self._segments[i + 1:]
+        del self._bases[i + 1:]
+        self.flushed_offset = min(self.flushed_offset, self.max_offset)
+
     def segment_end(self, offset: int) -> int:
         return self._segment_for(offset).end
 

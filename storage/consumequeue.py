@@ -39,7 +39,11 @@ class ConsumeQueue:
         self.dirty = False
 
     def append(self, entries: bytes, last_phys: int) -> None:
-        os.write(self.fd, entries)
+        written = os.write(self.fd, entries)
+        if written != len(entries):  # keep the file whole entries only
+            os.ftruncate(self.fd, self.count * CQ_ENTRY_BYTES)
+            raise OSError(f"short write to consume queue {self.path}: {written} of "
+                          f"{len(entries)} bytes")
         self.count += len(entries) // CQ_ENTRY_BYTES
         self.last_phys = last_phys
         self.dirty = True

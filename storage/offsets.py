@@ -25,7 +25,18 @@ class OffsetStore:
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
+        self._remove_stale_temp_files()
         self._table: dict[str, int] = self._load()
+
+    def _remove_stale_temp_files(self) -> None:
+        """Temp files of writes that a crash interrupted (never read: the rename did not happen)."""
+        directory, base = os.path.split(os.path.abspath(self.path))
+        for name in os.listdir(directory):
+            if name.startswith(base + ".tmp."):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass
 
     def _load(self) -> dict[str, int]:
         try:

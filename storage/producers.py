@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+#: Producer ids at or above this are the broker's own (clients draw theirs below 2**62).
+INTERNAL_PRODUCER_BASE = 1 << 62
+
+
 @dataclass
 class CachedPut:
     sequence: int
@@ -74,8 +78,13 @@ class ProducerTable:
             state.recent.popitem(last=False)
 
     def expire(self, now_ms: int, expiry_ms: int) -> int:
-        """Forget producers not seen for ``expiry_ms``; return how many."""
-        old = [pid for pid, s in self._states.items() if now_ms - s.last_seen_ms > expiry_ms]
+        """Forget producers not seen for ``expiry_ms``; return how many.
+
+        Ids from ``INTERNAL_PRODUCER_BASE`` up belong to the broker's own writers
+        (the delay scheduler keeps its progress as their sequence): never expired.
+        """
+        old = [pid for pid, s in self._states.items()
+               if pid < INTERNAL_PRODUCER_BASE and now_ms - s.last_seen_ms > expiry_ms]
         for pid in old:
             del self._states[pid]
         return len(old)

@@ -468,10 +468,10 @@ def check_frame(buf, pos: int, end: int) -> tuple[int, int]:
     return frame_len, count
 
 
-def frame_producer(buf, pos: int) -> tuple[int, int, int]:
-    """(producer_id, sequence, store_ms) of the frame at ``buf[pos:]``."""
+def frame_producer(buf, pos: int) -> tuple[int, int, int, int]:
+    """(producer_id, sequence, store_ms, attrs) of the frame at ``buf[pos:]``."""
     fields = FRAME.unpack_from(buf, pos)
-    return fields[8], fields[9], fields[7]
+    return fields[8], fields[9], fields[7], fields[4]
 
 
 def frame_headers(buf, pos: int, count: int) -> np.ndarray:

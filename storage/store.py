@@ -33,7 +33,8 @@ from storage.fileutil import atomic_write, fsync_dir
 from storage.offsets import OffsetStore
 from storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                              StoredMessage, decode_records, encode_frame, frame_headers,
-                             frame_producer, record_sizes)
+                             frame_producer, record_sizes, FRAME_ATTR_LAST)
+from storage.commitlog import SEGMENT_HEADER_BYTES
 from storage.producers import ProducerTable
 
 log = logging.getLogger("raymq.storage")
@@ -145,6 +146,7 @@ class MessageStore:
         self.clock = clock or SystemClock()
         os.makedirs(directory, exist_ok=True)
         self._write_lock = threading.Lock()
+        self._failed: BaseException | None = None
         self._valid_topics: set[str] = set()
         self._flush_cond = threading.Condition()
         self._flushing = False
@@ -183,10 +185,13 @@ class MessageStore:
 
     def _recover(self) -> None:
         self._producers = ProducerTable()
+        self._open_put_entries: dict[ConsumeQueue, list] = {}
+        self._open_put_frames: list = []
         ckpt = self._read_checkpoint()
         self._cq.load()
         try:
             self._log.open(ckpt, self._replay_frame)
+            self._cut_open_put()
         except _RebuildNeeded as why:
             log.warning("consume queues disagree with the commit log (%s); rebuilding them", why)
             self._log.close()
@@ -196,7 +201,9 @@ class MessageStore:
             self._log = CommitLog(self._log.directory, self.config.segment_size_bytes)
             self.recovered_records = 0
             self._producers = ProducerTable()
+            self._open_put_entries, self._open_put_frames = {}, []
             self._log.open(0, self._replay_frame)
+            self._cut_open_put()
         end = self._log.max_offset
         for cq in self._cq.queues.values():
             dropped = cq.truncate_past(end)
@@ -206,20 +213,24 @@ class MessageStore:
         if self.recovered_records:
             log.info("store %s: re-indexed %d records past checkpoint %d",
                      self.directory, self.recovered_records, ckpt)
+        self._log.sync()  # the snapshot below must cover only what is on disk
         self._write_checkpoint(self._log.max_offset, sync_queues=True,
                                producers=self._producers.snapshot())
 
     def _replay_frame(self, frame_phys: int, buf, pos: int, frame_len: int,
                       count: int) -> None:
+        """Re-index one frame found past the checkpoint.
+
+        The frames of one put are applied together when its LAST frame is
+        seen; frames of a put whose LAST frame never made it to disk are
+        cut off after the scan (``_cut_open_put``), so a put is all or nothing.
+        """
         h = frame_headers(buf, pos, count)
         phys = frame_phys + h["frame_delta"].astype(np.int64)
         sizes = record_sizes(h)
-        producer_id, sequence, store_ms = frame_producer(buf, pos)
-        if producer_id:
-            self._producers.record(producer_id, sequence, phys, h["queue_offset"].copy(),
-                                   sizes, frame_phys + frame_len, store_ms)
+        producer_id, sequence, store_ms, attrs = frame_producer(buf, pos)
         topic_at: dict[tuple[int, int], str] = {}
-        pending: dict[ConsumeQueue, list[int]] = {}
+        pending = self._open_put_entries
         for i, (meta_off, topic_len, qid, qoff) in enumerate(zip(
                 h["meta_off"].tolist(), h["topic_len"].tolist(), h["queue_id"].tolist(),
                 h["queue_offset"].tolist())):
@@ -235,14 +246,32 @@ class MessageStore:
             if qoff != expected:
                 raise _RebuildNeeded(f"{topic}/{qid}: record at {phys[i]} has queue offset "
                                      f"{qoff}, the index expects {expected}")
-            waiting.append(i)
-        for cq, idx in pending.items():
-            entries = np.empty(len(idx), CQ_ENTRY)
-            entries["phys"] = phys[idx]
-            entries["size"] = sizes[idx]
-            entries["tag"] = h["tag_code"][idx]
-            cq.append(entries.tobytes(), int(phys[idx[-1]]))
-            self.recovered_records += len(idx)
+            waiting.append((int(phys[i]), int(sizes[i]), int(h["tag_code"][i])))
+        self._open_put_frames.append((frame_phys, producer_id, sequence, phys,
+                                      h["queue_offset"].copy(), sizes, frame_phys + frame_len,
+                                      store_ms))
+        if attrs & FRAME_ATTR_LAST:
+            for cq, entries in pending.items():
+                if entries:
+                    cq.append(np.array(entries, CQ_ENTRY).tobytes(), entries[-1][0])
+                    self.recovered_records += len(entries)
+            for (_fp, pid, seq, ph, qo, sz, end, ms) in self._open_put_frames:
+                if pid:
+                    self._producers.record(pid, seq, ph, qo, sz, end, ms)
+            self._open_put_entries = {}
+            self._open_put_frames = []
+
+    def _cut_open_put(self) -> None:
+        """A put whose last frame is missing at the end of the log: cut its frames."""
+        if not self._open_put_frames:
+            return
+        start = self._open_put_frames[0][0]
+        log.warning("store %s: the last put was cut short (%d of its frames on disk, its last "
+                    "frame missing); removing it from physical offset %d", self.directory,
+                    len(self._open_put_frames), start)
+        self._log.truncate_to(start)
+        self._open_put_frames = []
+        self._open_put_entries = {}
 
     # ---------------------------------------------------------------- put
     def put(self, batch: RecordBatch | Sequence[Record], *, producer_id: int = 0,
@@ -269,17 +298,28 @@ class MessageStore:
         with self._write_lock:
             if self._closed:
                 raise StorageError(f"store {self.directory} is closed")
+            if self._failed is not None:
+                raise StorageError(f"store {self.directory} stopped after a failed write "
+                                   f"({self._failed}); restart it to recover")
             if producer_id and self._producers.is_duplicate(producer_id, sequence):
                 return self._duplicate(producer_id, sequence)
             store_ms = self.clock.now_ms()
             qoffs, groups = self._assign_queue_offsets(batch)
+            # encode every frame first: a bad record fails the put before anything is written
+            frames = self._encode_frames(batch, body_lens, qoffs, store_ms, producer_id, sequence)
+            positions = []
+            try:
+                for _lo, _hi, frame in frames:
+                    positions.append(self._log.append(frame))
+            except BaseException as err:
+                if positions:  # part of a put is on disk: stop; recovery cuts the partial put
+                    self._failed = err
+                    log.error("store %s: write failed after %d of %d frames of a put (%s); "
+                              "refusing further writes until restart", self.directory,
+                              len(positions), len(frames), err)
+                raise
             phys_parts, size_parts = [], []
-            chunks = list(self._chunks(body_lens))
-            for lo, hi in chunks:
-                frame = encode_frame(batch.slice(lo, hi), qoffs[lo:hi], store_ms,
-                                     body_lens[lo:hi], producer_id=producer_id,
-                                     sequence=sequence, last=(hi == chunks[-1][1]))
-                pos = self._log.append(frame)
+            for (lo, hi, frame), pos in zip(frames, positions):
                 phys = frame.rel_offsets + pos
                 self._dispatch(batch, groups, lo, hi, phys, frame)
                 phys_parts.append(phys)
@@ -383,6 +423,31 @@ class MessageStore:
             if len(part):
                 self._cq.get_or_create(*key).append(entries[part].tobytes(),
                                                     int(phys[part[-1]]))
+
+    def _encode_frames(self, batch: RecordBatch, body_lens: np.ndarray, qoffs: np.ndarray,
+                       store_ms: int, producer_id: int, sequence: int):
+        """The frames of a put: chunks by estimated size, split again if a frame came out
+        too big (large keys or properties); only the last frame is flagged LAST."""
+        limit = min(self.config.max_frame_bytes,
+                    self._log.segment_size - SEGMENT_HEADER_BYTES)
+        work = list(self._chunks(body_lens))
+        frames = []
+        i = 0
+        while i < len(work):
+            lo, hi = work[i]
+            frame = encode_frame(batch.slice(lo, hi), qoffs[lo:hi], store_ms, body_lens[lo:hi],
+                                 producer_id=producer_id, sequence=sequence,
+                                 last=(i == len(work) - 1))
+            if frame.size > limit:
+                if hi - lo == 1:
+                    raise MessageTooLargeError(f"a record of {frame.size} bytes cannot fit a "
+                                               f"frame of at most {limit} bytes")
+                mid = (lo + hi) // 2
+                work[i:i + 1] = [(lo, mid), (mid, hi)]
+                continue
+            frames.append((lo, hi, frame))
+            i += 1
+        return frames
 
     def _chunks(self, body_lens: np.ndarray):
         """Index ranges whose frames stay under max_frame_bytes."""

@@ -362,3 +362,34 @@ def test_idempotent_put_is_stored_once_and_remembered_across_restarts(tmp_path):
     with open_store(tmp_path) as store:
         with pytest.raises(InvalidMessageError, match="producer id"):
             store.put(batch("t", 0, 0, 1), producer_id=-5, sequence=1)
+
+
+def test_a_put_of_several_frames_is_all_or_nothing_after_a_crash(tmp_path, caplog):
+    pid = 4242
+    with open_store(tmp_path) as store:
+        store.put(batch("t", 0, 0, 10))
+        big = store.put(batch("t", 0, 10, 3000), producer_id=pid, sequence=1)  # ~5 frames
+        assert len({p // SMALL.segment_size_bytes for p in big.phys_offsets}) >= 2
+    forget_checkpoint(tmp_path)
+    last_seg = commitlog_files(tmp_path)[-1]
+    seg_base = int(os.path.basename(last_seg)[:-4])
+    os.truncate(last_seg, big.phys_offsets[-1] - seg_base - 100)  # tear the LAST frame
+    caplog.set_level(logging.WARNING, logger="raymq.storage")
+    with open_store(tmp_path) as store:
+        assert store.max_queue_offset("t", 0) == 10  # none of the big put, not just its tail
+        assert store.last_sequence(pid) == 0  # and a retry of it will be stored
+        again = store.put(batch("t", 0, 10, 3000), producer_id=pid, sequence=1)
+        assert not again.duplicate and again.queue_offsets[0] == 10
+        assert [m.body for m in store.read_queue("t", 0, 3005, 5)] == [
+            body(i) for i in range(3005, 3010)]
+    assert "the last put was cut short" in caplog.text
+
+
+def test_a_failed_frame_encoding_writes_nothing(tmp_path):
+    with open_store(tmp_path) as store:
+        end = store.max_phys_offset
+        recs = batch("t", 0, 0, 3000)
+        recs.keys = [None] * 2999 + ["k" * 5000]  # the bad record is in the last frame
+        with pytest.raises(InvalidMessageError, match="longer than"):
+            store.put(recs)
+        assert store.max_phys_offset == end and store.max_queue_offset("t", 0) == 0

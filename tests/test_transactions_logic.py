@@ -58,3 +58,11 @@ def test_op_progress_stops_at_first_unmatched_op():
     assert op_progress([1, 2, 10, 3], min_pending_origin=5) == 2
     assert op_progress([1, 2, 3], min_pending_origin=None) == 3
     assert op_progress([], min_pending_origin=1) == 0
+
+
+def test_a_long_custom_timeout_does_not_block_later_halves():
+    pol = CheckPolicy(base_timeout_ms=6000)
+    long_one = h(0, store=0, timeout=3_600_000)
+    later = h(1, store=100)
+    plan = plan_round([long_one, later], set(), {"g"}, now_ms=10_000, policy=pol)
+    assert [a for _, a in plan.actions] == [Action.DEFER, Action.CHECK]
