@@ -457,16 +457,30 @@ class BrokerShard:
         Idempotent: a duplicate or late end for a resolved half does nothing.
         UNKNOW does nothing.  A group or transaction id that does not match
         the half is refused (that request's outcome says why; the others go on).
+        All the resolutions of the call are written in one put (one fsync).
         """
-        outcomes = []
-        for group, txid, origins, state in requests:
-            try:
-                outcomes.append(self._end(group, txid, list(origins), state, operator=False))
-            except (InvalidMessageError, IllegalTransition) as err:
-                outcomes.append(f"REFUSED: {err}")
-            except Exception as err:  # one bad request must not lose the others' ends
-                log.warning("shard-%d: end of %s failed: %s", self.index, txid, err)
-                outcomes.append(f"FAILED: {type(err).__name__}: {err}")
+        outcomes: list[str] = []
+        with self._tx_lock:
+            writes: list[RecordBatch] = []
+            done: dict[int, HalfState] = {}
+            for group, txid, origins, state in requests:
+                try:
+                    outcome, real, ops, resolved = self._plan_end(group, txid, list(origins),
+                                                                  state, operator=False,
+                                                                  also_done=done)
+                except (InvalidMessageError, IllegalTransition) as err:
+                    outcomes.append(f"REFUSED: {err}")
+                    continue
+                except Exception as err:  # one bad request must not lose the others' ends
+                    log.warning("shard-%d: end of %s failed: %s", self.index, txid, err)
+                    outcomes.append(f"FAILED: {type(err).__name__}: {err}")
+                    continue
+                outcomes.append(outcome)
+                writes += real + ops
+                done.update(resolved)
+            self._write_resolutions(writes, done)
+        if done:
+            self._wake_pullers()
         return outcomes
 
     def end_transaction(self, group: str, txid: str, origins: list[int], state: str) -> str:
@@ -478,52 +492,67 @@ class BrokerShard:
         return self._end("", "", [origin], state, operator=True)
 
     def _end(self, group: str, txid: str, origins: list[int], state: str, *, operator: bool) -> str:
-        wanted = {"COMMIT_MESSAGE": HalfState.COMMITTED, "COMMIT": HalfState.COMMITTED,
-                  "ROLLBACK_MESSAGE": HalfState.ROLLED_BACK, "ROLLBACK": HalfState.ROLLED_BACK,
-                  "UNKNOW": None, "UNKNOWN": None}
-        if state not in wanted:
-            raise InvalidMessageError(f"unknown transaction state {state!r}")
-        if wanted[state] is None:
-            return "UNKNOW"
-        target = wanted[state]
         with self._tx_lock:
-            real, ops, done = [], [], []
-            for origin in origins:
-                half = self.store.get_message(origin)
-                props = half.properties
-                if half.topic != HALF_TOPIC or props.get(Prop.TRAN_MSG) != "true":
-                    raise InvalidMessageError(f"{make_msg_id(self.index, origin)} is not a half "
-                                              "message")
-                if not operator and (props.get(Prop.PRODUCER_GROUP) != group
-                                     or props.get(Prop.TRANSACTION_ID) != txid):
-                    raise InvalidMessageError(
-                        f"end of transaction {txid!r} from group {group!r} does not match half "
-                        f"{make_msg_id(self.index, origin)} (group "
-                        f"{props.get(Prop.PRODUCER_GROUP)!r}, transaction "
-                        f"{props.get(Prop.TRANSACTION_ID)!r})")
-                current = self._half_state(origin)
-                if current is None:
-                    continue
-                new = next_state(current, target)
-                if new is None:
-                    continue
-                if new == HalfState.COMMITTED:
-                    real.append(_real_from_half(self.index, half))
-                ops.append(_op_record(origin, new, props))
-                done.append((origin, new))
-            if not ops:
-                return "NOOP"
-            if self._fault == "crash_between_real_and_op" and real:
-                self.store.put(self._redirect_delayed(_merge(real)))
-                os._exit(17)  # test fault: the op write never happens
-            # one frame: the real message (delayed now if it asked for a delay) and its op
-            self.store.put(self._redirect_delayed(_merge(real + ops)))
-            for origin, new in done:
-                self._resolved[origin] = new
-                self._pending_halves.pop(origin, None)
-            self.metrics.inc("transactions_ended", len(done), state=target.name)
-        self._wake_pullers()
-        return target.name
+            outcome, real, ops, done = self._plan_end(group, txid, origins, state,
+                                                      operator=operator)
+            self._write_resolutions(real + ops, done)
+        if done:
+            self._wake_pullers()
+        return outcome
+
+    _WANTED = {"COMMIT_MESSAGE": HalfState.COMMITTED, "COMMIT": HalfState.COMMITTED,
+               "ROLLBACK_MESSAGE": HalfState.ROLLED_BACK, "ROLLBACK": HalfState.ROLLED_BACK,
+               "UNKNOW": None, "UNKNOWN": None}
+
+    def _plan_end(self, group: str, txid: str, origins: list[int], state: str, *,
+                  operator: bool, also_done: dict | None = None):
+        """Check an end and build its records: (outcome, real records, op records, resolved)."""
+        if state not in self._WANTED:
+            raise InvalidMessageError(f"unknown transaction state {state!r}")
+        target = self._WANTED[state]
+        if target is None:
+            return "UNKNOW", [], [], {}
+        real, ops, done = [], [], {}
+        for origin in origins:
+            half = self.store.get_message(origin)
+            props = half.properties
+            if half.topic != HALF_TOPIC or props.get(Prop.TRAN_MSG) != "true":
+                raise InvalidMessageError(f"{make_msg_id(self.index, origin)} is not a half "
+                                          "message")
+            if not operator and (props.get(Prop.PRODUCER_GROUP) != group
+                                 or props.get(Prop.TRANSACTION_ID) != txid):
+                raise InvalidMessageError(
+                    f"end of transaction {txid!r} from group {group!r} does not match half "
+                    f"{make_msg_id(self.index, origin)} (group "
+                    f"{props.get(Prop.PRODUCER_GROUP)!r}, transaction "
+                    f"{props.get(Prop.TRANSACTION_ID)!r})")
+            current = (also_done or {}).get(origin) or self._half_state(origin)
+            if current is None:
+                continue
+            new = next_state(current, target)
+            if new is None:
+                continue
+            if new == HalfState.COMMITTED:
+                real.append(_real_from_half(self.index, half))
+            ops.append(_op_record(origin, new, props))
+            done[origin] = new
+        return (target.name if done else "NOOP"), real, ops, done
+
+    def _write_resolutions(self, records: list[RecordBatch], done: dict[int, HalfState]) -> None:
+        """Write real messages and op records in one put, then mark the halves resolved."""
+        if not records:
+            return
+        real = [r for r in records if r.topics != OP_TOPIC]
+        if self._fault == "crash_between_real_and_op" and real:
+            self.store.put(self._redirect_delayed(_merge(real)))
+            os._exit(17)  # test fault: the op write never happens
+        # one put (all or nothing, also across frames): real messages, delayed now if they
+        # asked for a delay, and their op records
+        self.store.put(self._redirect_delayed(_merge(records)))
+        for origin, new in done.items():
+            self._resolved[origin] = new
+            self._pending_halves.pop(origin, None)
+        self.metrics.inc("transactions_ended", len(done))
 
     def set_fault(self, fault: str | None) -> None:
         """Test hook: 'crash_between_real_and_op' exits between the two writes of a commit."""
