@@ -268,7 +268,8 @@ def bench_produce(b: Bench) -> None:
         def consume():
             while got[0] < n:
                 got[0] += len(c.poll(5000, 1.0))
-                c.commit()
+                c.commit_async()
+            c.commit()
         b.progress(f"e2e: {n} messages produced, consumed and committed concurrently")
 
         def e2e():

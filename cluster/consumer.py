@@ -261,7 +261,12 @@ class Consumer:
             queues = list(self._queues)
         self._commit_queues(queues)
 
-    def _commit_queues(self, queues) -> None:
+    def commit_async(self) -> None:
+        """Like ``commit`` without waiting (Kafka's commitAsync): failures are logged and
+        the next commit covers them."""
+        self._commit_queues(list(self.assignment()), wait=False)
+
+    def _commit_queues(self, queues, *, wait: bool = True) -> None:
         by_shard = defaultdict(dict)
         with self._lock:
             for key in queues:
@@ -273,12 +278,27 @@ class Consumer:
                 if upto != q.committed:
                     by_shard[q.shard][key] = upto
         for shard, offsets in by_shard.items():
-            rpc.call(self._mq.shard_handle(shard).commit_offsets, self.group, offsets, timeout_s=30)
-            with self._lock:
-                for key, off in offsets.items():
-                    q = self._queues.get(key)
-                    if q is not None:
-                        q.committed = off
+            ref = self._mq.shard_handle(shard).commit_offsets.remote(self.group, offsets)
+            if wait:
+                rpc.get(ref, 30)
+                self._committed(offsets)
+            else:
+                ref.future().add_done_callback(lambda f, o=offsets: self._async_committed(f, o))
+
+    def _committed(self, offsets: dict) -> None:
+        with self._lock:
+            for key, off in offsets.items():
+                q = self._queues.get(key)
+                if q is not None:
+                    q.committed = off
+
+    def _async_committed(self, fut, offsets: dict) -> None:
+        try:
+            fut.result()
+        except Exception as err:  # the next commit covers it
+            log.warning("consumer %s: async commit failed: %s", self.member_id, err)
+            return
+        self._committed(offsets)
 
     def seek(self, topic: str, queue_id: int, offset: int) -> None:
         with self._lock:

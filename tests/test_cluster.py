@@ -44,7 +44,9 @@ def test_send_consume_round_trip(mq, name):
         assert (m.queue_id, m.queue_offset, m.topic) == (r.queue_id, r.queue_offset, name)
         i = int(m.properties["i"])
         assert m.body == f"body-{i}".encode() and m.key == f"k{i % 7}"
-    c.commit()
+    c.commit_async()
+    wait_for(lambda: all(q.committed == q.position for q in c._queues.values()),
+             what="the async commit acknowledged")
     c.close()
     again = mq.consumer(f"g{name}", [name])  # committed: nothing again
     assert again.poll(100, 0.5) == []
