@@ -129,12 +129,13 @@ def bench_storage(b: Bench) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def run(names: list[str], *, scale: float = 1.0, workdir: str | None = None) -> dict[str, float]:
+def run(names: list[str], *, scale: float = 1.0, workdir: str | None = None,
+        out=None) -> dict[str, float]:
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise SystemExit(f"raymq bench: unknown suite(s) {', '.join(unknown)}; "
                          f"known: {', '.join(SUITES)}")
-    bench = Bench(scale=scale, workdir=workdir)
+    bench = Bench(scale=scale, workdir=workdir, out=out)
     for name in names or list(SUITES):
         bench.progress(f"suite {name}")
         SUITES[name](bench)

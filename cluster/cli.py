@@ -206,8 +206,18 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    import os
+
     from cluster import bench
-    bench.run(args.suites, scale=args.scale, workdir=args.workdir)
+    # stdout carries the JSON lines only: anything else written to it (Ray's own
+    # messages included) goes to stderr
+    sys.stdout.flush()
+    json_out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    try:
+        bench.run(args.suites, scale=args.scale, workdir=args.workdir, out=json_out)
+    finally:
+        json_out.flush()
     return 0
 
 

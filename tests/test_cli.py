@@ -57,3 +57,22 @@ def test_half_list_and_operator_rollback(mq, name, capsys):
     assert capsys.readouterr().out.strip() == "ROLLED_BACK"
     assert main(["half", "list"]) == 0
     assert res.msg_id not in capsys.readouterr().out
+
+
+def test_bench_storage_prints_only_json_lines_on_stdout(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "storage", "--scale",
+                           "0.02", "--workdir", str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    names = {d["metric"] for d in lines}
+    assert {"storage.append_sync_b1", "storage.append_sync_b100", "storage.append_sync_b1000",
+            "storage.raw_write_fsync_b1000", "storage.append_sync_ratio", "storage.append_async",
+            "storage.read_cq"} <= names
+    assert all(set(d) == {"metric", "value", "unit", "params"} for d in lines)
+    assert "[bench]" in proc.stderr
