@@ -104,6 +104,11 @@ def _cmd_status(args) -> int:
     print(f"consumer groups: {len(st['groups'])}")
     for name, g in st["groups"].items():
         print(f"  {name}: {len(g['members'])} members, lag {lag.get(name, 0)}")
+    tx = [t for t in st.get("transactions", []) if "error" not in t]
+    waiting = sorted({g for t in tx for g in t["groups_without_live_producer"]})
+    print(f"transactions: {sum(t['pending_halves'] for t in tx)} pending halves, "
+          f"{sum(t['expired_halves'] for t in tx)} expired"
+          + (f"; waiting for a live producer of: {', '.join(waiting)}" if waiting else ""))
     return 0
 
 

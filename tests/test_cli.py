@@ -25,6 +25,9 @@ def test_topic_send_consume_status_msg(mq, name, capsys):
     assert main(["status"]) == 0
     out = capsys.readouterr().out
     assert "shards: 2" in out and name in out and f"g{name}" in out
+    assert "pending halves" in out
+    assert main(["up"]) == 0  # deploying again is harmless
+    assert "RayMQ is up: controller + 2 shards" in capsys.readouterr().out
 
 
 def test_cli_errors_are_clear(mq, name, capsys):
