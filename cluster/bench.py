@@ -129,6 +129,23 @@ def bench_storage(b: Bench) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _e2e_consumer(address: str, n: int) -> None:
+    """Child process of the e2e benchmark: consume and commit ``n`` messages, print the count."""
+    import ray
+
+    from cluster.client import connect
+    ray.init(address=address, namespace="raymq", log_to_driver=False, logging_level="ERROR")
+    mq = connect()
+    c = mq.consumer("bench-e2e", ["e2e"])
+    print("ready", flush=True)
+    got = 0
+    while got < n:
+        got += len(c.poll(5000, 1.0))
+        c.commit()
+    print(got, flush=True)
+    c.close()
+
+
 def run(names: list[str], *, scale: float = 1.0, workdir: str | None = None,
         out=None) -> dict[str, float]:
     unknown = [n for n in names if n not in SUITES]
@@ -259,29 +276,31 @@ def bench_produce(b: Bench) -> None:
         for s in sinks:
             ray.kill(s)
 
-        # end to end: produce, consume and commit at the same time
+        # end to end: a producer (this process) and a consumer that commits (its own
+        # process, as applications run them) at the same time
+        import subprocess
+
+        import ray as _ray
         n = b.n(200_000, 10_000)
         mq.create_topic("e2e", queues=8)
         msgs = [Message("e2e", body) for _ in range(1000)]
-        c = mq.consumer("bench-e2e", ["e2e"])
-        got = [0]
-
-        def consume():
-            while got[0] < n:
-                got[0] += len(c.poll(5000, 1.0))
-                c.commit_async()
-            c.commit()
-        b.progress(f"e2e: {n} messages produced, consumed and committed concurrently")
-
-        def e2e():
-            t = threading.Thread(target=consume)
-            t.start()
-            for _ in range(n // 1000):
-                p.send_batch(msgs)
-            t.join()
-        dt = timed(e2e)
-        b.emit("e2e.produce_consume", got[0] / dt, "msgs/s", size=size, n=got[0])
-        c.close()
+        b.progress(f"e2e: {n} messages produced here, consumed and committed by another process")
+        consumer = subprocess.Popen(
+            [sys.executable, "-m", "cluster.bench", "e2e-consumer",
+             _ray.get_runtime_context().gcs_address, str(n)],
+            stdout=subprocess.PIPE, text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            env={**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")})
+        if consumer.stdout.readline().strip() != "ready":
+            raise RuntimeError("the e2e consumer did not start")
+        t0 = time.perf_counter()
+        for _ in range(n // 1000):
+            p.send_batch(msgs)
+        consumed = int(consumer.stdout.readline())
+        dt = time.perf_counter() - t0
+        consumer.wait(60)
+        b.emit("e2e.produce_consume", consumed / dt, "msgs/s", size=size, n=consumed,
+               consumer="separate process, commit after every poll")
         p.close()
     finally:
         mq.close()
@@ -365,3 +384,8 @@ def bench_txmsg(b: Bench) -> None:
     finally:
         mq.close()
         _teardown_cluster(data)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["e2e-consumer"]:
+        _e2e_consumer(sys.argv[2], int(sys.argv[3]))
