@@ -165,8 +165,8 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
         check_user_topic(topic)
     suspicious = (set(map(type, cols.body)) != {bytes}
                   or (cols.n and max(map(len, cols.body)) > max_bytes)
-                  or not set(map(type, cols.key)) <= {str, _NONE}
-                  or not set(map(type, cols.tags)) <= {str, _NONE}
+                  or (cols.has("key") and not set(map(type, cols.key)) <= {str, _NONE})
+                  or (cols.has("tags") and not set(map(type, cols.tags)) <= {str, _NONE})
                   or cols.properties.count(None) + cols.properties.count({}) != cols.n
                   or cols.has("delay_level", 0) or cols.has("deliver_at_ms"))
     if suspicious:
