@@ -356,6 +356,22 @@ def bench_txmsg(b: Bench) -> None:
         b.emit("txmsg.plain_p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8)
         b.ratio("txmsg.vs_plain_ratio", "txmsg.p8", "txmsg.plain_p8")
 
+        # the asynchronous API: one thread, up to 256 transactions in flight
+        na = b.n(4000, 200)
+        b.progress(f"txmsg: {na} transactions from one thread with send_in_transaction_async "
+                   "(256 in flight)")
+
+        def async_run():
+            window = []
+            for _ in range(na):
+                window.append(tp.send_in_transaction_async(Message("tx", body), commit))
+                if len(window) >= 256:
+                    window.pop(0).result()
+            for f in window:
+                f.result()
+        dt = timed(async_run)
+        b.emit("txmsg.async_p1", na / dt, "msgs/s", size=size, n=na, threads=1, in_flight=256)
+
         # check-back: transactions left UNKNOW, settled by the broker asking the producer
         k = 20
         mq.create_topic("txcheck", queues=2)

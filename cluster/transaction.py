@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -84,7 +84,7 @@ def _state(value) -> LocalTransactionState:
 
 class TransactionProducer:
     def __init__(self, mq, group: str, listener: TransactionListener, *, check_threads: int = 4,
-                 drop_end: Callable[[str], bool] | None = None):
+                 executor_threads: int = 8, drop_end: Callable[[str], bool] | None = None):
         from cluster.producer import Producer
         self._mq = mq
         self.group = group
@@ -102,6 +102,8 @@ class TransactionProducer:
         rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
         self._pool = ThreadPoolExecutor(max_workers=check_threads,
                                         thread_name_prefix="raymq-tx-check")
+        self._exec_pool = ThreadPoolExecutor(max_workers=executor_threads,
+                                             thread_name_prefix="raymq-tx-exec")
         self._poller = threading.Thread(target=self._poll_checks, daemon=True,
                                         name="raymq-tx-checks")
         self._poller.start()
@@ -113,8 +115,51 @@ class TransactionProducer:
                             timeout_ms: int | None = None) -> TransactionSendResult:
         """Send half message(s), run the local transaction, end the transaction.
 
-        A list of messages (to one or several topics) is one transaction.
+        A list of messages (to one or several topics) is one transaction.  The
+        local transaction runs in the calling thread.
         """
+        tx = self._begin(msg, timeout_ms)
+        return self._finish(tx, [(fut, positions, self._wait_part(fut))
+                                 for fut, positions in tx["parts"]], arg)
+
+    def send_in_transaction_async(self, msg: Message | list[Message], arg=None, *,
+                                  timeout_ms: int | None = None) -> Future:
+        """Like ``send_in_transaction`` without blocking: a future of its result.
+
+        The local transaction runs in the producer's executor threads
+        (``executor_threads``) once the halves are stored, so one application
+        thread can have many transactions in flight.
+        """
+        tx = self._begin(msg, timeout_ms)
+        out: Future = Future()
+        remaining = [len(tx["parts"])]
+        lock = threading.Lock()
+
+        def part_done(_f):
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            self._exec_pool.submit(self._finish_into, out, tx, arg)
+        for fut, _positions in tx["parts"]:
+            fut.add_done_callback(part_done)
+        return out
+
+    def _finish_into(self, out: Future, tx: dict, arg) -> None:
+        try:
+            out.set_result(self._finish(tx, [(fut, positions, self._wait_part(fut))
+                                             for fut, positions in tx["parts"]], arg))
+        except BaseException as err:  # delivered to whoever waits on the future
+            out.set_exception(err)
+
+    @staticmethod
+    def _wait_part(fut: Future):
+        try:
+            return fut.result()
+        except Exception as err:  # this part was not stored
+            return err
+
+    def _begin(self, msg, timeout_ms: int | None) -> dict:
         batch = isinstance(msg, list)
         msgs = list(msg) if batch else [msg]
         if not msgs:
@@ -132,13 +177,17 @@ class TransactionProducer:
             props[Prop.TXN_TIMEOUT_MS] = str(int(timeout_ms))
         started = time.monotonic()
         parts = self._producer._submit(msgs, system_props=props)
+        return {"txid": txid, "msgs": msgs, "batch": batch, "timeout_ms": timeout_ms,
+                "started": started, "parts": parts}
+
+    def _finish(self, tx: dict, parts: list, arg) -> TransactionSendResult:
+        """Halves stored (or not): run the local transaction and end the transaction."""
+        txid, msgs = tx["txid"], tx["msgs"]
         results: list = [None] * len(msgs)
         failure = None
-        for fut, positions in parts:
-            try:
-                part = fut.result()
-            except Exception as err:  # this part was not stored
-                failure = failure or err
+        for _fut, positions, part in parts:
+            if isinstance(part, Exception):
+                failure = failure or part
                 continue
             for j, pos in enumerate(positions):
                 results[pos] = part[j]
@@ -150,21 +199,20 @@ class TransactionProducer:
         send_status = SendStatus.SEND_OK if statuses == {SendStatus.SEND_OK} else \
             next(s for s in statuses if s is not SendStatus.SEND_OK)
         shown = [replace(m, transaction_id=txid) for m in msgs]
-        limit_ms = timeout_ms if timeout_ms is not None else self._mq.config.txn_timeout_ms
-        if send_status is SendStatus.SEND_OK and (time.monotonic() - started) * 1000 >= limit_ms:
+        limit_ms = tx["timeout_ms"] if tx["timeout_ms"] is not None \
+            else self._mq.config.txn_timeout_ms
+        late = (time.monotonic() - tx["started"]) * 1000 >= limit_ms
+        if send_status is SendStatus.SEND_OK and late:
             # the halves may already have been checked back (and rolled back): do not run
             # a local transaction whose message could be gone
             log.warning("half of %s stored only after its transaction timeout; rolling back",
                         txid)
-            send_status_late = True
-        else:
-            send_status_late = False
-        if send_status is not SendStatus.SEND_OK or send_status_late:
+        if send_status is not SendStatus.SEND_OK or late:
             state = LocalTransactionState.ROLLBACK_MESSAGE
         else:
             try:
                 state = _state(self.listener.execute_local_transaction(
-                    shown if batch else shown[0], arg))
+                    shown if tx["batch"] else shown[0], arg))
             except Exception as err:  # the local transaction's failure: outcome unknown
                 log.warning("execute_local_transaction of %s raised %s: %s; state UNKNOW",
                             txid, type(err).__name__, err)
@@ -257,6 +305,7 @@ class TransactionProducer:
         from cluster import rpc
         self._stop.set()
         self._poller.join()
+        self._exec_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         with self._cv:
             self._cv.notify_all()

@@ -272,3 +272,20 @@ def test_producer_process_killed_after_db_commit_another_instance_answers(mq, na
     got = consume_all(mq, f"g{name}", [name], 1)
     assert [m.body for m in got] == [b"order-from-the-dead"]
     tp.close()
+
+
+def test_async_transactions_many_in_flight_from_one_thread(mq, name):
+    mq.create_topic(name, queues=4)
+    group = f"p{name}"
+    lst = Listener(check_answer=S.ROLLBACK_MESSAGE)
+    tp = mq.transaction_producer(group, lst)
+    states = [S.COMMIT_MESSAGE if i % 3 else S.ROLLBACK_MESSAGE for i in range(90)]
+    futures = [tp.send_in_transaction_async(Message(name, f"{i}".encode()), st)
+               for i, st in enumerate(states)]
+    results = [f.result(60) for f in futures]
+    assert [r.local_state for r in results] == states
+    assert len({r.transaction_id for r in results}) == 90
+    got = consume_all(mq, f"g{name}", [name], 60)
+    assert sorted(int(m.body) for m in got) == [i for i in range(90) if i % 3]
+    assert not pending(mq, group)
+    tp.close()
