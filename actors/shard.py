@@ -79,6 +79,7 @@ class BrokerShard:
         self._tx_lock = threading.RLock()
         self._pending_halves: dict[int, int] = {}    # unresolved origin -> its latest copy
         self._latest_copy: dict[int, int] = {}       # origin -> queue offset of its latest copy
+        self._half_size: dict[int, int] = {}         # pending origin -> its record size
         self._resolved: dict[int, HalfState] = {}   # origin -> COMMITTED/ROLLED_BACK/EXPIRED
         self._waiting_groups: set[str] = set()
         self._fault: str | None = None
@@ -439,10 +440,11 @@ class BrokerShard:
     def _note_new_halves(self, batch: RecordBatch, res) -> None:
         topics = batch.column("topics")
         with self._tx_lock:
-            for t, phys, qoff in zip(topics, res.phys_offsets, res.queue_offsets):
+            for t, phys, qoff, size in zip(topics, res.phys_offsets, res.queue_offsets, res.sizes):
                 if t == HALF_TOPIC and phys not in self._resolved:
                     self._pending_halves.setdefault(phys, qoff)
                     self._latest_copy.setdefault(phys, qoff)
+                    self._half_size[phys] = size
 
     def _half_state(self, origin: int) -> HalfState | None:
         if origin in self._resolved:
@@ -461,13 +463,14 @@ class BrokerShard:
         """
         outcomes: list[str] = []
         with self._tx_lock:
+            halves = self._read_halves([o for _g, _t, origins, _s in requests for o in origins])
             writes: list[RecordBatch] = []
             done: dict[int, HalfState] = {}
             for group, txid, origins, state in requests:
                 try:
                     outcome, real, ops, resolved = self._plan_end(group, txid, list(origins),
                                                                   state, operator=False,
-                                                                  also_done=done)
+                                                                  also_done=done, halves=halves)
                 except (InvalidMessageError, IllegalTransition) as err:
                     outcomes.append(f"REFUSED: {err}")
                     continue
@@ -504,8 +507,24 @@ class BrokerShard:
                "ROLLBACK_MESSAGE": HalfState.ROLLED_BACK, "ROLLBACK": HalfState.ROLLED_BACK,
                "UNKNOW": None, "UNKNOWN": None}
 
+    def _read_halves(self, origins: list[int]) -> dict[int, StoredMessage]:
+        """The halves of many ends in one read where their sizes are known."""
+        known = sorted({o for o in origins if o in self._half_size})
+        if not known:
+            return {}
+        entries = np.empty(len(known), dtype=[("phys", "<i8"), ("size", "<i4"), ("tag", "<i8")])
+        entries["phys"] = known
+        entries["size"] = [self._half_size[o] for o in known]
+        entries["tag"] = 0
+        try:
+            return {m.phys_offset: m for m in self.store.messages_at(entries).messages()}
+        except Exception as err:  # fall back to reading them one by one
+            log.warning("shard-%d: batched half read failed: %s", self.index, err)
+            return {}
+
     def _plan_end(self, group: str, txid: str, origins: list[int], state: str, *,
-                  operator: bool, also_done: dict | None = None):
+                  operator: bool, also_done: dict | None = None,
+                  halves: dict[int, StoredMessage] | None = None):
         """Check an end and build its records: (outcome, real records, op records, resolved)."""
         if state not in self._WANTED:
             raise InvalidMessageError(f"unknown transaction state {state!r}")
@@ -514,7 +533,7 @@ class BrokerShard:
             return "UNKNOW", [], [], {}
         real, ops, done = [], [], {}
         for origin in origins:
-            half = self.store.get_message(origin)
+            half = (halves or {}).get(origin) or self.store.get_message(origin)
             props = half.properties
             if half.topic != HALF_TOPIC or props.get(Prop.TRAN_MSG) != "true":
                 raise InvalidMessageError(f"{make_msg_id(self.index, origin)} is not a half "
@@ -552,6 +571,7 @@ class BrokerShard:
         for origin, new in done.items():
             self._resolved[origin] = new
             self._pending_halves.pop(origin, None)
+            self._half_size.pop(origin, None)
         self.metrics.inc("transactions_ended", len(done))
 
     def set_fault(self, fault: str | None) -> None:
