@@ -38,7 +38,7 @@ log = logging.getLogger("raymq.producer")
 @dataclass
 class _Pending:
     batch: object  # RecordBatch of one message or one send_batch call's slice
-    future: Future  # -> list[SendResult], one per message
+    future: "_Outcome"  # -> list[SendResult], one per message
     topic_qids: list[tuple[str, int]]
     positions: list[int]  # where each message stands in its send_batch call
     queued_at: float = 0.0
@@ -52,6 +52,79 @@ class _InFlight:
     sequence: int
     attempt: int
     deadline: float
+
+
+class _Outcome:
+    """A light future for one request part: no lock or condition until somebody waits.
+
+    Producers make one per request part (per message for single sends), so a
+    ``concurrent.futures.Future`` (a Condition each) was a measurable cost.
+    Offers the part of the Future interface the SDK uses.
+    """
+
+    __slots__ = ("_done", "_result", "_error", "_callbacks", "_event", "_lock")
+
+    def __init__(self):
+        self._done = False
+        self._result = None
+        self._error: BaseException | None = None
+        self._callbacks: list | None = None
+        self._event: threading.Event | None = None
+        self._lock = _OUTCOME_LOCK
+
+    def done(self) -> bool:
+        return self._done
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+            event = self._event
+        if event is not None:
+            event.set()
+        for cb in callbacks or ():
+            try:
+                cb(self)
+            except Exception:  # a callback's failure is its own
+                log.exception("send callback failed")
+
+    def set_result(self, value) -> None:
+        self._result = value
+        self._finish()
+
+    def set_exception(self, err: BaseException) -> None:
+        self._error = err
+        self._finish()
+
+    def add_done_callback(self, cb) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks = (self._callbacks or []) + [cb]
+                return
+        cb(self)
+
+    def exception(self, timeout: float | None = None):
+        self._wait(timeout)
+        return self._error
+
+    def result(self, timeout: float | None = None):
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if not self._done and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError("send did not complete in time")
+
+
+_OUTCOME_LOCK = threading.Lock()
 
 
 class _Results:
@@ -228,7 +301,7 @@ class Producer:
                 idx = idx_all[lo:lo + limit].tolist()
                 q = qids[idx_all[lo:lo + limit]].tolist()
                 batch = columns_to_batch(cols, idx, q, born)
-                fut: Future = Future()
+                fut = _Outcome()
                 topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
                 pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx,
                                                time.monotonic())))
@@ -260,7 +333,7 @@ class Producer:
         batch = RecordBatch(m.topic, qid, [body], keys=[m.key] if m.key else None,
                             tags=[m.tags] if m.tags else None, properties=props,
                             born_ms=int(time.time() * 1000))
-        fut: Future = Future()
+        fut = _Outcome()
         with self._cv:
             self._pending[(shard, qid % self.lanes)].append(
                 _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic()))
