@@ -72,10 +72,6 @@ class CheckerWorker:
         self.rounds += 1
         return sent
 
-    def trigger(self) -> None:
-        """Run a round now (operators, tests)."""
-        self._wake.set()
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:

@@ -217,6 +217,8 @@ class BrokerShard:
 
     def _pull_once(self, requests, tags):
         out, total = [], 0
+        codes_of = {t: np.array([tags_hash(x) for x in wanted], np.int64)
+                    for t, wanted in (tags or {}).items() if wanted}
         for topic, qid, offset, max_n in requests:
             if offset < 0:
                 raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
@@ -228,8 +230,7 @@ class BrokerShard:
             next_offset = offset + len(entries)
             wanted = tags.get(topic) if tags else None
             if wanted:
-                codes = np.array([tags_hash(t) for t in wanted], np.int64)
-                entries = entries[np.isin(entries["tag"], codes)]
+                entries = entries[np.isin(entries["tag"], codes_of[topic])]
             batch = self.store.messages_at(entries)
             if wanted and len(batch):
                 keep = [i for i, t in enumerate(batch.tags or [None] * len(batch)) if t in wanted]
@@ -563,11 +564,11 @@ class BrokerShard:
             return
         real = [r for r in records if r.topics != OP_TOPIC]
         if self._fault == "crash_between_real_and_op" and real:
-            self.store.put(self._redirect_delayed(_merge(real)))
+            self.store.put(self._redirect_delayed(RecordBatch.concat(real)))
             os._exit(17)  # test fault: the op write never happens
         # one put (all or nothing, also across frames): real messages, delayed now if they
         # asked for a delay, and their op records
-        self.store.put(self._redirect_delayed(_merge(records)))
+        self.store.put(self._redirect_delayed(RecordBatch.concat(records)))
         for origin, new in done.items():
             self._resolved[origin] = new
             self._pending_halves.pop(origin, None)
@@ -629,7 +630,7 @@ class BrokerShard:
                 if action is Action.CHECK:
                     checks.append((view, m, count))
             if writes:
-                res = self.store.put(_merge([w[2] for w in writes]))
+                res = self.store.put(RecordBatch.concat([w[2] for w in writes]))
                 for (kind, view, _rec), qoff in zip(writes, res.queue_offsets):
                     if kind == "half":
                         self._pending_halves[view.origin] = qoff
@@ -772,11 +773,6 @@ def _copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: int) 
     p[Prop.CHECK_BASE_MS] = str(base_ms)
     return RecordBatch(topic, 0, [m.body], keys=[m.key], tags=[m.tags], properties=[p],
                        flags=int(SysFlag.TRANSACTION_PREPARED), born_ms=m.born_ms)
-
-
-def _merge(batches: list[RecordBatch]) -> RecordBatch:
-    from cluster.message import merge_batches
-    return merge_batches(batches)
 
 
 def _listener_view(m: StoredMessage) -> StoredMessage:

@@ -29,7 +29,6 @@ import ray
 from cluster import rpc
 from cluster.message import MessageExt, check_group, messages_ext, retry_topic
 from storage.errors import InvalidMessageError, RayMQError
-from storage.records import MessageBatch
 
 log = logging.getLogger("raymq.consumer")
 
@@ -247,7 +246,7 @@ class Consumer:
                 if q is None or q.shard != shard or q.fetch != sent.get((topic, qid)):
                     continue  # released or repositioned meanwhile
                 if len(batch):
-                    self._buffer.append(((topic, qid), _to_ext(shard, batch)))
+                    self._buffer.append(((topic, qid), messages_ext(shard, batch)))
                     self._buffered += len(batch)
                 self.metrics.inc("messages_consumed", len(batch))
                 if not len(batch):
@@ -394,7 +393,3 @@ def _handle(handler, m: MessageExt) -> tuple[bool, str]:
     except Exception as err:  # the handler's failure is the message's failure
         return False, f"{type(err).__name__}: {err}"
     return (result is not False), ("handler returned False" if result is False else "")
-
-
-def _to_ext(shard: int, batch: MessageBatch) -> list[MessageExt]:
-    return messages_ext(shard, batch)

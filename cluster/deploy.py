@@ -9,7 +9,6 @@ placed on (remembered by the controller).
 from __future__ import annotations
 
 import logging
-import os
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -178,6 +177,3 @@ def undeploy() -> list[str]:
             continue
     return killed
 
-
-def data_dir_of(config: ClusterConfig) -> str:
-    return os.path.abspath(config.resolved_data_dir())

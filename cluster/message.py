@@ -10,11 +10,11 @@ import re
 import zlib
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any, Iterable
+from typing import Any
 
 from storage.errors import InvalidMessageError, ReservedNameError
 from storage.records import (MessageBatch, RecordBatch, StoredMessage, SysFlag,
-                             decode_properties)
+                             decode_properties, shared_value)
 
 # --- reserved names --------------------------------------------------------------
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
@@ -350,7 +350,7 @@ def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
             elif at is not None:
                 p[Prop.DELIVER_AT] = str(at)
             props_col.append(p or None)
-    return RecordBatch(_shared(pick(cols.topic)), _shared(queue_ids), pick(cols.body),
+    return RecordBatch(shared_value(pick(cols.topic)), shared_value(queue_ids), pick(cols.body),
                        keys=pick(cols.key) if cols.has("key") else None,
                        tags=pick(cols.tags) if cols.has("tags") else None,
                        properties=props_col, born_ms=born_ms, flags=int(SysFlag.NONE))
@@ -358,53 +358,6 @@ def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
 
 def to_batch(messages: list[Message], queue_ids: list[int], born_ms: int) -> RecordBatch:
     """The columns of one producer request (all messages already validated)."""
-    topics = [m.topic for m in messages]
-    bodies = [m.body for m in messages]
-    if any(type(b) is not bytes for b in bodies):
-        bodies = [bytes(b) for b in bodies]
-    props_col = None
-    if any(m.properties or m.delay_level or m.deliver_at_ms is not None for m in messages):
-        props_col = []
-        for m in messages:
-            p = dict(m.properties) if m.properties else {}
-            if m.delay_level:
-                p[Prop.DELAY] = str(m.delay_level)
-            elif m.deliver_at_ms is not None:
-                p[Prop.DELIVER_AT] = str(m.deliver_at_ms)
-            props_col.append(p or None)
-    keys = [m.key for m in messages]
-    tags = [m.tags for m in messages]
-    return RecordBatch(_shared(topics), _shared(queue_ids), bodies,
-                       keys=None if keys.count(None) == len(keys) else keys,
-                       tags=None if tags.count(None) == len(tags) else tags,
-                       properties=props_col, born_ms=born_ms,
-                       flags=int(SysFlag.NONE))
-
-
-def _shared(values: list):
-    first = values[0]
-    return first if values.count(first) == len(values) else values
-
-
-def merge_batches(batches: Iterable[RecordBatch]) -> RecordBatch:
-    """One request from several batches (columns concatenated)."""
-    batches = list(batches)
-    if len(batches) == 1:
-        return batches[0]
-    cols = {}
-    for name in RecordBatch.__slots__:
-        values = [getattr(b, name) for b in batches]
-        if name in ("keys", "tags", "properties", "tag_codes"):
-            if all(v is None for v in values):
-                cols[name] = None
-                continue
-        merged = []
-        for b, v in zip(batches, values):
-            merged.extend(v if isinstance(v, list) else [v] * len(b))
-        cols[name] = merged if name in ("bodies",) else _shared(merged)
-        if name in ("keys", "tags", "properties", "tag_codes") and not isinstance(cols[name], list):
-            cols[name] = merged
-    return RecordBatch(cols["topics"], cols["queue_ids"], cols["bodies"], keys=cols["keys"],
-                       tags=cols["tags"], properties=cols["properties"], flags=cols["flags"],
-                       born_ms=cols["born_ms"], reconsume=cols["reconsume"],
-                       prepared_offsets=cols["prepared_offsets"], tag_codes=cols["tag_codes"])
+    cols = Columns(messages)
+    cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
+    return columns_to_batch(cols, list(range(cols.n)), queue_ids, born_ms)

@@ -24,11 +24,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
-import ray
 
 from cluster import rpc
-from cluster.message import (Message, Prop, SendResult, SendStatus, columns_to_batch,
-                             key_queue, merge_batches, validate_messages)
+from cluster.message import (Columns, Message, Prop, SendResult, SendStatus,
+                             columns_to_batch, key_queue, validate_messages)
 from storage.records import RecordBatch
 from storage.errors import RayMQError, RequestTimeoutError
 
@@ -425,7 +424,7 @@ class Producer:
                 except Exception as err:
                     self._fail(f.items, err)
             for shard, items, seq in starts:
-                request = merge_batches([p.batch for p in items])
+                request = RecordBatch.concat([p.batch for p in items])
                 try:
                     self._start(shard, items, request, seq, 0)
                 except Exception as err:  # no handle: fail these callers

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from storage.errors import CorruptLogError, StorageError
-from storage.records import FRAME, FRAME_MAGIC, EncodedFrame, FrameError, check_frame
+from storage.records import FRAME_MAGIC, EncodedFrame, FrameError, check_frame
 
 log = logging.getLogger("raymq.storage")
 
@@ -285,13 +285,6 @@ class CommitLog:
 
     def segment_end(self, offset: int) -> int:
         return self._segment_for(offset).end
-
-    def frame_at(self, offset: int) -> tuple[int, int]:
-        """(frame_len, count) of the frame at ``offset``, checked."""
-        data = self.read(offset, FRAME.size)
-        frame_len = FRAME.unpack(data)[1]
-        buf = self.read(offset, frame_len)
-        return check_frame(buf, 0, len(buf))
 
     def segments(self) -> list[tuple[str, int, int]]:
         return [(s.path, s.base, s.size) for s in self._segments]

@@ -68,8 +68,3 @@ class RequestTimeoutError(RayMQError, TimeoutError):
     code = "REQUEST_TIMEOUT"
     retriable = True
 
-
-class NotOwnerError(RayMQError):
-    """A consumer acted on a queue it does not (or no longer) own."""
-
-    code = "NOT_QUEUE_OWNER"

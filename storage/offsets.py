@@ -84,7 +84,3 @@ class OffsetStore:
                "offsets": table}
         atomic_write(self.path, json.dumps(doc, sort_keys=True).encode())
 
-
-def ensure_dir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path

@@ -229,14 +229,14 @@ class RecordBatch:
     @classmethod
     def from_records(cls, records: Sequence[Record]) -> "RecordBatch":
         return cls(
-            _shared(list(map(_get_topic, records))), _shared(list(map(_get_qid, records))),
+            shared_value(list(map(_get_topic, records))), shared_value(list(map(_get_qid, records))),
             list(map(_get_body, records)), keys=_none_if_empty(list(map(_get_key, records))),
             tags=_none_if_empty(list(map(_get_tags, records))),
             properties=_none_if_empty(list(map(_get_props, records))),
-            flags=_shared(list(map(_get_flags, records))),
-            born_ms=_shared(list(map(_get_born, records))),
-            reconsume=_shared(list(map(_get_recon, records))),
-            prepared_offsets=_shared(list(map(_get_prep, records))),
+            flags=shared_value(list(map(_get_flags, records))),
+            born_ms=shared_value(list(map(_get_born, records))),
+            reconsume=shared_value(list(map(_get_recon, records))),
+            prepared_offsets=shared_value(list(map(_get_prep, records))),
             tag_codes=_none_if_empty(list(map(_get_tagcode, records))))
 
     def column(self, name: str) -> list:
@@ -251,16 +251,26 @@ class RecordBatch:
                            **{s: (c[lo:hi] if isinstance(c, list) else c)
                               for s, c in ((s, getattr(self, s)) for s in self.__slots__[3:])})
 
-    def record(self, i: int) -> Record:
-        def at(name):
-            col = getattr(self, name)
-            return col[i] if isinstance(col, list) else col
-        return Record(at("topics"), at("queue_ids"), self.bodies[i], at("keys"), at("tags"),
-                      at("properties"), at("flags"), at("born_ms"), at("reconsume"),
-                      at("prepared_offsets"), at("tag_codes"))
+    _OPTIONAL = ("keys", "tags", "properties", "tag_codes")
 
-    def records(self) -> list[Record]:
-        return [self.record(i) for i in range(len(self.bodies))]
+    @classmethod
+    def concat(cls, batches: Sequence["RecordBatch"]) -> "RecordBatch":
+        """One batch of all the records of ``batches``, in order."""
+        if len(batches) == 1:
+            return batches[0]
+        cols = {}
+        for name in cls.__slots__:
+            values = [getattr(b, name) for b in batches]
+            if name in cls._OPTIONAL and all(v is None for v in values):
+                cols[name] = None
+                continue
+            merged = []
+            for b, v in zip(batches, values):
+                merged.extend(v if isinstance(v, list) else [v] * len(b))
+            # optional columns stay lists (None there means "none for this record")
+            cols[name] = merged if name == "bodies" or name in cls._OPTIONAL \
+                else shared_value(merged)
+        return cls(cols.pop("topics"), cols.pop("queue_ids"), cols.pop("bodies"), **cols)
 
 
 def _rebuild_batch(topics, queue_ids, bodies, keys, tags, properties, flags, born_ms,
@@ -273,8 +283,8 @@ def _rebuild_batch(topics, queue_ids, bodies, keys, tags, properties, flags, bor
     return batch
 
 
-def _shared(values: list):
-    """A single value when all are equal, else the list."""
+def shared_value(values: list):
+    """A single value when all are equal, else the list (a column of a ``RecordBatch``)."""
     first = values[0] if values else None
     if values and values.count(first) == len(values):
         return first

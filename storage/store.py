@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import threading
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np

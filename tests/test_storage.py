@@ -11,7 +11,7 @@ import pytest
 
 from storage import (ConfigError, CorruptLogError, ManualClock, MessageStore,
                      MessageTooLargeError, Record, RecordBatch, StoreConfig, SysFlag)
-from storage.commitlog import SEGMENT_HEADER_BYTES, segment_name
+from storage.commitlog import segment_name
 from storage.errors import InvalidMessageError
 from storage.offsets import OffsetStore
 from storage.records import FRAME_HEADER_BYTES

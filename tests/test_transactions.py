@@ -159,7 +159,6 @@ def test_max_checks_move_to_expired_and_operator_resolves(mq, name):
 def test_check_storm_is_bounded_per_group_and_round(mq, name):
     mq.create_topic(name, queues=2)
     group = f"p{name}"
-    lst = Listener(check_answer=S.COMMIT_MESSAGE)
     slow = threading.Event()
 
     class Slow(Listener):
@@ -181,7 +180,6 @@ def test_check_storm_is_bounded_per_group_and_round(mq, name):
     got = consume_all(mq, f"g{name}", [name], n)
     assert sorted(int(m.body) for m in got) == list(range(n))
     tp.close()
-    del lst
 
 
 def test_batch_transaction_across_topics_all_or_nothing(mq, name):
