@@ -280,10 +280,9 @@ class BrokerShard:
         for group, lags in groups.items():
             self.metrics.set("consumer_lag", float(sum(lags.values())), group=group)
         return {"shard": self.index, "queues": depth, "lag": groups,
-                "schedule_pending": {lvl + 1: self.store.max_queue_offset(SCHEDULE_TOPIC, lvl)
-                                     - self._schedule_progress(lvl + 1)
+                "schedule_pending": {lvl + 1: end - self._schedule_progress(lvl + 1)
                                      for lvl in range(len(self._levels_ms))
-                                     if self.store.max_queue_offset(SCHEDULE_TOPIC, lvl)},
+                                     if (end := self.store.max_queue_offset(SCHEDULE_TOPIC, lvl))},
                 "max_delay_lateness_ms": self.max_lateness_ms,
                 "log_bytes": self.store.max_phys_offset}
 

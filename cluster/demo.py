@@ -79,9 +79,11 @@ def order_service(address: str, db: str, first: int, n: int, out) -> None:
     from cluster import LocalTransactionState as S
     from cluster import Message, TransactionListener, connect
     orders = plan(n)
+    txids: dict[str, str] = {}  # transaction id -> order id (the lost-end fault needs it)
 
     class OrderListener(TransactionListener):
         def execute_local_transaction(self, msg, order):
+            txids[msg.transaction_id] = order["order_id"]
             con = sqlite3.connect(db, timeout=30)
             try:
                 with con:  # one local transaction: debit + order row
@@ -115,18 +117,11 @@ def order_service(address: str, db: str, first: int, n: int, out) -> None:
 
     mq = connect()
     lost = {o["order_id"] for o in orders.values() if o["fault"] == "lost_end"}
-    txids: dict[str, str] = {}
     tp = mq.transaction_producer(GROUP, OrderListener(),
                                  drop_end=lambda tx: txids.get(tx) in lost)
     for i in range(first, n):
         order = orders[i]
         msg = Message(TOPIC, json.dumps(order).encode(), key=order["order_id"], tags="order")
-        original = tp.listener.execute_local_transaction
-
-        def remember(m, o, _orig=original):
-            txids[m.transaction_id] = o["order_id"]
-            return _orig(m, o)
-        tp.listener.execute_local_transaction = remember
         res = tp.send_in_transaction(msg, order)
         print(json.dumps({"order": order["order_id"], "event": res.local_state.value}),
               file=out, flush=True)
