@@ -327,6 +327,19 @@ def key_queue(key: str, num_queues: int) -> int:
     return zlib.crc32(key.encode()) % num_queues
 
 
+def record_properties(props: dict[str, str] | None, delay_level: int, deliver_at_ms: int | None,
+                      system_props: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The stored properties of a message: its own, its delay, RayMQ's (None when empty)."""
+    p = dict(props) if props else {}
+    if delay_level:
+        p[Prop.DELAY] = str(delay_level)
+    elif deliver_at_ms is not None:
+        p[Prop.DELIVER_AT] = str(deliver_at_ms)
+    if system_props:
+        p.update(system_props)
+    return p or None
+
+
 def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
                      born_ms: int) -> RecordBatch:
     """The request batch of the messages at ``idx`` (validated columns)."""
@@ -341,15 +354,8 @@ def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
     props_col = None
     if cols.properties.count(None) + cols.properties.count({}) != cols.n \
             or cols.has("delay_level", 0) or cols.has("deliver_at_ms"):
-        props_col = []
-        for p0, level, at in zip(pick(cols.properties), pick(cols.delay_level),
-                                 pick(cols.deliver_at_ms)):
-            p = dict(p0) if p0 else {}
-            if level:
-                p[Prop.DELAY] = str(level)
-            elif at is not None:
-                p[Prop.DELIVER_AT] = str(at)
-            props_col.append(p or None)
+        props_col = list(map(record_properties, pick(cols.properties), pick(cols.delay_level),
+                             pick(cols.deliver_at_ms)))
     return RecordBatch(shared_value(pick(cols.topic)), shared_value(queue_ids), pick(cols.body),
                        keys=pick(cols.key) if cols.has("key") else None,
                        tags=pick(cols.tags) if cols.has("tags") else None,

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster import rpc
-from cluster.message import (Columns, Message, Prop, SendResult, SendStatus,
-                             columns_to_batch, key_queue, validate_messages)
+from cluster.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
+                             key_queue, record_properties, validate_messages)
 from storage.records import RecordBatch
 from storage.errors import RayMQError, RequestTimeoutError
 
@@ -320,14 +320,8 @@ class Producer:
         shard = route[qid]
         props = None
         if m.properties or m.delay_level or m.deliver_at_ms is not None or system_props:
-            p = dict(m.properties) if m.properties else {}
-            if m.delay_level:
-                p[Prop.DELAY] = str(m.delay_level)
-            elif m.deliver_at_ms is not None:
-                p[Prop.DELIVER_AT] = str(m.deliver_at_ms)
-            if system_props:
-                p.update(system_props)
-            props = [p]
+            props = [record_properties(m.properties, m.delay_level, m.deliver_at_ms,
+                                       system_props)]
         body = m.body if type(m.body) is bytes else bytes(m.body)
         batch = RecordBatch(m.topic, qid, [body], keys=[m.key] if m.key else None,
                             tags=[m.tags] if m.tags else None, properties=props,
