@@ -33,7 +33,7 @@ from storage import MessageStore, RecordBatch
 from storage.clock import Clock, SystemClock
 from storage.errors import InvalidMessageError, OffsetOutOfRangeError, UnknownTopicError
 from storage.producers import INTERNAL_PRODUCER_BASE
-from storage.records import MessageBatch, StoredMessage, SysFlag, tags_hash
+from storage.records import MessageBatch, Record, StoredMessage, SysFlag, tags_hash
 
 log = logging.getLogger("raymq.shard")
 
@@ -464,7 +464,7 @@ class BrokerShard:
         outcomes: list[str] = []
         with self._tx_lock:
             halves = self._read_halves([o for _g, _t, origins, _s in requests for o in origins])
-            writes: list[RecordBatch] = []
+            writes: list[Record] = []
             done: dict[int, HalfState] = {}
             for group, txid, origins, state in requests:
                 try:
@@ -481,9 +481,11 @@ class BrokerShard:
                 outcomes.append(outcome)
                 writes += real + ops
                 done.update(resolved)
-            self._write_resolutions(writes, done)
+            written = self._write_resolutions(writes, done, wait=False)
         if done:
             self._wake_pullers()
+        if written is not None:  # the fsync is shared with other puts, outside the lock
+            self.store.wait_durable(written)
         return outcomes
 
     def end_transaction(self, group: str, txid: str, origins: list[int], state: str) -> str:
@@ -557,22 +559,29 @@ class BrokerShard:
             done[origin] = new
         return (target.name if done else "NOOP"), real, ops, done
 
-    def _write_resolutions(self, records: list[RecordBatch], done: dict[int, HalfState]) -> None:
-        """Write real messages and op records in one put, then mark the halves resolved."""
+    def _write_resolutions(self, records: list[Record], done: dict[int, HalfState], *,
+                           wait: bool = True):
+        """Write real messages and op records in one put, then mark the halves resolved.
+
+        With ``wait=False`` the put is not yet flushed: the caller waits with
+        ``store.wait_durable`` on the result before it answers.
+        """
         if not records:
-            return
-        real = [r for r in records if r.topics != OP_TOPIC]
+            return None
+        real = [r for r in records if r.topic != OP_TOPIC]
         if self._fault == "crash_between_real_and_op" and real:
-            self.store.put(self._redirect_delayed(RecordBatch.concat(real)))
+            self.store.put(self._redirect_delayed(RecordBatch.from_records(real)))
             os._exit(17)  # test fault: the op write never happens
         # one put (all or nothing, also across frames): real messages, delayed now if they
         # asked for a delay, and their op records
-        self.store.put(self._redirect_delayed(RecordBatch.concat(records)))
+        written = self.store.put(self._redirect_delayed(RecordBatch.from_records(records)),
+                                 wait=wait)
         for origin, new in done.items():
             self._resolved[origin] = new
             self._pending_halves.pop(origin, None)
             self._half_size.pop(origin, None)
         self.metrics.inc("transactions_ended", len(done))
+        return written
 
     def set_fault(self, fault: str | None) -> None:
         """Test hook: 'crash_between_real_and_op' exits between the two writes of a commit."""
@@ -629,7 +638,7 @@ class BrokerShard:
                 if action is Action.CHECK:
                     checks.append((view, m, count))
             if writes:
-                res = self.store.put(RecordBatch.concat([w[2] for w in writes]))
+                res = self.store.put(RecordBatch.from_records([w[2] for w in writes]))
                 for (kind, view, _rec), qoff in zip(writes, res.queue_offsets):
                     if kind == "half":
                         self._pending_halves[view.origin] = qoff
@@ -747,31 +756,31 @@ _TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Pro
              Prop.ORIGIN_HALF, Prop.TXN_TIMEOUT_MS, Prop.CHECK_BASE_MS)
 
 
-def _real_from_half(shard: int, half: StoredMessage) -> RecordBatch:
+def _real_from_half(shard: int, half: StoredMessage) -> Record:
     """The real message a commit writes: real topic/queue, the half's origin id as its id."""
     p = dict(half.properties)
     topic, qid = p[Prop.REAL_TOPIC], int(p[Prop.REAL_QID])
     for k in _TX_PROPS:
         p.pop(k, None)
     p[Prop.ORIGIN_MSG_ID] = make_msg_id(shard, half.phys_offset)
-    return RecordBatch(topic, qid, [half.body], keys=[half.key], tags=[half.tags], properties=[p],
-                       flags=int(SysFlag.TRANSACTION_COMMIT), born_ms=half.born_ms)
+    return Record(topic, qid, half.body, half.key, half.tags, p,
+                  int(SysFlag.TRANSACTION_COMMIT), half.born_ms)
 
 
-def _op_record(origin: int, state: HalfState, half_props: dict) -> RecordBatch:
+def _op_record(origin: int, state: HalfState, half_props: dict) -> Record:
     props = {Prop.ORIGIN_HALF: str(origin), Prop.OP_STATE: state.name,
              Prop.PRODUCER_GROUP: half_props.get(Prop.PRODUCER_GROUP, ""),
              Prop.TRANSACTION_ID: half_props.get(Prop.TRANSACTION_ID, "")}
-    return RecordBatch(OP_TOPIC, 0, [b""], tags=["d"], properties=[props], flags=int(SysFlag.OP))
+    return Record(OP_TOPIC, 0, b"", None, "d", props, int(SysFlag.OP))
 
 
-def _copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: int) -> RecordBatch:
+def _copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: int) -> Record:
     p = dict(m.properties)
     p[Prop.ORIGIN_HALF] = str(origin)
     p[Prop.CHECK_TIMES] = str(checks)
     p[Prop.CHECK_BASE_MS] = str(base_ms)
-    return RecordBatch(topic, 0, [m.body], keys=[m.key], tags=[m.tags], properties=[p],
-                       flags=int(SysFlag.TRANSACTION_PREPARED), born_ms=m.born_ms)
+    return Record(topic, 0, m.body, m.key, m.tags, p, int(SysFlag.TRANSACTION_PREPARED),
+                  m.born_ms)
 
 
 def _listener_view(m: StoredMessage) -> StoredMessage:

@@ -189,7 +189,7 @@ def _bench_cluster(b: Bench, name: str, **overrides):
                  log_to_driver=False, logging_level="ERROR")
     data = b.tempdir(name)
     b.progress(f"{name}: RayMQ with 2 shards, sync flush, data in {data}")
-    return connect(data_dir=data, num_shards=2, flush_mode="sync", **overrides), data
+    return connect(data_dir=data, num_shards=2, **{"flush_mode": "sync", **overrides}), data
 
 
 def _teardown_cluster(data: str) -> None:

@@ -13,12 +13,14 @@ from cluster.config import ClusterConfig
 from cluster.consumer import Consumer
 from cluster.message import MessageExt, parse_msg_id
 from cluster.producer import Producer
+from cluster.transport import make_transport
 from storage.errors import InvalidMessageError, UnknownTopicError
 
 log = logging.getLogger("raymq.client")
 
 
-def connect(address: str | None = None, *, config: dict | None = None, **overrides: Any) -> "RayMQ":
+def connect(address: str | None = None, *, config: dict | None = None,
+            transport: str | None = None, **overrides: Any) -> "RayMQ":
     """Attach to RayMQ on a Ray cluster, deploying it first if needed.
 
     With Ray already initialised in this process, use that.  Otherwise join
@@ -26,6 +28,10 @@ def connect(address: str | None = None, *, config: dict | None = None, **overrid
     machine, or start an embedded local Ray.  Deploying is idempotent: a
     second ``connect()`` reuses the running actors, and the cluster's own
     configuration wins over the one given here.
+
+    ``transport`` ("direct" or "ray") picks how this client's producers and
+    consumers reach the shards (default: the cluster's ``transport`` setting;
+    see ``cluster.transport``).
     """
     cfg = ClusterConfig.from_dict({**(config or {}), **overrides})
     if not ray.is_initialized():
@@ -36,14 +42,16 @@ def connect(address: str | None = None, *, config: dict | None = None, **overrid
         else:
             ray.init(**kwargs)
     controller, shards = deploy.deploy(cfg)
-    return RayMQ(controller, shards)
+    return RayMQ(controller, shards, transport=transport)
 
 
 class RayMQ:
-    def __init__(self, controller, shards: list):
+    def __init__(self, controller, shards: list, *, transport: str | None = None):
         self.controller = controller
         self._shards = list(shards)
         self.config = ClusterConfig.from_dict(rpc.call(controller.get_config, timeout_s=60))
+        #: how producers and consumers reach the shards (``cluster.transport``)
+        self.transport = make_transport(transport or self.config.transport, self.shard_handle)
         self._routes: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._clients: list = []
@@ -131,6 +139,7 @@ class RayMQ:
             except Exception as err:  # closing the rest matters more
                 log.warning("closing %s failed: %s", type(c).__name__, err)
         self._clients.clear()
+        self.transport.close()
 
 
 class Admin:

@@ -69,6 +69,10 @@ class ClusterConfig:
     producer_lanes: int = doc("Requests a producer may have in flight to one shard (queue i "
                               "always uses lane i % lanes, so queue order is kept). More lanes overlap requests "
                               "but make more, smaller ones: measure before raising it.", 1)
+    transport: str = doc("How producers and consumers reach the shards: 'direct' (each shard's "
+                         "socket endpoint, found through its actor; ~0.1 ms a call) or 'ray' "
+                         "(a Ray actor call each, ~1 ms). A client may choose its own "
+                         "(connect(transport=...)).", "direct")
     pull_batch_messages: int = doc("Most messages a consumer fetches per queue per pull.", 1000)
     pull_wait_ms: int = doc("How long a pull waits at the shard for new messages (long poll).",
                             500)
@@ -102,6 +106,8 @@ class ClusterConfig:
             _positive_int(self, name)
         for name in ("send_retries", "linger_ms", "pull_wait_ms"):
             _positive_int(self, name, minimum=0)
+        if self.transport not in ("direct", "ray"):
+            raise ConfigError(f"transport must be 'direct' or 'ray', not {self.transport!r}")
         if not isinstance(self.auto_create_topics, bool):
             raise ConfigError("auto_create_topics must be true or false")
         levels = parse_delay_levels(self.delay_levels)

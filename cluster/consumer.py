@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import ray
 
 from cluster import rpc
 from cluster.message import MessageExt, check_group, messages_ext, retry_topic
@@ -68,6 +67,7 @@ class Consumer:
         self._tags = self._tag_filter(tags)
         self.member_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
+        self._pulls_done = threading.Condition(self._lock)  # a pull in flight finished
         self._queues: dict[tuple[str, int], _Queue] = {}
         # fetched, not yet polled: chunks of one queue's messages, in offset order
         self._buffer: deque[tuple[tuple[str, int], list[MessageExt]]] = deque()
@@ -123,15 +123,16 @@ class Consumer:
         for topic, qid in queues:
             by_shard[self._routes[topic][qid]].append((topic, qid))
         for shard, qs in by_shard.items():
-            offsets = rpc.call(self._mq.shard_handle(shard).get_offsets, self.group, qs,
-                               timeout_s=30)
+            offsets = self._mq.transport.call(shard, "get_offsets", self.group, qs,
+                                              timeout_s=30)
             ends = None
             for q in qs:
                 off = offsets[q]
                 if off < 0 and self.start_from == "latest" and not q[0].startswith("%"):
                     if ends is None:
-                        ends = rpc.call(self._mq.shard_handle(shard).pull,
-                                        [(t, i, 0, 0) for t, i in qs], 0, timeout_s=30)
+                        ends = self._mq.transport.call(shard, "pull",
+                                                       [(t, i, 0, 0) for t, i in qs], 0,
+                                                       timeout_s=30)
                     off = next(e[4] for e in ends if (e[0], e[1]) == q)
                 off = max(off, 0)
                 with self._lock:
@@ -202,34 +203,51 @@ class Consumer:
                 by_shard[q.shard].append((topic, qid, q.fetch, self.config.pull_batch_messages))
             for shard, reqs in by_shard.items():
                 if shard not in self._inflight:
-                    self._inflight[shard] = self._mq.shard_handle(shard).pull.remote(
-                        reqs, int(wait_ms), self._tags)
+                    call = self._mq.transport.submit(
+                        shard, "pull", (reqs, int(wait_ms), self._tags),
+                        timeout_s=wait_ms / 1000 + self.config.send_timeout_ms / 1000)
+                    self._inflight[shard] = call
                     self._inflight_req[shard] = reqs
+                    call.add_done_callback(self._pull_finished)
             return bool(self._inflight)
 
     def _collect(self, timeout_s: float) -> None:
         """Take in the pulls that finished (waiting up to ``timeout_s`` for the first)."""
-        with self._lock:
-            refs = {ref: shard for shard, ref in self._inflight.items()}
-        if not refs:
-            return
-        done, _ = ray.wait(list(refs), num_returns=1, timeout=timeout_s)
-        if done and len(refs) > 1:
-            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-        for ref in done:
-            shard = refs[ref]
+        deadline = time.monotonic() + timeout_s
+        with self._pulls_done:
+            while not any(c.done() for c in self._inflight.values()):
+                remaining = deadline - time.monotonic()
+                if not self._inflight or remaining <= 0:
+                    return
+                self._pulls_done.wait(remaining)
+            done = [(shard, c) for shard, c in self._inflight.items() if c.done()]
+        for shard, call in done:
             with self._lock:
-                if self._inflight.get(shard) is not ref:
+                if self._inflight.get(shard) is not call:
                     continue
                 self._inflight.pop(shard, None)
                 reqs = self._inflight_req.pop(shard, [])
             try:
-                results = rpc.get(ref, 0)
+                results = call.result()
             except RayMQError as err:
                 log.warning("consumer %s: pull from shard-%d failed: %s", self.member_id, shard, err)
-                time.sleep(0.1)
+                self._stop.wait(0.1)
                 continue
             self._take_results(shard, reqs, results)
+
+    def _await_pulls(self, timeout_s: float) -> None:
+        """Wait for the pulls in flight to end (long polls end within ``pull_wait_ms``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._pulls_done:
+            while not all(c.done() for c in self._inflight.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._pulls_done.wait(remaining)
+
+    def _pull_finished(self, _call) -> None:
+        with self._pulls_done:
+            self._pulls_done.notify_all()
 
     def _fetch(self, wait_s: float) -> None:
         """Start pulls for shards with none in flight; take in the results that are ready."""
@@ -277,12 +295,14 @@ class Consumer:
                 if upto != q.committed:
                     by_shard[q.shard][key] = upto
         for shard, offsets in by_shard.items():
-            ref = self._mq.shard_handle(shard).commit_offsets.remote(self.group, offsets)
             if wait:
-                rpc.get(ref, 30)
+                self._mq.transport.call(shard, "commit_offsets", self.group, offsets,
+                                        timeout_s=30)
                 self._committed(offsets)
             else:
-                ref.future().add_done_callback(lambda f, o=offsets: self._async_committed(f, o))
+                call = self._mq.transport.submit(shard, "commit_offsets", (self.group, offsets),
+                                                 timeout_s=30)
+                call.add_done_callback(lambda f, o=offsets: self._async_committed(f, o))
 
     def _committed(self, offsets: dict) -> None:
         with self._lock:
@@ -375,6 +395,7 @@ class Consumer:
         self._closed = True
         self._stop.set()
         self._hb.join()
+        self._await_pulls(self.config.pull_wait_ms / 1000 + 5.0)
         try:
             self.commit()
         finally:

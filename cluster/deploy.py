@@ -14,6 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.checker import CheckerWorker
+from actors.endpoint import Endpoint
 from actors.controller import Controller
 from actors.registry import ProducerGroupRegistry
 from actors.shard import BrokerShard
@@ -42,7 +43,18 @@ class ShardActor(BrokerShard):
         self.set_routes(rpc.call(controller.shard_routes, index, timeout_s=30))
         node = ray.get_runtime_context().get_node_id()
         rpc.call(controller.set_shard_node, index, node, timeout_s=30)
-        log.info("shard-%d up on node %s, data in %s", index, node, self.directory)
+        # the data channel opens last: nothing is served before recovery finished
+        self._endpoint = Endpoint(self, host=ray.util.get_node_ip_address())
+        log.info("shard-%d up on node %s, data in %s, data channel on %s:%d", index, node,
+                 self.directory, *self._endpoint.address)
+
+    def endpoint(self) -> tuple[tuple[str, int], bytes]:
+        """Address and key of this shard's data channel (``actors.endpoint``)."""
+        return self._endpoint.address, self._endpoint.authkey
+
+    def close(self) -> None:
+        self._endpoint.close()
+        super().close()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster import rpc
+from cluster.transport import Outcome
 from cluster.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
                              key_queue, record_properties, validate_messages)
 from storage.records import RecordBatch
@@ -37,93 +37,21 @@ log = logging.getLogger("raymq.producer")
 @dataclass
 class _Pending:
     batch: object  # RecordBatch of one message or one send_batch call's slice
-    future: "_Outcome"  # -> list[SendResult], one per message
+    future: Outcome  # -> list[SendResult], one per message
     topic_qids: list[tuple[str, int]]
     positions: list[int]  # where each message stands in its send_batch call
     queued_at: float = 0.0
+    sticky_queues: int = 0  # a keyless single send put on its topic's sticky queue (of this many)
 
 
 @dataclass
 class _InFlight:
-    ref: object
+    call: Outcome
     items: list[_Pending]
     request: object
     sequence: int
     attempt: int
     deadline: float
-
-
-class _Outcome:
-    """A light future for one request part: no lock or condition until somebody waits.
-
-    Producers make one per request part (per message for single sends), so a
-    ``concurrent.futures.Future`` (a Condition each) was a measurable cost.
-    Offers the part of the Future interface the SDK uses.
-    """
-
-    __slots__ = ("_done", "_result", "_error", "_callbacks", "_event", "_lock")
-
-    def __init__(self):
-        self._done = False
-        self._result = None
-        self._error: BaseException | None = None
-        self._callbacks: list | None = None
-        self._event: threading.Event | None = None
-        self._lock = _OUTCOME_LOCK
-
-    def done(self) -> bool:
-        return self._done
-
-    def _finish(self) -> None:
-        with self._lock:
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, None
-            event = self._event
-        if event is not None:
-            event.set()
-        for cb in callbacks or ():
-            try:
-                cb(self)
-            except Exception:  # a callback's failure is its own
-                log.exception("send callback failed")
-
-    def set_result(self, value) -> None:
-        self._result = value
-        self._finish()
-
-    def set_exception(self, err: BaseException) -> None:
-        self._error = err
-        self._finish()
-
-    def add_done_callback(self, cb) -> None:
-        with self._lock:
-            if not self._done:
-                self._callbacks = (self._callbacks or []) + [cb]
-                return
-        cb(self)
-
-    def exception(self, timeout: float | None = None):
-        self._wait(timeout)
-        return self._error
-
-    def result(self, timeout: float | None = None):
-        self._wait(timeout)
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _wait(self, timeout: float | None) -> None:
-        if self._done:
-            return
-        with self._lock:
-            if not self._done and self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        if event is not None and not event.wait(timeout):
-            raise TimeoutError("send did not complete in time")
-
-
-_OUTCOME_LOCK = threading.Lock()
 
 
 class _Results:
@@ -300,7 +228,7 @@ class Producer:
                 idx = idx_all[lo:lo + limit].tolist()
                 q = qids[idx_all[lo:lo + limit]].tolist()
                 batch = columns_to_batch(cols, idx, q, born)
-                fut = _Outcome()
+                fut = Outcome()
                 topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
                 pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx,
                                                time.monotonic())))
@@ -316,7 +244,10 @@ class Producer:
         """The single-message path: no columns, no numpy (this is per message)."""
         m.validate(self.config.max_message_bytes, self._num_levels)
         route = self._mq.routes_for((m.topic,))[m.topic]
-        qid = key_queue(m.key, len(route)) if m.key else self._next_rr(m.topic, 1) % len(route)
+        if m.key:
+            qid, sticky = key_queue(m.key, len(route)), 0
+        else:  # the topic's sticky queue: moves on once a request has taken it (see _run)
+            qid, sticky = self._rr_next.get(m.topic, 0) % len(route), len(route)
         shard = route[qid]
         props = None
         if m.properties or m.delay_level or m.deliver_at_ms is not None or system_props:
@@ -326,10 +257,10 @@ class Producer:
         batch = RecordBatch(m.topic, qid, [body], keys=[m.key] if m.key else None,
                             tags=[m.tags] if m.tags else None, properties=props,
                             born_ms=int(time.time() * 1000))
-        fut = _Outcome()
+        fut = Outcome()
         with self._cv:
             self._pending[(shard, qid % self.lanes)].append(
-                _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic()))
+                _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic(), sticky))
             self._cv.notify_all()
         return fut, [0]
 
@@ -347,22 +278,23 @@ class Producer:
     def _start(self, shard: tuple[int, int], items: list[_Pending], request, sequence: int,
                attempt: int) -> None:
         """Send a request of lane ``(shard, lane)``; completion arrives in ``_on_done``."""
-        handle = self._mq.shard_handle(shard[0])
-        ref = handle.send.remote(request, self._lane_pids[shard[1]], sequence)
-        f = _InFlight(ref, items, request, sequence, attempt,
-                      time.monotonic() + self.config.send_timeout_ms / 1000)
+        timeout_s = self.config.send_timeout_ms / 1000
+        call = self._mq.transport.submit(shard[0], "send",
+                                         (request, self._lane_pids[shard[1]], sequence),
+                                         timeout_s=timeout_s)
+        f = _InFlight(call, items, request, sequence, attempt, time.monotonic() + timeout_s)
         with self._cv:
             self._inflight[shard] = f
-        ref.future().add_done_callback(lambda _fut: self._on_done(shard, f))
+        call.add_done_callback(lambda _call: self._on_done(shard, f))
 
     def _on_done(self, shard: int, f: _InFlight) -> None:
-        """Runs in a Ray callback thread when a request finished (or failed)."""
+        """Runs in a transport thread when a request finished (or failed)."""
         with self._cv:
             if self._inflight.get(shard) is not f:
                 return  # timed out and resent meanwhile: the resend decides
             del self._inflight[shard]
         try:
-            result = rpc.get(f.ref, 0)
+            result = f.call.result()
         except RayMQError as err:
             with self._cv:
                 self._retry_or_fail(shard, f, err)
@@ -409,6 +341,7 @@ class Producer:
                 starts = []
                 for shard in ready:
                     items = self._take(shard)
+                    self._unstick(items)
                     self._seq[shard] += 1
                     starts.append((shard, items, self._seq[shard]))
                 retries = [(shard, self._retrying.pop(shard)[0]) for shard in due]
@@ -423,6 +356,19 @@ class Producer:
                     self._start(shard, items, request, seq, 0)
                 except Exception as err:  # no handle: fail these callers
                     self._fail(items, err)
+
+    def _unstick(self, items: list[_Pending]) -> None:
+        """Move a topic's sticky queue on when a request takes messages sent to it.
+
+        Kafka's sticky partitioning for single sends: concurrent sends share a
+        queue, so they share one request, and the next request goes to the
+        next queue -- over time as even as round-robin.  (Under ``_cv``.)
+        """
+        for p in items:
+            if p.sticky_queues:
+                topic, qid = p.topic_qids[0]
+                if self._rr_next.get(topic, 0) % p.sticky_queues == qid:
+                    self._rr_next[topic] = self._rr_next.get(topic, 0) + 1
 
     def _retry_or_fail(self, shard: int, f: _InFlight, err: RayMQError) -> None:
         if err.retriable and f.attempt < self.config.send_retries and not (

@@ -20,6 +20,11 @@ _GONE = tuple(e for e in (getattr(rex, "RayActorError", None), getattr(rex, "Act
                           getattr(rex, "NodeDiedError", None)) if e is not None)
 
 
+def connected() -> bool:
+    """Whether this process is attached to Ray (a call now would not start a new Ray)."""
+    return ray.is_initialized()
+
+
 def get(ref, timeout_s: float | None = None) -> Any:
     try:
         return ray.get(ref, timeout=timeout_s)

@@ -250,13 +250,9 @@ class TransactionProducer:
                 batches = [(s, self._ends.pop(s)) for s in ready]
                 self._ends_inflight.update(ready)
             for shard, ends in batches:
-                try:
-                    ref = self._mq.shard_handle(shard).end_transactions.remote(ends)
-                except Exception as err:  # swallowed: check-back settles it
-                    log.warning("end_transaction to shard-%d not sent: %s", shard, err)
-                    self._end_done(shard)
-                    continue
-                ref.future().add_done_callback(lambda f, s=shard: self._end_done(s, f))
+                call = self._mq.transport.submit(shard, "end_transactions", (ends,),
+                                                 timeout_s=self._mq.config.send_timeout_ms / 1000)
+                call.add_done_callback(lambda f, s=shard: self._end_done(s, f))
 
     def _end_done(self, shard: int, fut=None) -> None:
         if fut is not None:

@@ -356,6 +356,12 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
                  sequence: int = 0, last: bool = True) -> EncodedFrame:
     """Encode ``batch`` (bodies already checked for size) into one frame."""
     n = len(batch.bodies)
+    if n <= SMALL_FRAME_RECORDS:
+        try:
+            return _encode_small_frame(batch, queue_offsets, store_ms, body_lens,
+                                       producer_id, sequence, last)
+        except struct.error:
+            pass  # a value out of range: the column path below says which
     bodies = batch.bodies
     if body_lens is None:
         body_lens = np.array(list(map(len, bodies)), np.int64)
@@ -448,6 +454,85 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
                         producer_id, sequence)
     rec_lens = body_off + body_lens - rel
     return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
+
+
+#: Frames of at most this many records are encoded record by record with ``struct``:
+#: the column path costs ~0.1 ms of numpy calls however few the records are.
+SMALL_FRAME_RECORDS = 16
+_REC = struct.Struct("<IIqqqqqIIIHHHIII")  # REC_DTYPE's layout, field for field
+assert _REC.size == REC_HEADER_BYTES
+
+
+def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_lens,
+                        producer_id: int, sequence: int, last: bool) -> EncodedFrame:
+    """``encode_frame`` for a few records: the same bytes, without numpy per field."""
+    n = len(batch.bodies)
+    bodies = batch.bodies
+    blens = list(map(len, bodies)) if body_lens is None else \
+        (body_lens.tolist() if isinstance(body_lens, np.ndarray) else list(body_lens))
+    if isinstance(batch.topics, str):
+        topics_b = [_encode_text(batch.topics, MAX_TOPIC_BYTES, "topic")] * n
+        shared_topic = True
+    else:
+        cache = {t: _encode_text(t, MAX_TOPIC_BYTES, "topic") for t in set(batch.topics)}
+        topics_b = list(map(cache.__getitem__, batch.topics))
+        shared_topic = False
+    keys_b = None if batch.keys is None else \
+        [_encode_text(v, MAX_KEY_BYTES, "key") if v else b"" for v in batch.keys]
+    tags_b = None if batch.tags is None else \
+        [_encode_text(v, MAX_TAGS_BYTES, "tags") if v else b"" for v in batch.tags]
+    props_b = None if batch.properties is None else \
+        [encode_properties(p) for p in batch.properties]
+    headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
+    if shared_topic and keys_b is None and tags_b is None and props_b is None:
+        meta = topics_b[0]  # every record points at the one copy
+        meta_offs = [headers_end] * n
+    else:
+        columns = [c for c in (topics_b, keys_b, tags_b, props_b) if c is not None]
+        per_record = [b"".join(parts) for parts in zip(*columns)]
+        meta = b"".join(per_record)
+        meta_offs, at = [], headers_end
+        for m in per_record:
+            meta_offs.append(at)
+            at += len(m)
+    try:
+        body_blob = b"".join(bodies)
+    except TypeError:
+        bad = next(b for b in bodies if not isinstance(b, (bytes, bytearray, memoryview)))
+        raise InvalidMessageError(f"message body must be bytes, got {type(bad).__name__}") from None
+    tags_list = batch.tags if batch.tags is not None else [None] * n
+    if batch.tag_codes is None:
+        tag_codes = [tags_hash(t) for t in tags_list] if tags_b is not None else [0] * n
+    else:
+        tag_codes = [t if t is not None else tags_hash(s)
+                     for t, s in zip(batch.tag_codes, tags_list)]
+    qids, flags, born = batch.column("queue_ids"), batch.column("flags"), batch.column("born_ms")
+    prepared, reconsume = batch.column("prepared_offsets"), batch.column("reconsume")
+    qoffs = queue_offsets.tolist() if isinstance(queue_offsets, np.ndarray) else queue_offsets
+    body_at = headers_end + len(meta)
+    headers, rel, rec_lens = [], [], []
+    for i in range(n):
+        delta = FRAME_HEADER_BYTES + i * REC_HEADER_BYTES
+        headers.append(_REC.pack(
+            qids[i], flags[i], qoffs[i], born[i], store_ms, prepared[i], tag_codes[i],
+            reconsume[i], delta, meta_offs[i], len(topics_b[i]),
+            len(keys_b[i]) if keys_b is not None else 0,
+            len(tags_b[i]) if tags_b is not None else 0,
+            len(props_b[i]) if props_b is not None else 0, body_at, blens[i]))
+        rel.append(delta)
+        rec_lens.append(body_at + blens[i] - delta)
+        body_at += blens[i]
+    headers_b = b"".join(headers)
+    frame_len = headers_end + len(meta) + len(body_blob)
+    attrs = FRAME_ATTR_LAST if last else 0
+    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, attrs, 0, n, store_ms, producer_id,
+                      sequence)[FRAME_CRC_START:]
+    crc = zlib.crc32(body_blob, zlib.crc32(meta, zlib.crc32(headers_b, zlib.crc32(tail))))
+    header = FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, attrs, 0, n, store_ms,
+                        producer_id, sequence)
+    return EncodedFrame((header, headers_b, meta, body_blob), frame_len,
+                        np.array(rel, np.int64), np.array(rec_lens, np.int64),
+                        np.array(tag_codes, np.int64))
 
 
 class FrameError(Exception):

@@ -64,11 +64,12 @@ class PutResult:
     """
 
     __slots__ = ("status", "phys_array", "queue_offset_array", "size_array", "_lists",
-                 "duplicate")
+                 "duplicate", "end_offset")
 
     def __init__(self, status: PutStatus, phys, queue_offsets, sizes, *,
-                 duplicate: bool = False):
+                 duplicate: bool = False, end_offset: int = 0):
         self.status = status
+        self.end_offset = end_offset  # the log end after this put: durable once flushed to here
         self.duplicate = duplicate  # a resend of a put already stored; offsets are the
         # original ones when still remembered, else empty
         self.phys_array = np.asarray(phys, np.int64)
@@ -274,8 +275,12 @@ class MessageStore:
 
     # ---------------------------------------------------------------- put
     def put(self, batch: RecordBatch | Sequence[Record], *, producer_id: int = 0,
-            sequence: int = 0) -> PutResult:
+            sequence: int = 0, wait: bool = True) -> PutResult:
         """Append a batch durably (per flush mode); one result for the batch.
+
+        ``wait=False`` returns once the batch is written (readable, not yet
+        flushed): the caller then calls ``wait_durable(result)`` -- e.g. after
+        releasing its own locks, so that other puts can share the fsync.
 
         With a ``producer_id`` (non-zero) and increasing ``sequence`` the put is
         idempotent: a put whose sequence is not above the producer's last one
@@ -331,12 +336,18 @@ class MessageStore:
                     phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts),
                     qoffs, size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts),
                     end, store_ms)
-        status = PutStatus.PUT_OK
-        if self.config.flush_mode == "sync" and not self._wait_flushed(end):
-            status = PutStatus.FLUSH_DISK_TIMEOUT
         phys_all = phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts)
         sizes = size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts)
-        return PutResult(status, phys_all, qoffs, sizes)
+        result = PutResult(PutStatus.PUT_OK, phys_all, qoffs, sizes, end_offset=end)
+        if wait:
+            result.status = self.wait_durable(result)
+        return result
+
+    def wait_durable(self, result: PutResult) -> PutStatus:
+        """Wait until a put is durable under the flush mode; its final status."""
+        if self.config.flush_mode == "sync" and not self._wait_flushed(result.end_offset):
+            return PutStatus.FLUSH_DISK_TIMEOUT
+        return PutStatus.PUT_OK
 
     def _duplicate(self, producer_id: int, sequence: int) -> PutResult:
         cached = self._producers.cached(producer_id, sequence)

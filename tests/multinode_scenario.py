@@ -64,6 +64,7 @@ def main() -> int:
         got |= {m.body for m in c.poll(300, 1.0)}
     print("consumed after the node returned:", len(got), flush=True)
     c.close()
+    mq.close()
     ray.shutdown()
     cluster.shutdown()
     return 0 if got == {f"{i}".encode() for i in range(300)} else 1

@@ -1,0 +1,276 @@
+"""How the SDK's data path reaches a shard: its direct channel, or Ray calls.
+
+``ClusterConfig.transport``:
+
+- ``"direct"`` (default): the hot calls (``send``, ``end_transactions``,
+  ``pull``, ``commit_offsets``, ``get_offsets``) go over the shard's socket
+  endpoint (``actors.endpoint``), found through a Ray call to the shard actor
+  and cached.  A broken connection means the shard is gone or restarting:
+  ``BrokerUnavailableError`` (retriable); the next call asks the actor again,
+  which answers once the restarted shard has recovered.
+- ``"ray"``: every call is a Ray actor call (``cluster.rpc``).
+
+Both give the same results and raise the same ``RayMQError`` kinds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any, Callable
+
+from actors.endpoint import receive_timeout, tune
+from cluster import rpc
+from storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
+
+log = logging.getLogger("raymq.transport")
+
+TRANSPORTS = ("direct", "ray")
+
+
+class Outcome:
+    """A light future: no lock or condition of its own until somebody waits.
+
+    The SDK makes one per request part (per message for single sends), so a
+    ``concurrent.futures.Future`` (a Condition each) was a measurable cost.
+    Offers the part of the Future interface the SDK uses.
+    """
+
+    __slots__ = ("_done", "_result", "_error", "_callbacks", "_event")
+
+    def __init__(self):
+        self._done = False
+        self._result = None
+        self._error: BaseException | None = None
+        self._callbacks: list | None = None
+        self._event: threading.Event | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def _finish(self) -> None:
+        with _OUTCOME_LOCK:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+            event = self._event
+        if event is not None:
+            event.set()
+        for cb in callbacks or ():
+            try:
+                cb(self)
+            except Exception:  # a callback's failure is its own
+                log.exception("completion callback failed")
+
+    def set_result(self, value) -> None:
+        self._result = value
+        self._finish()
+
+    def set_exception(self, err: BaseException) -> None:
+        self._error = err
+        self._finish()
+
+    def add_done_callback(self, cb) -> None:
+        with _OUTCOME_LOCK:
+            if not self._done:
+                self._callbacks = (self._callbacks or []) + [cb]
+                return
+        cb(self)
+
+    def exception(self, timeout: float | None = None):
+        self._wait(timeout)
+        return self._error
+
+    def result(self, timeout: float | None = None):
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._done:
+            return
+        with _OUTCOME_LOCK:
+            if not self._done and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError("the call did not complete in time")
+
+
+_OUTCOME_LOCK = threading.Lock()
+
+
+class RayTransport:
+    """Every call a Ray actor call."""
+
+    name = "ray"
+
+    def __init__(self, shard_handle: Callable[[int], Any]):
+        self._handle = shard_handle
+
+    def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
+        return rpc.call(getattr(self._handle(shard), method), *args, timeout_s=timeout_s)
+
+    def submit(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> Outcome:
+        """Start a call; the outcome completes with its result or its ``RayMQError``.
+
+        (Ray retries a call to a restarting actor by itself, so ``timeout_s``
+        is left to the caller's own deadline here.)
+        """
+        out = Outcome()
+        ref = getattr(self._handle(shard), method).remote(*args)
+
+        def done(_f) -> None:
+            try:
+                out.set_result(rpc.get(ref, 0))
+            except BaseException as err:  # handed to whoever waits on the outcome
+                out.set_exception(err)
+        ref.future().add_done_callback(done)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class DirectTransport:
+    """Calls over the shards' socket endpoints; a pool of connections per shard.
+
+    A connection carries one call at a time; concurrent calls to a shard use
+    more connections.  ``submit`` runs the call in an I/O thread.
+    """
+
+    name = "direct"
+
+    def __init__(self, shard_handle: Callable[[int], Any], *, io_threads: int = 64):
+        self._handle = shard_handle
+        self._lock = threading.Lock()
+        self._endpoints: dict[int, tuple[tuple[str, int], bytes]] = {}
+        self._idle: dict[int, list[Connection]] = {}
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="raymq-io")
+        self._closed = False
+
+    # ------------------------------------------------------------ calls
+    def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
+        """Call ``method`` of the shard and wait for it.
+
+        A pooled connection found broken is replaced once at once (the shard
+        restarted since it was opened; every channel method is idempotent).
+        """
+        request = pickle.dumps((method, args), protocol=5)
+        conn, reused = self._checkout(shard, timeout_s)
+        while True:
+            try:
+                conn.send_bytes(request)
+                if not conn.poll(timeout_s):
+                    raise RequestTimeoutError(f"shard-{shard} did not answer {method} within "
+                                              f"{timeout_s:.1f} s")
+                ok, value = pickle.loads(conn.recv_bytes())
+                break
+            except (EOFError, OSError) as err:
+                conn.close()
+                self._forget(shard)
+                if reused:
+                    conn, reused = self._checkout(shard, timeout_s)
+                    continue
+                raise BrokerUnavailableError(f"shard-{shard} connection lost during {method}: "
+                                             f"{type(err).__name__}: {err}") from None
+            except BaseException:  # a timeout too: its late reply must not be read as the next's
+                conn.close()
+                raise
+        self._checkin(shard, conn)
+        if ok:
+            return value
+        raise value
+
+    def submit(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> Outcome:
+        """Start a call in an I/O thread; the outcome completes with its result or error."""
+        out = Outcome()
+
+        def run() -> None:
+            try:
+                out.set_result(self.call(shard, method, *args, timeout_s=timeout_s))
+            except BaseException as err:  # handed to whoever waits on the outcome
+                out.set_exception(err)
+        try:
+            self._io.submit(run)
+        except RuntimeError as err:  # the transport was closed
+            out.set_exception(RayMQError(f"client closed: {err}"))
+        return out
+
+    # ------------------------------------------------------- connections
+    def _checkout(self, shard: int, timeout_s: float) -> tuple[Connection, bool]:
+        """A connection to the shard, and whether it was pooled (may have gone stale)."""
+        with self._lock:
+            if self._closed:
+                raise RayMQError("client closed")
+            idle = self._idle.get(shard)
+            if idle:
+                return idle.pop(), True
+            endpoint = self._endpoints.get(shard)
+        if endpoint is None:
+            if not rpc.connected():  # e.g. a call still in flight after ray.shutdown()
+                raise BrokerUnavailableError(f"shard-{shard}: not connected to Ray")
+            address, key = rpc.call(self._handle(shard).endpoint, timeout_s=timeout_s)
+            endpoint = (tuple(address), key)
+            with self._lock:
+                self._endpoints[shard] = endpoint
+        try:
+            return connect(endpoint[0], endpoint[1], timeout_s), False
+        except (OSError, EOFError) as err:
+            self._forget(shard)
+            raise BrokerUnavailableError(f"shard-{shard} endpoint {endpoint[0]} unreachable: "
+                                         f"{type(err).__name__}: {err}") from None
+
+    def _checkin(self, shard: int, conn: Connection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(shard, []).append(conn)
+                return
+        conn.close()
+
+    def _forget(self, shard: int) -> None:
+        """The shard's endpoint broke: ask its actor again next time; drop idle connections."""
+        with self._lock:
+            self._endpoints.pop(shard, None)
+            idle = self._idle.pop(shard, [])
+        for c in idle:
+            c.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        self._io.shutdown(wait=True)
+        for conns in idle.values():
+            for c in conns:
+                c.close()
+
+
+def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    """A connection to an endpoint, past its HMAC challenge."""
+    limit = min(timeout_s, 10.0)
+    with socket.create_connection(address, timeout=limit) as sock:
+        tune(sock)
+        sock.settimeout(None)  # blocking: the Connection polls for its own timeouts
+        receive_timeout(sock, limit)  # ... but a silent endpoint must not hang the handshake
+        conn = Connection(os.dup(sock.fileno()))
+        try:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
+            receive_timeout(sock, 0)
+        except BaseException:
+            conn.close()
+            raise
+    return conn
+
+
+def make_transport(kind: str, shard_handle: Callable[[int], Any]):
+    if kind == "direct":
+        return DirectTransport(shard_handle)
+    if kind == "ray":
+        return RayTransport(shard_handle)
+    raise ValueError(f"transport must be one of {TRANSPORTS}, not {kind!r}")
