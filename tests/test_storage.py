@@ -393,3 +393,52 @@ def test_a_failed_frame_encoding_writes_nothing(tmp_path):
         with pytest.raises(InvalidMessageError, match="longer than"):
             store.put(recs)
         assert store.max_phys_offset == end and store.max_queue_offset("t", 0) == 0
+
+
+def test_small_frame_encoder_writes_the_column_encoders_bytes(monkeypatch):
+    """Frames of a few records are encoded with struct; they must be byte-identical."""
+    import random
+
+    from storage import records
+    from storage.records import RecordBatch, encode_frame
+    rng = random.Random(7)
+
+    def maybe(make, n):
+        return None if rng.random() < 0.4 else [make(i) for i in range(n)]
+    for _ in range(300):
+        n = rng.randint(1, records.SMALL_FRAME_RECORDS)
+        shared = rng.random() < 0.5
+        tags = maybe(lambda i: rng.choice([None, "", "a", "tag-ü"]), n)
+        batch = RecordBatch(
+            "orders" if shared else [rng.choice(["a", "bb", "ccc"]) for _ in range(n)],
+            rng.randint(0, 9) if rng.random() < 0.5 else [rng.randint(0, 9) for _ in range(n)],
+            [os.urandom(rng.randint(0, 300)) for _ in range(n)],
+            keys=maybe(lambda i: rng.choice([None, "", f"k{i}", "ключ"]), n),
+            tags=tags,
+            properties=maybe(lambda i: rng.choice([None, {}, {"a": "1", "bé": "x" * i}]), n),
+            flags=rng.choice([0, 3, [rng.randint(0, 64) for _ in range(n)]]),
+            born_ms=rng.choice([0, 1_700_000_000_000]),
+            reconsume=rng.choice([0, [rng.randint(0, 16) for _ in range(n)]]),
+            prepared_offsets=rng.choice([-1, [rng.randint(-1, 10**9) for _ in range(n)]]),
+            tag_codes=maybe(lambda i: rng.choice([None, rng.randint(1, 10**12)]), n))
+        qoffs = np.arange(n, dtype=np.int64) + rng.randint(0, 10**6)
+        pid, seq, last = rng.randint(0, 2**62), rng.randint(0, 2**40), rng.random() < 0.5
+        small = encode_frame(batch, qoffs, 123456, producer_id=pid, sequence=seq, last=last)
+        monkeypatch.setattr(records, "SMALL_FRAME_RECORDS", 0)
+        column = encode_frame(batch, qoffs, 123456, producer_id=pid, sequence=seq, last=last)
+        monkeypatch.setattr(records, "SMALL_FRAME_RECORDS", 16)
+        assert b"".join(small.parts) == b"".join(column.parts)
+        assert small.size == column.size
+        for a, b in ((small.rel_offsets, column.rel_offsets), (small.rec_lens, column.rec_lens),
+                     (small.tag_codes, column.tag_codes)):
+            assert np.array_equal(a, b)
+    # bad input is refused the same way on both paths
+    for bad in (RecordBatch("t", 0, ["not bytes"]), RecordBatch("t", -1, [b"x"]),
+                RecordBatch("t", 0, [b"x"], keys=[7])):
+        with pytest.raises(Exception) as small_err:
+            encode_frame(bad, np.zeros(1, np.int64), 1)
+        monkeypatch.setattr(records, "SMALL_FRAME_RECORDS", 0)
+        with pytest.raises(Exception) as column_err:
+            encode_frame(bad, np.zeros(1, np.int64), 1)
+        monkeypatch.setattr(records, "SMALL_FRAME_RECORDS", 16)
+        assert type(small_err.value) is type(column_err.value)

@@ -1,0 +1,201 @@
+"""The shards' direct data channel (``actors.endpoint``) and the SDK's transports."""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections import Counter
+from multiprocessing import AuthenticationError
+
+import pytest
+
+from actors.endpoint import Endpoint
+from cluster.transport import connect
+from storage.errors import BrokerUnavailableError, UnknownTopicError
+from tests.conftest import wait_for
+
+
+class Target:
+    def __init__(self):
+        self.calls = 0
+
+    def send(self, x):
+        self.calls += 1
+        return {"echo": x}
+
+    def pull(self, topic):
+        raise UnknownTopicError(f"topic {topic!r} does not exist")
+
+    def secret(self):
+        return "must not be reachable"
+
+
+def call(conn, method, *args):
+    conn.send_bytes(pickle.dumps((method, args)))
+    ok, value = pickle.loads(conn.recv_bytes())
+    if not ok:
+        raise value
+    return value
+
+
+def test_endpoint_serves_its_methods_refuses_others_and_strangers():
+    target = Target()
+    ep = Endpoint(target)
+    try:
+        conn = connect(ep.address, ep.authkey, 5)
+        assert call(conn, "send", [1, b"x"]) == {"echo": [1, b"x"]}
+        with pytest.raises(UnknownTopicError, match="does not exist"):  # the error, typed
+            call(conn, "pull", "nope")
+        with pytest.raises(PermissionError, match="not callable"):
+            call(conn, "secret")
+        assert call(conn, "send", 2) == {"echo": 2}  # the connection lives on after errors
+
+        with pytest.raises(AuthenticationError):
+            connect(ep.address, os.urandom(32), 5)
+        # garbage instead of a handshake: refused, and the endpoint keeps serving
+        import socket
+        with socket.create_connection(ep.address) as raw:
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)
+            raw.settimeout(5)
+            try:
+                while raw.recv(4096):
+                    pass
+            except OSError:
+                pass
+        other = connect(ep.address, ep.authkey, 5)
+        assert call(other, "send", 3) == {"echo": 3}
+        assert target.calls == 3
+
+        # concurrent connections are served concurrently
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(
+            call(connect(ep.address, ep.authkey, 5), "send", i))) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(r["echo"] for r in results) == list(range(8))
+    finally:
+        ep.close()
+    with pytest.raises((EOFError, OSError)):  # closed: its clients see the shard gone
+        call(conn, "send", 4)
+
+
+uses_ray = pytest.mark.ray
+
+
+@uses_ray
+def test_ray_and_direct_transports_give_the_same_results(mq, name):
+    from cluster import Message
+    from cluster.client import RayMQ
+    assert mq.transport.name == "direct"
+    via_ray = RayMQ(mq.controller, [mq.shard_handle(i) for i in range(mq.num_shards)],
+                    transport="ray")
+    assert via_ray.transport.name == "ray"
+    try:
+        mq.create_topic(name, queues=4)
+        results = {}
+        for client in (mq, via_ray):
+            p = client.producer("p")
+            sent = p.send_batch([Message(name, f"{client.transport.name}-{i}".encode(),
+                                         key=str(i % 5)) for i in range(200)])
+            sent_one = p.send(Message(name, f"{client.transport.name}-single".encode()))
+            results[client.transport.name] = [*sent, sent_one]
+            p.close()
+        for client in (mq, via_ray):  # each reads everything, whichever way it was sent
+            c = client.consumer(f"g{name}-{client.transport.name}", [name])
+            got = []
+            while len(got) < 402:
+                batch = c.poll(500, 5.0)
+                assert batch, "a transport stopped delivering"
+                got += batch
+            assert {m.msg_id for m in got} == {r.msg_id for rs in results.values() for r in rs}
+            c.close()
+    finally:
+        via_ray.close()
+
+
+@uses_ray
+@pytest.mark.slow
+def test_pooled_connection_to_a_restarted_shard_is_replaced_transparently(mq, name):
+    import ray
+
+    from cluster import Message, rpc
+    mq.create_topic(name, queues=1)
+    shard = mq.routes_for({name})[name][0]
+    p = mq.producer("p")
+    first = p.send(Message(name, b"before"))
+    before = rpc.call(mq.shard_handle(shard).endpoint, timeout_s=30)
+    assert mq.transport._idle.get(shard), "the connection should be pooled"
+    pid = rpc.call(mq.shard_handle(shard).ping, timeout_s=30)["pid"]
+    ray.kill(mq.shard_handle(shard), no_restart=False)
+
+    def restarted():
+        try:
+            return rpc.call(mq.shard_handle(shard).ping, timeout_s=30)["pid"] != pid
+        except rpc.RayMQError:
+            return False
+    wait_for(restarted, 60, "the shard restarted")
+    after = rpc.call(mq.shard_handle(shard).endpoint, timeout_s=60)
+    assert after[1] != before[1]  # a new key (and port)
+    # the pooled connection is dead; the call replaces it and goes through
+    offsets = mq.transport.call(shard, "get_offsets", "nobody", [(name, 0)], timeout_s=30)
+    assert offsets == {(name, 0): -1}
+    second = p.send(Message(name, b"after"))
+    assert (first.queue_offset, second.queue_offset) == (0, 1)
+    p.close()
+
+
+@uses_ray
+def test_wrong_key_is_refused_by_a_shard_and_it_keeps_serving(mq, name):
+    from cluster import rpc
+    address, key = rpc.call(mq.shard_handle(0).endpoint, timeout_s=30)
+    with pytest.raises(AuthenticationError):
+        connect(tuple(address), bytes(reversed(key)), 5)
+    assert mq.transport.call(0, "get_offsets", "nobody", [], timeout_s=30) == {}
+
+
+@uses_ray
+def test_concurrent_single_sends_share_a_sticky_queue_and_spread_over_time(mq, name):
+    from cluster import Message
+    mq.create_topic(name, queues=4)
+    p = mq.producer("p")
+    per_queue = Counter()
+    lock = threading.Lock()
+
+    def sender():
+        for i in range(60):
+            r = p.send(Message(name, b"x"))
+            with lock:
+                per_queue[r.queue_id] += 1
+    threads = [threading.Thread(target=sender) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    p.close()
+    assert sum(per_queue.values()) == 480
+    assert set(per_queue) == {0, 1, 2, 3}  # every queue gets messages ...
+    assert max(per_queue.values()) < 0.6 * 480  # ... none takes most of them
+
+
+def test_a_closed_client_fails_calls_instead_of_starting_ray():
+    from cluster.transport import DirectTransport
+    t = DirectTransport(lambda i: None)
+    t.close()
+    with pytest.raises(Exception, match="closed"):
+        t.call(0, "send", timeout_s=1)
+    assert isinstance(t.submit(0, "send", (), timeout_s=1).exception(5), Exception)
+
+
+def test_unreachable_endpoint_is_broker_unavailable():
+    from cluster.transport import DirectTransport
+    ep = Endpoint(Target())
+    address, key = ep.address, ep.authkey
+    ep.close()
+    t = DirectTransport(lambda i: None)
+    t._endpoints[0] = (address, key)  # as if resolved before the shard went away
+    with pytest.raises(BrokerUnavailableError, match="unreachable"):
+        t.call(0, "send", 1, timeout_s=2)
+    assert 0 not in t._endpoints  # asked again next time
+    t.close()
