@@ -30,6 +30,7 @@ from actors.transactions import (Action, CheckPolicy, HalfState, HalfView, Illeg
 from cluster.message import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, Prop,
                              dlq_topic, make_msg_id, retry_topic)
 from storage import MessageStore, RecordBatch
+from storage.store import PutStatus
 from storage.clock import Clock, SystemClock
 from storage.errors import InvalidMessageError, OffsetOutOfRangeError, UnknownTopicError
 from storage.producers import INTERNAL_PRODUCER_BASE
@@ -107,11 +108,28 @@ class BrokerShard:
                                     "(unknown topic, or a stale route: refresh and retry)")
 
     # --------------------------------------------------------------- send
-    def send(self, batch: RecordBatch, producer_id: int = 0, sequence: int = 0) -> dict:
-        """Store a producer request.  Idempotent with a producer id and sequence."""
-        n = len(batch)
+    def send(self, batch: RecordBatch | None, producer_id: int = 0, sequence: int = 0,
+             ends: list | None = None) -> dict:
+        """Store a producer request.  Idempotent with a producer id and sequence.
+
+        ``ends`` are transaction ends riding on the request (``end_transactions``;
+        idempotent too): applied after the batch is written, their outcomes
+        returned under ``"ends"``.  The reply waits for one fsync covering both.
+        """
+        out, written = self._send(batch, producer_id, sequence, wait=not ends)
+        if ends:
+            out["ends"] = self.end_transactions(ends)  # its fsync covers the batch too
+            if written is not None:
+                durable = self.store.wait_durable(written) is PutStatus.PUT_OK
+                out["status"] = "SEND_OK" if durable else "FLUSH_DISK_TIMEOUT"
+        return out
+
+    def _send(self, batch: RecordBatch | None, producer_id: int, sequence: int, *,
+              wait: bool):
+        """Store the batch: (the reply, the put's result or None)."""
+        n = len(batch) if batch is not None else 0
         if not n:
-            return {"status": "SEND_OK", "phys": [], "queue_offsets": [], "duplicate": False}
+            return {"status": "SEND_OK", "phys": [], "queue_offsets": [], "duplicate": False}, None
         keys = set(zip(batch.column("topics"), batch.column("queue_ids"))) \
             if isinstance(batch.topics, list) or isinstance(batch.queue_ids, list) \
             else {(batch.topics, batch.queue_ids)}
@@ -119,7 +137,7 @@ class BrokerShard:
         if batch.properties is not None:
             batch = self._redirect_delayed(batch)
         t0 = self.clock.monotonic_ms()
-        res = self.store.put(batch, producer_id=producer_id, sequence=sequence)
+        res = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         if batch.properties is not None and (batch.topics == HALF_TOPIC or (
                 isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
@@ -129,7 +147,8 @@ class BrokerShard:
         self.metrics.inc("bytes_in", float(res.size_array.sum()))
         status = "SEND_OK" if res.status.name == "PUT_OK" else "FLUSH_DISK_TIMEOUT"
         return {"status": status, "phys": res.phys_array.tolist(),
-                "queue_offsets": res.queue_offset_array.tolist(), "duplicate": res.duplicate}
+                "queue_offsets": res.queue_offset_array.tolist(),
+                "duplicate": res.duplicate}, res
 
     def _redirect_delayed(self, batch: RecordBatch) -> RecordBatch:
         """Delayed messages go to the schedule topic and transactional ones to the half

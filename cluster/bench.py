@@ -163,7 +163,14 @@ class _Sink:
     """The bare-actor ceiling: receives the same requests and only appends them to a list."""
 
     def __init__(self):
+        import ray
+
+        from actors.endpoint import Endpoint
         self.items: list = []
+        self._endpoint = Endpoint(self, host=ray.util.get_node_ip_address())
+
+    def endpoint(self):
+        return self._endpoint.address, self._endpoint.authkey
 
     def send(self, batch, *_args):
         start = len(self.items)
@@ -247,21 +254,29 @@ def bench_produce(b: Bench) -> None:
             q.close()
 
         # the ceiling: the same producer sending the same batches to bare actors that only
-        # append them to a list (no storage, no fsync) -- what the broker side costs
+        # append them to a list (no storage, no fsync) -- what the broker side costs; over
+        # the producer's own transport, and over Ray calls for reference
         from types import SimpleNamespace
 
         from cluster.producer import Producer
+        from cluster.transport import make_transport
         sinks = [ray.remote(_Sink).options(num_cpus=0, max_concurrency=mq.config.shard_max_concurrency)
                  .remote() for _ in range(mq.num_shards)]
-        bare = SimpleNamespace(config=mq.config, routes_for=mq.routes_for,
-                               shard_handle=lambda i: sinks[i])
-        sink_producer = Producer(bare, "bench-ceiling")
-        sink_producer.send_batch(batch)
-        b.progress(f"produce: ceiling, {rounds} batches of 1000 to {len(sinks)} bare actors")
-        dt = timed(lambda: [sink_producer.send_batch(batch) for _ in range(rounds)])
-        sink_producer.close()
-        b.emit("produce.ceiling_b1000", rounds * 1000 / dt, "msgs/s", size=size,
-               n=rounds * 1000, batch=1000, actors=len(sinks), what="same producer, bare actors")
+        for kind, metric in ((mq.transport.name, "produce.ceiling_b1000"),
+                             ("ray", "produce.ceiling_ray_b1000")):
+            bare = SimpleNamespace(config=mq.config, routes_for=mq.routes_for,
+                                   shard_handle=lambda i: sinks[i],
+                                   transport=make_transport(kind, lambda i: sinks[i]))
+            sink_producer = Producer(bare, "bench-ceiling")
+            sink_producer.send_batch(batch)
+            b.progress(f"produce: ceiling, {rounds} batches of 1000 to {len(sinks)} bare actors "
+                       f"over the {kind} transport")
+            dt = timed(lambda: [sink_producer.send_batch(batch) for _ in range(rounds)])
+            sink_producer.close()
+            bare.transport.close()
+            b.emit(metric, rounds * 1000 / dt, "msgs/s", size=size, n=rounds * 1000,
+                   batch=1000, actors=len(sinks), transport=kind,
+                   what="same producer, bare actors")
         # and the bare transport: prebuilt request batches, one call at a time
         request = to_batch(batch, [0] * 1000, 0)
         ray.get([s.put.remote(request) for s in sinks])

@@ -33,6 +33,9 @@ from storage.errors import RayMQError, RequestTimeoutError
 
 log = logging.getLogger("raymq.producer")
 
+#: Keyless single sends to a topic before its sticky queue moves on.
+STICKY_MESSAGES = 64
+
 
 @dataclass
 class _Pending:
@@ -41,7 +44,6 @@ class _Pending:
     topic_qids: list[tuple[str, int]]
     positions: list[int]  # where each message stands in its send_batch call
     queued_at: float = 0.0
-    sticky_queues: int = 0  # a keyless single send put on its topic's sticky queue (of this many)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class _InFlight:
     sequence: int
     attempt: int
     deadline: float
+    ends: list  # transaction ends riding along (``add_ends``)
 
 
 class _Results:
@@ -121,6 +124,8 @@ class Producer:
         self._retrying: dict[int, tuple[_InFlight, float]] = {}
         self._cv = threading.Condition()
         self._rr_next: dict[str, int] = {}
+        self._sticky_count: dict[str, int] = {}
+        self._ends: dict[int, list] = defaultdict(list)
         self._num_levels = len(self.config.delay_levels_ms)
         self._closed = False
         self.retries = 0
@@ -156,6 +161,15 @@ class Producer:
         msgs = list(msgs)
         parts = [(fut.result(timeout_s), positions) for fut, positions in self._submit(msgs)]
         return SendResults(parts, len(msgs))
+
+    def add_ends(self, shard: int, ends: list) -> None:
+        """Queue one-way transaction ends for a shard; they ride on the next request there.
+
+        ``ends``: ``[(group, transaction id, origins, state)]`` (``BrokerShard.end_transactions``).
+        """
+        with self._cv:
+            self._ends[shard].extend(ends)
+            self._cv.notify_all()
 
     def close(self) -> None:
         """Send what is pending, then stop."""
@@ -244,10 +258,7 @@ class Producer:
         """The single-message path: no columns, no numpy (this is per message)."""
         m.validate(self.config.max_message_bytes, self._num_levels)
         route = self._mq.routes_for((m.topic,))[m.topic]
-        if m.key:
-            qid, sticky = key_queue(m.key, len(route)), 0
-        else:  # the topic's sticky queue: moves on once a request has taken it (see _run)
-            qid, sticky = self._rr_next.get(m.topic, 0) % len(route), len(route)
+        qid = key_queue(m.key, len(route)) if m.key else self._sticky_queue(m.topic, len(route))
         shard = route[qid]
         props = None
         if m.properties or m.delay_level or m.deliver_at_ms is not None or system_props:
@@ -260,7 +271,7 @@ class Producer:
         fut = Outcome()
         with self._cv:
             self._pending[(shard, qid % self.lanes)].append(
-                _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic(), sticky))
+                _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic()))
             self._cv.notify_all()
         return fut, [0]
 
@@ -276,13 +287,14 @@ class Producer:
         return items
 
     def _start(self, shard: tuple[int, int], items: list[_Pending], request, sequence: int,
-               attempt: int) -> None:
+               attempt: int, ends: list) -> None:
         """Send a request of lane ``(shard, lane)``; completion arrives in ``_on_done``."""
         timeout_s = self.config.send_timeout_ms / 1000
-        call = self._mq.transport.submit(shard[0], "send",
-                                         (request, self._lane_pids[shard[1]], sequence),
+        args = (request, self._lane_pids[shard[1]] if sequence else 0, sequence)
+        call = self._mq.transport.submit(shard[0], "send", args + (ends,) if ends else args,
                                          timeout_s=timeout_s)
-        f = _InFlight(call, items, request, sequence, attempt, time.monotonic() + timeout_s)
+        f = _InFlight(call, items, request, sequence, attempt, time.monotonic() + timeout_s,
+                      ends)
         with self._cv:
             self._inflight[shard] = f
         call.add_done_callback(lambda _call: self._on_done(shard, f))
@@ -301,7 +313,7 @@ class Producer:
                 self._cv.notify_all()
             return
         except Exception as err:  # a bug in the shard: surface it
-            self._fail(f.items, err)
+            self._fail(f.items, err, f.ends)
         else:
             self._complete(shard, f, result)
         with self._cv:
@@ -319,11 +331,16 @@ class Producer:
                             f"{self.config.send_timeout_ms} ms"))
                 linger = self.config.linger_ms / 1000.0
                 ready, lingering = [], []
-                for key, q in self._pending.items():
-                    if not q or key in self._inflight or key in self._retrying:
+                lanes = dict(self._pending)
+                for shard_index, ends in self._ends.items():  # ends ride on lane 0
+                    if ends and not lanes.get((shard_index, 0)):
+                        lanes[(shard_index, 0)] = deque()
+                for key, q in lanes.items():
+                    if key in self._inflight or key in self._retrying or not (
+                            q or (key[1] == 0 and self._ends.get(key[0]))):
                         continue
-                    if linger and sum(len(p.positions) for p in q) < self.config.batch_max_messages \
-                            and now - q[0].queued_at < linger:
+                    if linger and q and sum(len(p.positions) for p in q) < \
+                            self.config.batch_max_messages and now - q[0].queued_at < linger:
                         lingering.append(q[0].queued_at + linger)  # wait for more to come
                     else:
                         ready.append(key)
@@ -331,6 +348,7 @@ class Producer:
                        if when <= now and s not in self._inflight]
                 if not ready and not due:
                     if self._closed and not any(self._pending.values()) \
+                            and not any(self._ends.values()) \
                             and not self._retrying and not self._inflight:
                         return
                     waits = [0.05] + [w - now for _, w in self._retrying.values()] + \
@@ -341,34 +359,40 @@ class Producer:
                 starts = []
                 for shard in ready:
                     items = self._take(shard)
-                    self._unstick(items)
-                    self._seq[shard] += 1
-                    starts.append((shard, items, self._seq[shard]))
+                    ends = self._ends.pop(shard[0], []) if shard[1] == 0 else []
+                    seq = 0
+                    if items:
+                        self._seq[shard] += 1
+                        seq = self._seq[shard]
+                    starts.append((shard, items, seq, ends))
                 retries = [(shard, self._retrying.pop(shard)[0]) for shard in due]
             for shard, f in retries:
                 try:
-                    self._start(shard, f.items, f.request, f.sequence, f.attempt + 1)
+                    self._start(shard, f.items, f.request, f.sequence, f.attempt + 1, f.ends)
                 except Exception as err:
-                    self._fail(f.items, err)
-            for shard, items, seq in starts:
-                request = RecordBatch.concat([p.batch for p in items])
+                    self._fail(f.items, err, f.ends)
+            for shard, items, seq, ends in starts:
+                request = RecordBatch.concat([p.batch for p in items]) if items else None
                 try:
-                    self._start(shard, items, request, seq, 0)
+                    self._start(shard, items, request, seq, 0, ends)
                 except Exception as err:  # no handle: fail these callers
-                    self._fail(items, err)
+                    self._fail(items, err, ends)
 
-    def _unstick(self, items: list[_Pending]) -> None:
-        """Move a topic's sticky queue on when a request takes messages sent to it.
+    def _sticky_queue(self, topic: str, queues: int) -> int:
+        """The queue of a keyless single send: the topic's sticky queue.
 
-        Kafka's sticky partitioning for single sends: concurrent sends share a
-        queue, so they share one request, and the next request goes to the
-        next queue -- over time as even as round-robin.  (Under ``_cv``.)
+        Kafka's sticky partitioning: concurrent single sends share a queue, so
+        they share one request (and a transaction's end rides with the next
+        halves to the same shard); after ``STICKY_MESSAGES`` sends the queue
+        moves on, so over time the queues fill as evenly as round-robin.
         """
-        for p in items:
-            if p.sticky_queues:
-                topic, qid = p.topic_qids[0]
-                if self._rr_next.get(topic, 0) % p.sticky_queues == qid:
-                    self._rr_next[topic] = self._rr_next.get(topic, 0) + 1
+        with self._cv:
+            turn = self._rr_next.get(topic, 0)
+            count = self._sticky_count.get(topic, 0) + 1
+            if count >= STICKY_MESSAGES:
+                self._rr_next[topic], count = turn + 1, 0
+            self._sticky_count[topic] = count
+            return turn % queues
 
     def _retry_or_fail(self, shard: int, f: _InFlight, err: RayMQError) -> None:
         if err.retriable and f.attempt < self.config.send_retries and not (
@@ -381,12 +405,16 @@ class Producer:
                         f.attempt + 1, backoff)
             self._retrying[shard] = (f, time.monotonic() + backoff)
             return
-        self._fail(f.items, err)
+        self._fail(f.items, err, f.ends)
 
     def _complete(self, key: tuple[int, int], f: _InFlight, result: dict) -> None:
         shard = key[0]
+        for outcome in result.get("ends") or ():
+            if outcome.startswith(("REFUSED", "FAILED")):
+                log.warning("end_transaction refused by shard-%d: %s", shard, outcome)
         status = SendStatus(result["status"])
-        self.metrics.inc("messages_sent", len(result["phys"]) or len(f.request))
+        if f.request is not None:
+            self.metrics.inc("messages_sent", len(result["phys"]) or len(f.request))
         phys, qoffs = list(result["phys"]), list(result["queue_offsets"])
         i = 0
         known = len(phys)
@@ -400,7 +428,9 @@ class Producer:
             i += k
 
     @staticmethod
-    def _fail(items: list[_Pending], err: BaseException) -> None:
+    def _fail(items: list[_Pending], err: BaseException, ends: list | None = None) -> None:
         for p in items:
             if not p.future.done():
                 p.future.set_exception(err)
+        if ends:  # swallowed, as a one-way end is: the check-back settles these
+            log.warning("%d transaction end(s) not delivered: %s", len(ends), err)

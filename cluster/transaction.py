@@ -94,9 +94,6 @@ class TransactionProducer:
         self._drop_end = drop_end  # fault injection: lose this transaction's end
         self._registry = mq.registry_handle(group)
         self._stop = threading.Event()
-        self._ends: dict[int, list] = defaultdict(list)
-        self._ends_inflight: set[int] = set()
-        self._cv = threading.Condition()
         self.checks_answered = 0
         from cluster import rpc
         rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
@@ -107,8 +104,6 @@ class TransactionProducer:
         self._poller = threading.Thread(target=self._poll_checks, daemon=True,
                                         name="raymq-tx-checks")
         self._poller.start()
-        self._ender = threading.Thread(target=self._send_ends, daemon=True, name="raymq-tx-ends")
-        self._ender.start()
 
     # ----------------------------------------------------------------- send
     def send_in_transaction(self, msg: Message | list[Message], arg=None, *,
@@ -231,40 +226,8 @@ class TransactionProducer:
             if r[5] is None or r[5] < 0 or r[6] is None or r[6] < 0:
                 continue  # a resend the shard had stored before: check-back settles it
             by_shard[r[5]].append(r[6])
-        with self._cv:
-            for shard, origins in by_shard.items():
-                self._ends[shard].append((self.group, txid, origins, state.value))
-            self._cv.notify_all()
-
-    def _send_ends(self) -> None:
-        """One-way ends, coalesced per shard (one call carries many transactions)."""
-        while True:
-            with self._cv:
-                ready = [s for s, e in self._ends.items() if e and s not in self._ends_inflight]
-                if not ready:
-                    if self._stop.is_set() and not any(self._ends.values()) \
-                            and not self._ends_inflight:
-                        return
-                    self._cv.wait(0.05)
-                    continue
-                batches = [(s, self._ends.pop(s)) for s in ready]
-                self._ends_inflight.update(ready)
-            for shard, ends in batches:
-                call = self._mq.transport.submit(shard, "end_transactions", (ends,),
-                                                 timeout_s=self._mq.config.send_timeout_ms / 1000)
-                call.add_done_callback(lambda f, s=shard: self._end_done(s, f))
-
-    def _end_done(self, shard: int, fut=None) -> None:
-        if fut is not None:
-            try:
-                for outcome in fut.result():
-                    if outcome.startswith("REFUSED"):
-                        log.warning("end_transaction refused by shard-%d: %s", shard, outcome)
-            except Exception as err:  # swallowed: check-back settles it
-                log.warning("end_transaction to shard-%d failed: %s", shard, err)
-        with self._cv:
-            self._ends_inflight.discard(shard)
-            self._cv.notify_all()
+        for shard, origins in by_shard.items():  # one-way: rides on the next request there
+            self._producer.add_ends(shard, [(self.group, txid, origins, state.value)])
 
     # ---------------------------------------------------------------- checks
     def _poll_checks(self) -> None:
@@ -291,10 +254,8 @@ class TransactionProducer:
         self.checks_answered += 1
         if state is LocalTransactionState.UNKNOW:
             return
-        with self._cv:
-            self._ends[req["shard"]].append((self.group, req["txid"], [req["origin"]],
-                                             state.value))
-            self._cv.notify_all()
+        self._producer.add_ends(req["shard"], [(self.group, req["txid"], [req["origin"]],
+                                                state.value)])
 
     # ----------------------------------------------------------------- close
     def close(self) -> None:
@@ -303,10 +264,7 @@ class TransactionProducer:
         self._poller.join()
         self._exec_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
-        with self._cv:
-            self._cv.notify_all()
-        self._ender.join()
-        self._producer.close()
+        self._producer.close()  # sends the ends still queued
         try:
             rpc.call(self._registry.unregister, self.group, self.instance_id, timeout_s=10)
         except Exception as err:  # the lease runs out anyway
