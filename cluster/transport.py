@@ -145,7 +145,7 @@ class DirectTransport:
 
     name = "direct"
 
-    def __init__(self, shard_handle: Callable[[int], Any], *, io_threads: int = 64):
+    def __init__(self, shard_handle: Callable[[int], Any], *, io_threads: int = 256):
         self._handle = shard_handle
         self._lock = threading.Lock()
         self._endpoints: dict[int, tuple[tuple[str, int], bytes]] = {}
