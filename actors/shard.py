@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -81,6 +81,7 @@ class BrokerShard:
         self._pending_halves: dict[int, int] = {}    # unresolved origin -> its latest copy
         self._latest_copy: dict[int, int] = {}       # origin -> queue offset of its latest copy
         self._half_size: dict[int, int] = {}         # pending origin -> its record size
+        self._half_cache: dict[int, _Half] = {}      # pending origin -> the half as sent
         self._resolved: dict[int, HalfState] = {}   # origin -> COMMITTED/ROLLED_BACK/EXPIRED
         self._waiting_groups: set[str] = set()
         self._fault: str | None = None
@@ -457,13 +458,22 @@ class BrokerShard:
                     self._pending_halves[origin] = m.queue_offset
 
     def _note_new_halves(self, batch: RecordBatch, res) -> None:
+        """Track the halves just stored; keep what their end needs, so it reads nothing."""
         topics = batch.column("topics")
+        props, bodies = batch.column("properties"), batch.bodies
+        keys, tags, born = batch.column("keys"), batch.column("tags"), batch.column("born_ms")
         with self._tx_lock:
-            for t, phys, qoff, size in zip(topics, res.phys_offsets, res.queue_offsets, res.sizes):
+            room = HALF_CACHE_MAX - len(self._half_cache)
+            for i, (t, phys, qoff, size) in enumerate(zip(topics, res.phys_offsets,
+                                                          res.queue_offsets, res.sizes)):
                 if t == HALF_TOPIC and phys not in self._resolved:
                     self._pending_halves.setdefault(phys, qoff)
                     self._latest_copy.setdefault(phys, qoff)
                     self._half_size[phys] = size
+                    if room > 0 and phys not in self._half_cache:
+                        self._half_cache[phys] = _Half(HALF_TOPIC, props[i], phys, bodies[i],
+                                                       keys[i], tags[i], born[i])
+                        room -= 1
 
     def _half_state(self, origin: int) -> HalfState | None:
         if origin in self._resolved:
@@ -529,19 +539,21 @@ class BrokerShard:
                "UNKNOW": None, "UNKNOWN": None}
 
     def _read_halves(self, origins: list[int]) -> dict[int, StoredMessage]:
-        """The halves of many ends in one read where their sizes are known."""
-        known = sorted({o for o in origins if o in self._half_size})
+        """The halves of many ends: kept from their send, else in one read where their sizes
+        are known."""
+        found = {o: self._half_cache[o] for o in origins if o in self._half_cache}
+        known = sorted({o for o in origins if o in self._half_size and o not in found})
         if not known:
-            return {}
+            return found
         entries = np.empty(len(known), dtype=[("phys", "<i8"), ("size", "<i4"), ("tag", "<i8")])
         entries["phys"] = known
         entries["size"] = [self._half_size[o] for o in known]
         entries["tag"] = 0
         try:
-            return {m.phys_offset: m for m in self.store.messages_at(entries).messages()}
+            found.update((m.phys_offset, m) for m in self.store.messages_at(entries).messages())
         except Exception as err:  # fall back to reading them one by one
             log.warning("shard-%d: batched half read failed: %s", self.index, err)
-            return {}
+        return found
 
     def _plan_end(self, group: str, txid: str, origins: list[int], state: str, *,
                   operator: bool, also_done: dict | None = None,
@@ -599,6 +611,7 @@ class BrokerShard:
             self._resolved[origin] = new
             self._pending_halves.pop(origin, None)
             self._half_size.pop(origin, None)
+            self._half_cache.pop(origin, None)
         self.metrics.inc("transactions_ended", len(done))
         return written
 
@@ -665,6 +678,8 @@ class BrokerShard:
                     elif kind == "op":
                         self._resolved[view.origin] = HalfState.EXPIRED
                         self._pending_halves.pop(view.origin, None)
+                        self._half_size.pop(view.origin, None)
+                        self._half_cache.pop(view.origin, None)
             # groups stay "waiting" until a producer of theirs is live again
             self._waiting_groups = (self._waiting_groups - set(live_groups)) | plan.waiting_groups
             if progress != start:
@@ -769,6 +784,22 @@ def _restore_real(msgs: list[StoredMessage]) -> RecordBatch:
                        born_ms=[m.born_ms for m in msgs],
                        reconsume=[m.reconsume_count for m in msgs],
                        prepared_offsets=[m.prepared_offset for m in msgs])
+
+
+#: Pending halves whose content is kept in memory for their end (the rest are read back).
+HALF_CACHE_MAX = 100_000
+
+
+class _Half(NamedTuple):
+    """What an end needs of a half, as it was sent (the fields of ``StoredMessage`` used)."""
+
+    topic: str
+    properties: dict
+    phys_offset: int
+    body: bytes
+    key: str | None
+    tags: str | None
+    born_ms: int
 
 
 _TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Prop.CHECK_TIMES,
