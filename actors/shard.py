@@ -117,12 +117,28 @@ class BrokerShard:
         idempotent too): applied after the batch is written, their outcomes
         returned under ``"ends"``.  The reply waits for one fsync covering both.
         """
-        out, written = self._send(batch, producer_id, sequence, wait=not ends)
-        if ends:
+        if not ends:
+            return self._send(batch, producer_id, sequence, wait=True)[0]
+        n = len(batch) if batch is not None else 0
+        if not n or self._fault is not None:
+            out, written = self._send(batch, producer_id, sequence, wait=False)
             out["ends"] = self.end_transactions(ends)  # its fsync covers the batch too
             if written is not None:
                 durable = self.store.wait_durable(written) is PutStatus.PUT_OK
                 out["status"] = "SEND_OK" if durable else "FLUSH_DISK_TIMEOUT"
+            return out
+        # one put: the batch, then the real messages and op records of the ends
+        batch = self._prepare(batch)
+        with self._tx_lock:
+            outcomes, writes, done = self._plan_ends(ends)
+            both = RecordBatch.concat([batch, self._redirect_delayed(
+                RecordBatch.from_records(writes))]) if writes else batch
+            res = self.store.put(both, producer_id=producer_id, sequence=sequence, wait=False)
+            if not res.duplicate:  # a resend: its ends went with the first copy
+                self._mark_resolved(done)
+            self._note_new_halves(batch, res)
+        out = self._sent(batch, res, self.store.wait_durable(res))
+        out["ends"] = outcomes
         return out
 
     def _send(self, batch: RecordBatch | None, producer_id: int, sequence: int, *,
@@ -131,25 +147,33 @@ class BrokerShard:
         n = len(batch) if batch is not None else 0
         if not n:
             return {"status": "SEND_OK", "phys": [], "queue_offsets": [], "duplicate": False}, None
+        batch = self._prepare(batch)
+        t0 = self.clock.monotonic_ms()
+        res = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
+        self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
+        self._note_new_halves(batch, res)
+        return self._sent(batch, res, res.status), res
+
+    def _prepare(self, batch: RecordBatch) -> RecordBatch:
+        """Check the routes of a producer batch; redirect delayed and transactional records."""
         keys = set(zip(batch.column("topics"), batch.column("queue_ids"))) \
             if isinstance(batch.topics, list) or isinstance(batch.queue_ids, list) \
             else {(batch.topics, batch.queue_ids)}
         self._check_routes(keys)
         if batch.properties is not None:
             batch = self._redirect_delayed(batch)
-        t0 = self.clock.monotonic_ms()
-        res = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
-        self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
-        if batch.properties is not None and (batch.topics == HALF_TOPIC or (
-                isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
-            self._note_new_halves(batch, res)
+        return batch
+
+    def _sent(self, batch: RecordBatch, res, status: PutStatus) -> dict:
+        """The reply to a send: the batch's own records (a put may carry more after them)."""
+        n = len(batch)
         self._wake_pullers()
         self.metrics.inc("messages_in", n)
-        self.metrics.inc("bytes_in", float(res.size_array.sum()))
-        status = "SEND_OK" if res.status.name == "PUT_OK" else "FLUSH_DISK_TIMEOUT"
-        return {"status": status, "phys": res.phys_array.tolist(),
-                "queue_offsets": res.queue_offset_array.tolist(),
-                "duplicate": res.duplicate}, res
+        self.metrics.inc("bytes_in", float(res.size_array[:n].sum()))
+        return {"status": "SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
+                "phys": res.phys_array[:n].tolist(),
+                "queue_offsets": res.queue_offset_array[:n].tolist(),
+                "duplicate": res.duplicate}
 
     def _redirect_delayed(self, batch: RecordBatch) -> RecordBatch:
         """Delayed messages go to the schedule topic and transactional ones to the half
@@ -459,6 +483,9 @@ class BrokerShard:
 
     def _note_new_halves(self, batch: RecordBatch, res) -> None:
         """Track the halves just stored; keep what their end needs, so it reads nothing."""
+        if batch.properties is None or not (batch.topics == HALF_TOPIC or (
+                isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
+            return
         topics = batch.column("topics")
         props, bodies = batch.column("properties"), batch.bodies
         keys, tags, born = batch.column("keys"), batch.column("tags"), batch.column("born_ms")
@@ -490,32 +517,37 @@ class BrokerShard:
         the half is refused (that request's outcome says why; the others go on).
         All the resolutions of the call are written in one put (one fsync).
         """
-        outcomes: list[str] = []
         with self._tx_lock:
-            halves = self._read_halves([o for _g, _t, origins, _s in requests for o in origins])
-            writes: list[Record] = []
-            done: dict[int, HalfState] = {}
-            for group, txid, origins, state in requests:
-                try:
-                    outcome, real, ops, resolved = self._plan_end(group, txid, list(origins),
-                                                                  state, operator=False,
-                                                                  also_done=done, halves=halves)
-                except (InvalidMessageError, IllegalTransition) as err:
-                    outcomes.append(f"REFUSED: {err}")
-                    continue
-                except Exception as err:  # one bad request must not lose the others' ends
-                    log.warning("shard-%d: end of %s failed: %s", self.index, txid, err)
-                    outcomes.append(f"FAILED: {type(err).__name__}: {err}")
-                    continue
-                outcomes.append(outcome)
-                writes += real + ops
-                done.update(resolved)
+            outcomes, writes, done = self._plan_ends(requests)
             written = self._write_resolutions(writes, done, wait=False)
         if done:
             self._wake_pullers()
         if written is not None:  # the fsync is shared with other puts, outside the lock
             self.store.wait_durable(written)
         return outcomes
+
+    def _plan_ends(self, requests: list[tuple[str, str, list[int], str]]):
+        """Check ends and build their records: (outcomes, records, resolved). Under _tx_lock."""
+        outcomes: list[str] = []
+        halves = self._read_halves([o for _g, _t, origins, _s in requests for o in origins])
+        writes: list[Record] = []
+        done: dict[int, HalfState] = {}
+        for group, txid, origins, state in requests:
+            try:
+                outcome, real, ops, resolved = self._plan_end(group, txid, list(origins),
+                                                              state, operator=False,
+                                                              also_done=done, halves=halves)
+            except (InvalidMessageError, IllegalTransition) as err:
+                outcomes.append(f"REFUSED: {err}")
+                continue
+            except Exception as err:  # one bad request must not lose the others' ends
+                log.warning("shard-%d: end of %s failed: %s", self.index, txid, err)
+                outcomes.append(f"FAILED: {type(err).__name__}: {err}")
+                continue
+            outcomes.append(outcome)
+            writes += real + ops
+            done.update(resolved)
+        return outcomes, writes, done
 
     def end_transaction(self, group: str, txid: str, origins: list[int], state: str) -> str:
         """One end; refusals raise (the checker and operators use this)."""
@@ -607,13 +639,16 @@ class BrokerShard:
         # asked for a delay, and their op records
         written = self.store.put(self._redirect_delayed(RecordBatch.from_records(records)),
                                  wait=wait)
+        self._mark_resolved(done)
+        return written
+
+    def _mark_resolved(self, done: dict[int, HalfState]) -> None:
         for origin, new in done.items():
             self._resolved[origin] = new
             self._pending_halves.pop(origin, None)
             self._half_size.pop(origin, None)
             self._half_cache.pop(origin, None)
         self.metrics.inc("transactions_ended", len(done))
-        return written
 
     def set_fault(self, fault: str | None) -> None:
         """Test hook: 'crash_between_real_and_op' exits between the two writes of a commit."""

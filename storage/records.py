@@ -162,8 +162,29 @@ def tags_hash(tags: str | None) -> int:
 
 
 def encode_properties(props: dict[str, str] | None) -> bytes:
+    """``name\x01value`` pairs joined by ``\x02``; bad names or values raise.
+
+    The common case is checked on the joined text (one separator of each kind
+    per pair, no empty name); anything else goes through the per-item checks,
+    which say what is wrong.
+    """
     if not props:
         return b""
+    try:
+        text = PROP_SEP.join([k + PROP_NAME_VALUE_SEP + v for k, v in props.items()])
+    except TypeError:  # a name or value that is not a str
+        text = None
+    if text is not None and text.count(PROP_NAME_VALUE_SEP) == len(props) \
+            and text.count(PROP_SEP) == len(props) - 1 and "" not in props:
+        data = text.encode()
+        if len(data) > MAX_PROPERTIES_BYTES:
+            raise InvalidMessageError(
+                f"properties take {len(data)} bytes, more than {MAX_PROPERTIES_BYTES}")
+        return data
+    return _encode_properties_checked(props)
+
+
+def _encode_properties_checked(props: dict[str, str]) -> bytes:
     parts = []
     for name, value in props.items():
         if not isinstance(name, str) or not isinstance(value, str):

@@ -30,11 +30,21 @@ def test_commit_writes_the_same_real_messages_whether_halves_are_kept_or_read(
         ends = [("g", f"tx{i}", [phys], "COMMIT_MESSAGE") for i, phys in enumerate(sent["phys"])]
         ends[4] = ("g", "tx4", [sent["phys"][4]], "ROLLBACK_MESSAGE")
         ends.append(("other-group", "tx0", [sent["phys"][0]], "COMMIT_MESSAGE"))
-        # the ends ride on a request of their own producer, as the SDK sends them
-        out = sh.send(None, 0, 0, ends)
-        assert out["ends"][:5] == ["COMMITTED"] * 4 + ["ROLLED_BACK"]
-        assert out["ends"][5].startswith("REFUSED")  # wrong group: refused, nothing written
-        assert sh._half_cache == {}  # resolved halves are not kept
+        # the ends ride on the producer's next request (one put with its new halves)
+        more = sh.send(tx_batch("orders", 3, 100), 77, 2, ends)
+        assert more["ends"][:5] == ["COMMITTED"] * 4 + ["ROLLED_BACK"]
+        assert more["ends"][5].startswith("REFUSED")  # wrong group: refused, nothing written
+        assert more["status"] == "SEND_OK" and len(more["phys"]) == len(more["queue_offsets"]) == 3
+        # resolved halves are not kept; the new ones are, as far as the bound allows
+        assert set(sh._half_cache) == set(more["phys"][:min(kept, 3)])
+        # a resend of that request (a timeout) stores nothing again and ends nothing again
+        again = sh.send(tx_batch("orders", 3, 100), 77, 2, ends)
+        assert again["duplicate"] and again["phys"] == more["phys"]
+        # ends alone (nothing else to send): the rest of the transactions
+        alone = sh.send(None, 0, 0, [("g", f"tx{100 + i}", [p], "ROLLBACK_MESSAGE")
+                                     for i, p in enumerate(more["phys"])])
+        assert alone["ends"] == ["ROLLED_BACK"] * 3 and alone["phys"] == []
+        assert sh._half_cache == {}
         got = []
         for q in (0, 1):
             [(_t, _q, batch, _next, _end)] = sh.pull([("orders", q, 0, 100)])
