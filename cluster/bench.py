@@ -262,6 +262,7 @@ def bench_produce(b: Bench) -> None:
         from cluster.transport import make_transport
         sinks = [ray.remote(_Sink).options(num_cpus=0, max_concurrency=mq.config.shard_max_concurrency)
                  .remote() for _ in range(mq.num_shards)]
+        ray.get([s.endpoint.remote() for s in sinks])  # all started before anything is timed
         for kind, metric in ((mq.transport.name, "produce.ceiling_b1000"),
                              ("ray", "produce.ceiling_ray_b1000")):
             bare = SimpleNamespace(config=mq.config, routes_for=mq.routes_for,
