@@ -65,10 +65,16 @@ class CheckerWorker:
                     self._call_registry(registry_for(group, self.num_registries), "push_checks",
                                         group, reqs)
                     sent[group] = sent.get(group, 0) + len(reqs)
-                except Exception as err:  # asked again next round (the half stays pending)
-                    log.warning("checker-%d: registry unavailable for %s: %s", self.index,
-                                group, err)
+                except Exception as err:  # nobody was asked: the checks must not count
+                    log.warning("checker-%d: registry unavailable for %s: %s; taking back "
+                                "%d checks", self.index, group, err, len(reqs))
                     self.last_error = f"registry: {err}"
+                    try:
+                        self._call_shard(shard, "uncount_checks",
+                                         [(r["origin"], r["checks"]) for r in reqs])
+                    except Exception as undo_err:  # the back-off still spaces the next check
+                        log.warning("checker-%d: shard-%d could not take back checks: %s",
+                                    self.index, shard, undo_err)
         self.rounds += 1
         return sent
 

@@ -13,6 +13,7 @@ Idempotence of methods (what a retried Ray call may do):
   recorded after the resend: at least once, never loss).
 - ``end_transactions`` / ``resolve_half``: idempotent (a resolved half stays resolved).
 - ``check_round``: safe to repeat (stale copies are skipped).
+- ``uncount_checks``: idempotent (only a copy still carrying that count is changed).
 - reads (``pull``, ``get_message``, ...): no effect.
 """
 from __future__ import annotations
@@ -727,6 +728,40 @@ class BrokerShard:
         return [{"shard": self.index, "group": v.group, "origin": v.origin, "checks": count,
                  "txid": m.properties.get(Prop.TRANSACTION_ID), "message": _listener_view(m)}
                 for v, m, count in checks]
+
+    def uncount_checks(self, checks: list[tuple[int, int]]) -> int:
+        """Take back checks that never reached a producer: ``[(origin, count)]``.
+
+        The checker calls this when the group's registry could not take the
+        checks a round planned: such a check does not count (a half is never
+        expired for checks nobody was asked).  Each half's latest copy is put
+        again with its check count back to ``count - 1``, keeping the time of
+        the failed check as the base of its back-off.  Idempotent: a half
+        resolved, checked again or already taken back meanwhile is left alone.
+        Returns how many were taken back.
+        """
+        with self._tx_lock:
+            writes = []
+            for origin, count in checks:
+                qoff = self._latest_copy.get(origin)
+                if qoff is None or origin not in self._pending_halves:
+                    continue
+                copies = self.store.read_queue(HALF_TOPIC, 0, qoff, 1)
+                if not copies:
+                    continue
+                m = copies[0]
+                p = m.properties
+                if int(p.get(Prop.CHECK_TIMES, 0)) != count or count <= 0:
+                    continue
+                writes.append((origin, _copy(m, origin, count - 1, HALF_TOPIC,
+                                             int(p.get(Prop.CHECK_BASE_MS, m.store_ms)))))
+            if writes:
+                res = self.store.put(RecordBatch.from_records([w for _o, w in writes]))
+                for (origin, _w), qoff in zip(writes, res.queue_offsets):
+                    self._pending_halves[origin] = qoff
+                    self._latest_copy[origin] = qoff
+        self.metrics.inc("transaction_checks_taken_back", len(writes))
+        return len(writes)
 
     def _advance_op_progress(self, half_progress: int) -> None:
         """Pass the ops (and forget the resolutions) whose halves can no longer come up.

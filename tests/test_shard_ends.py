@@ -61,3 +61,56 @@ def test_commit_writes_the_same_real_messages_whether_halves_are_kept_or_read(
         assert sh.send(None, 0, 0, ends[:1])["ends"] == ["NOOP"]
     finally:
         sh.close()
+
+
+def test_checks_the_registry_could_not_take_are_not_counted(tmp_path):
+    """RocketMQ counts a check even when no producer was asked; RayMQ takes it back."""
+    from actors.checker import CheckerWorker
+    from actors.registry import ProducerGroupRegistry
+    from cluster.message import CHECK_EXPIRED_TOPIC
+    from storage.clock import ManualClock
+    from storage.errors import BrokerUnavailableError
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1000,
+                         "txn_max_checks": 2, "txn_check_backoff_max_ms": 2000},
+                     clock=clock, background=False)
+    registry = ProducerGroupRegistry(lease_ms=10**9, clock=clock)
+    registry.heartbeat("g", "instance-1")
+    registry_down = [True]
+
+    def call_registry(_i, method, *args):
+        if method == "push_checks" and registry_down[0]:
+            raise BrokerUnavailableError("registry-0 restarting")
+        return getattr(registry, method)(*args)
+    checker = CheckerWorker(0, [0], call_shard=lambda _i, m, *a, **k: getattr(sh, m)(*a, **k),
+                            call_registry=call_registry, num_registries=1, interval_ms=10**6,
+                            max_checks_per_group=100, background=False)
+    try:
+        sh.set_routes([("orders", 0), ("orders", 1)])
+        [origin] = sh.send(tx_batch("orders", 1, 0), 5, 1)["phys"]
+        for _ in range(6):  # far more rounds than max checks, every push failing
+            clock.advance(5000)
+            assert checker.run_round() == {}
+            [half] = sh.half_list()
+            assert half["checks"] == 0  # nothing counted, nothing expired
+        assert sh.half_list(expired=True) == []
+        registry_down[0] = False  # the registry is back: the check is asked and counted
+        clock.advance(5000)
+        assert checker.run_round() == {"g": 1}
+        [req] = registry.poll_checks("g", "instance-1", 10, 0)
+        assert (req["origin"], req["checks"]) == (origin, 1)
+        assert sh.half_list()[0]["checks"] == 1
+        # taking back is idempotent and ignores checks that moved on
+        assert sh.uncount_checks([(origin, 5)]) == 0
+        assert sh.uncount_checks([(origin, 1)]) == 1
+        assert sh.uncount_checks([(origin, 1)]) == 0
+        assert sh.half_list()[0]["checks"] == 0
+        for _ in range(4):  # with nobody answering, max checks still expire it in the end
+            clock.advance(5000)
+            checker.run_round()
+        [expired] = sh.half_list(expired=True)
+        assert (expired["origin"], expired["state"]) == (origin, "EXPIRED")
+        [(_t, _q, batch, _n, _e)] = sh.pull([(CHECK_EXPIRED_TOPIC, 0, 0, 10)])
+        assert len(batch) == 1
+    finally:
+        sh.close()
