@@ -675,6 +675,9 @@ class BrokerShard:
             halves = self.store.read_queue(HALF_TOPIC, 0, start, window)
             views = []
             for m in halves:
+                if m.phys_offset in self._resolved:  # a first copy, resolved: skip undecoded
+                    views.append(HalfView(m.queue_offset, m.phys_offset, "", 0, 0, 0))
+                    continue
                 p = m.properties
                 views.append(HalfView(m.queue_offset, int(p.get(Prop.ORIGIN_HALF, m.phys_offset)),
                                       p.get(Prop.PRODUCER_GROUP, ""),
