@@ -77,6 +77,7 @@ class Consumer:
         self._stop = threading.Event()
         self._closed = False
         self.generation = 0
+        self._lease_from = time.monotonic()  # when the last heartbeat that got through was sent
         self._processing: dict[tuple[str, int], int] = {}  # queue -> first offset in a handler
         from cluster.metrics import RayMetrics
         self.metrics = RayMetrics(client="consumer", group=group)
@@ -103,11 +104,14 @@ class Consumer:
 
     def heartbeat(self) -> None:
         """One heartbeat: take granted queues, release moved ones (committing first)."""
+        self._fence_if_lease_lost()
+        sent = time.monotonic()
         with self._lock:
             held = sorted(self._queues)
         res = rpc.call(self._mq.controller.heartbeat, self.group, self.member_id,
                        self.topics + [self._retry_topic], held, socket.gethostname(),
                        timeout_s=30)
+        self._lease_from = sent  # the controller saw this member alive no earlier than this
         release = [tuple(q) for q in res["release"]]
         granted = [tuple(q) for q in res["granted"]]
         if release:
@@ -147,6 +151,31 @@ class Consumer:
             self._drop_buffered(set(queues))
         log.info("consumer %s of %s: released %s", self.member_id, self.group, queues)
 
+    def _fence_if_lease_lost(self) -> bool:
+        """Give up every queue, without committing, once no heartbeat got through for a
+        session: by then the controller may have handed the queues to another member.
+
+        Measured from when the last successful heartbeat was *sent*, so this member
+        stops no later than the controller expires it (Kafka's consumer does the same
+        when it cannot reach its coordinator).  The next heartbeat that gets through
+        takes queues again from their committed offsets.
+        """
+        silent_s = time.monotonic() - self._lease_from
+        if silent_s * 1000 <= self.config.session_timeout_ms:
+            return False
+        with self._lock:
+            if not self._queues:
+                return True
+            dropped = sorted(self._queues)
+            self._queues.clear()
+            self._processing.clear()
+            self._drop_buffered(set(dropped))
+        log.warning("consumer %s of %s: no heartbeat through for %.1f s (session %d ms): gave "
+                    "up %s without committing", self.member_id, self.group, silent_s,
+                    self.config.session_timeout_ms, dropped)
+        self.metrics.inc("leases_lost")
+        return True
+
     def _drop_buffered(self, queues: set) -> None:
         kept = deque((k, c) for k, c in self._buffer if k not in queues)
         self._buffered = sum(len(c) for _, c in kept)
@@ -168,6 +197,7 @@ class Consumer:
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            self._fence_if_lease_lost()
             with self._lock:
                 if self._buffer:
                     out = []
@@ -284,6 +314,8 @@ class Consumer:
         self._commit_queues(list(self.assignment()), wait=False)
 
     def _commit_queues(self, queues, *, wait: bool = True) -> None:
+        if self._fence_if_lease_lost():
+            return  # the queues may be another member's now: never commit for them
         by_shard = defaultdict(dict)
         with self._lock:
             for key in queues:

@@ -350,3 +350,56 @@ def test_ordered_mode_handles_each_queue_in_order_and_retries_in_place(mq, name)
     assert mq.admin.dlq_list(f"g{name}") == []
     c.close()
     p.close()
+
+
+class _Unreachable:
+    """A controller this consumer cannot reach (a network partition, as it sees it)."""
+
+    def heartbeat(self, *_args):
+        from storage.errors import BrokerUnavailableError
+        raise BrokerUnavailableError("controller unreachable (injected partition)")
+
+    def leave(self, *_args):
+        self.heartbeat()
+
+
+class _Partitioned:
+    """The consumer's view of the cluster during the partition: all but the controller."""
+
+    def __init__(self, mq, controller):
+        self._mq, self.controller = mq, controller
+
+    def __getattr__(self, name):
+        return getattr(self._mq, name)
+
+
+@pytest.mark.slow
+def test_consumer_cut_off_from_the_controller_gives_up_its_queues_without_committing(mq, name):
+    mq.create_topic(name, queues=2)
+    p = mq.producer("p")
+    p.send_batch([Message(name, f"{i}".encode()) for i in range(20)])
+    a = mq.consumer(f"g{name}", [name])
+
+    def owned(c):
+        return [q for q in c.assignment() if q[0] == name]
+    assert len(owned(a)) == 2
+    first = drain(a, 5)  # consumed, not committed
+    assert len(first) >= 5
+    unreachable = ray.remote(_Unreachable).remote()
+    a._mq = _Partitioned(mq, unreachable)
+    # within a session a's heartbeats fail; it gives its queues up itself
+    wait_for(lambda: not a.assignment(), 10, "the partitioned consumer giving up its queues")
+    assert a.poll(100, 0.2) == []
+    a.commit()  # nothing to commit for: it owns nothing
+    b = mq.consumer(f"g{name}", [name])
+    wait_for(lambda: len(owned(b)) == 2, 15, "the queues moving to the other member")
+    got = drain(b, 20)
+    assert sorted(int(m.body) for m in got) == list(range(20))  # nothing lost
+    b.commit()
+    a._mq = mq  # the partition heals: a rejoins from the committed offsets, sees nothing again
+    wait_for(lambda: owned(a) or owned(b) != [(name, 0), (name, 1)], 15, "a rejoining")
+    assert [m for m in a.poll(100, 1.0) if m.topic == name] == []
+    a.close()
+    b.close()
+    p.close()
+    ray.kill(unreachable)
