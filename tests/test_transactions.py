@@ -120,12 +120,18 @@ def test_no_live_producer_check_not_counted_half_kept_until_one_registers(mq, na
     tp = mq.transaction_producer(group, Listener(check_answer=S.UNKNOW))
     res = tp.send_in_transaction(Message(name, b"orphan"), S.UNKNOW)
     tp.close()  # no live instance of the group any more
+    # (while the producer was still closing, a round may have checked the half once: it
+    # was live then; what matters is that nothing is counted from here on)
+    mq.admin.check_now()  # a round begun while it was live has ended by now
+    [half] = pending(mq, group)
+    before = half["checks"]
+    assert before <= 1
     rounds = mq.config.txn_max_checks + 3
     for _ in range(rounds):  # well past the maximum number of checks
         mq.admin.check_now()
         time.sleep(mq.config.txn_check_backoff_max_ms / 1000)  # let back-off windows pass
     [half] = pending(mq, group)
-    assert half["checks"] == 0 and half["waiting_for_producer"]
+    assert half["checks"] == before and half["waiting_for_producer"]
     assert not [h for h in mq.admin.half_list(expired=True) if h["group"] == group]
     st = mq.admin.status()["transactions"]
     assert any(group in t["groups_without_live_producer"] for t in st)
