@@ -363,13 +363,19 @@ def bench_txmsg(b: Bench) -> None:
 
         per = b.n(800, 50)
         b.progress(f"txmsg: 8 threads x {per} transactions on one transaction producer")
+        before = tp._producer.requests
         dt = concurrently(lambda: tp.send_in_transaction(Message("tx", body), commit), per)
-        b.emit("txmsg.p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8)
+        requests = tp._producer.requests - before
+        b.emit("txmsg.p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8,
+               requests=requests, per_request=round(8 * per / max(requests, 1), 2))
         p = mq.producer("bench-plain")
         p.send(Message("tx", body))
         b.progress(f"txmsg: 8 threads x {per} plain single-message sends")
+        before = p.requests
         dt = concurrently(lambda: p.send(Message("tx", body)), per)
-        b.emit("txmsg.plain_p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8)
+        requests = p.requests - before
+        b.emit("txmsg.plain_p8", 8 * per / dt, "msgs/s", size=size, n=8 * per, threads=8,
+               requests=requests, per_request=round(8 * per / max(requests, 1), 2))
         b.ratio("txmsg.vs_plain_ratio", "txmsg.p8", "txmsg.plain_p8")
 
         # the asynchronous API: one thread, up to 256 transactions in flight

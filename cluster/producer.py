@@ -129,6 +129,7 @@ class Producer:
         self._num_levels = len(self.config.delay_levels_ms)
         self._closed = False
         self.retries = 0
+        self.requests = 0  # requests sent to shards (attempts), for benchmarks and status
         from cluster.metrics import RayMetrics
         self.metrics = RayMetrics(client="producer", group=group)
         self._thread = threading.Thread(target=self._run, name="raymq-producer", daemon=True)
@@ -290,6 +291,7 @@ class Producer:
                attempt: int, ends: list) -> None:
         """Send a request of lane ``(shard, lane)``; completion arrives in ``_on_done``."""
         timeout_s = self.config.send_timeout_ms / 1000
+        self.requests += 1
         args = (request, self._lane_pids[shard[1]] if sequence else 0, sequence)
         call = self._mq.transport.submit(shard[0], "send", args + (ends,) if ends else args,
                                          timeout_s=timeout_s)
