@@ -341,12 +341,44 @@ def _encode_text(value: str, limit: int, what: str) -> bytes:
     return data
 
 
+def _texts(values: list | None, limit: int, what: str) -> list[bytes] | None:
+    """An optional text column encoded (None stays None; an empty value is b"")."""
+    if values is None:
+        return None
+    return [_encode_text(v, limit, what) if v else b"" for v in values]
+
+
 def _optional_texts(values: list | None, n: int, limit: int, what: str):
     """(encoded list or None, lengths array or 0)."""
-    if values is None:
+    out = _texts(values, limit, what)
+    if out is None:
         return None, 0
-    out = [_encode_text(v, limit, what) if v else b"" for v in values]
     return out, np.fromiter(map(len, out), np.int64, n)
+
+
+def _topic_texts(topics: list[str]) -> list[bytes]:
+    """A per-record topic column encoded (each distinct topic once)."""
+    cache = {t: _encode_text(t, MAX_TOPIC_BYTES, "topic") for t in set(topics)}
+    return list(map(cache.__getitem__, topics))
+
+
+def _join_bodies(bodies: list) -> bytes:
+    try:
+        return b"".join(bodies)
+    except TypeError:
+        bad = next(b for b in bodies if not isinstance(b, (bytes, bytearray, memoryview)))
+        raise InvalidMessageError(f"message body must be bytes, got {type(bad).__name__}") from None
+
+
+def _frame_header(n: int, frame_len: int, store_ms: int, producer_id: int, sequence: int,
+                  last: bool, headers: bytes, meta: bytes, body_blob: bytes) -> bytes:
+    """The frame header: its CRC covers the header fields after the CRC and every region."""
+    attrs = FRAME_ATTR_LAST if last else 0
+    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, attrs, 0, n, store_ms, producer_id,
+                      sequence)[FRAME_CRC_START:]
+    crc = zlib.crc32(body_blob, zlib.crc32(meta, zlib.crc32(headers, zlib.crc32(tail))))
+    return FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, attrs, 0, n, store_ms,
+                      producer_id, sequence)
 
 
 def _int_column(col, n: int, dtype):
@@ -402,8 +434,7 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
         topic_lens: np.ndarray | int = len(topic_b)
         topics_b = None
     else:
-        cache = {t: _encode_text(t, MAX_TOPIC_BYTES, "topic") for t in set(batch.topics)}
-        topics_b = list(map(cache.__getitem__, batch.topics))
+        topics_b = _topic_texts(batch.topics)
         topic_lens = np.fromiter(map(len, topics_b), np.int64, n)
 
     if shared_topic and keys_b is None and tags_b is None and props_b is None:
@@ -418,11 +449,7 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
         meta_off[0] = headers_end
         np.cumsum(meta_lens[:-1], out=meta_off[1:])
         meta_off[1:] += headers_end
-    try:
-        body_blob = b"".join(bodies)
-    except TypeError:
-        bad = next(b for b in bodies if not isinstance(b, (bytes, bytearray, memoryview)))
-        raise InvalidMessageError(f"message body must be bytes, got {type(bad).__name__}") from None
+    body_blob = _join_bodies(bodies)
     bodies_start = headers_end + len(meta)
     body_off = np.empty(n, np.int64)
     body_off[0] = bodies_start
@@ -465,14 +492,8 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
             h[field] = lens
     headers = h.tobytes()
     frame_len = bodies_start + len(body_blob)
-    attrs = FRAME_ATTR_LAST if last else 0
-    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, attrs, 0, n, store_ms, producer_id,
-                      sequence)[FRAME_CRC_START:]
-    crc = zlib.crc32(tail)
-    for part in (headers, meta, body_blob):
-        crc = zlib.crc32(part, crc)
-    header = FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, attrs, 0, n, store_ms,
-                        producer_id, sequence)
+    header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers, meta,
+                           body_blob)
     rec_lens = body_off + body_lens - rel
     return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
 
@@ -495,13 +516,10 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
         topics_b = [_encode_text(batch.topics, MAX_TOPIC_BYTES, "topic")] * n
         shared_topic = True
     else:
-        cache = {t: _encode_text(t, MAX_TOPIC_BYTES, "topic") for t in set(batch.topics)}
-        topics_b = list(map(cache.__getitem__, batch.topics))
+        topics_b = _topic_texts(batch.topics)
         shared_topic = False
-    keys_b = None if batch.keys is None else \
-        [_encode_text(v, MAX_KEY_BYTES, "key") if v else b"" for v in batch.keys]
-    tags_b = None if batch.tags is None else \
-        [_encode_text(v, MAX_TAGS_BYTES, "tags") if v else b"" for v in batch.tags]
+    keys_b = _texts(batch.keys, MAX_KEY_BYTES, "key")
+    tags_b = _texts(batch.tags, MAX_TAGS_BYTES, "tags")
     props_b = None if batch.properties is None else \
         [encode_properties(p) for p in batch.properties]
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
@@ -516,11 +534,7 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
         for m in per_record:
             meta_offs.append(at)
             at += len(m)
-    try:
-        body_blob = b"".join(bodies)
-    except TypeError:
-        bad = next(b for b in bodies if not isinstance(b, (bytes, bytearray, memoryview)))
-        raise InvalidMessageError(f"message body must be bytes, got {type(bad).__name__}") from None
+    body_blob = _join_bodies(bodies)
     tags_list = batch.tags if batch.tags is not None else [None] * n
     if batch.tag_codes is None:
         tag_codes = [tags_hash(t) for t in tags_list] if tags_b is not None else [0] * n
@@ -545,12 +559,8 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
         body_at += blens[i]
     headers_b = b"".join(headers)
     frame_len = headers_end + len(meta) + len(body_blob)
-    attrs = FRAME_ATTR_LAST if last else 0
-    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, attrs, 0, n, store_ms, producer_id,
-                      sequence)[FRAME_CRC_START:]
-    crc = zlib.crc32(body_blob, zlib.crc32(meta, zlib.crc32(headers_b, zlib.crc32(tail))))
-    header = FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, attrs, 0, n, store_ms,
-                        producer_id, sequence)
+    header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers_b, meta,
+                           body_blob)
     return EncodedFrame((header, headers_b, meta, body_blob), frame_len,
                         np.array(rel, np.int64), np.array(rec_lens, np.int64),
                         np.array(tag_codes, np.int64))
