@@ -132,11 +132,8 @@ class BrokerShard:
         batch = self._prepare(batch)
         with self._tx_lock:
             outcomes, writes, done = self._plan_ends(ends)
-            both = RecordBatch.concat([batch, self._redirect_delayed(
-                RecordBatch.from_records(writes))]) if writes else batch
-            res = self.store.put(both, producer_id=producer_id, sequence=sequence, wait=False)
-            if not res.duplicate:  # a resend: its ends went with the first copy
-                self._mark_resolved(done)
+            res = self._write_resolutions(writes, done, wait=False, ahead=batch,
+                                          producer_id=producer_id, sequence=sequence)
             self._note_new_halves(batch, res)
         out = self._sent(batch, res, self.store.wait_durable(res))
         out["ends"] = outcomes
@@ -624,23 +621,30 @@ class BrokerShard:
         return (target.name if done else "NOOP"), real, ops, done
 
     def _write_resolutions(self, records: list[Record], done: dict[int, HalfState], *,
-                           wait: bool = True):
+                           wait: bool = True, ahead: RecordBatch | None = None,
+                           producer_id: int = 0, sequence: int = 0):
         """Write real messages and op records in one put, then mark the halves resolved.
 
+        ``ahead`` is a producer batch written first in the same put (idempotent
+        with its producer id and sequence: a resend writes and resolves nothing).
         With ``wait=False`` the put is not yet flushed: the caller waits with
         ``store.wait_durable`` on the result before it answers.
         """
-        if not records:
+        if not records and ahead is None:
             return None
         real = [r for r in records if r.topic != OP_TOPIC]
         if self._fault == "crash_between_real_and_op" and real:
             self.store.put(self._redirect_delayed(RecordBatch.from_records(real)))
             os._exit(17)  # test fault: the op write never happens
-        # one put (all or nothing, also across frames): real messages, delayed now if they
-        # asked for a delay, and their op records
-        written = self.store.put(self._redirect_delayed(RecordBatch.from_records(records)),
-                                 wait=wait)
-        self._mark_resolved(done)
+        # one put (all or nothing, also across frames): the batch ahead, real messages
+        # (delayed now if they asked for a delay) and their op records
+        parts = [] if ahead is None else [ahead]
+        if records:
+            parts.append(self._redirect_delayed(RecordBatch.from_records(records)))
+        written = self.store.put(RecordBatch.concat(parts), producer_id=producer_id,
+                                 sequence=sequence, wait=wait)
+        if not written.duplicate:  # a resend: its resolutions went with the first copy
+            self._mark_resolved(done)
         return written
 
     def _mark_resolved(self, done: dict[int, HalfState]) -> None:

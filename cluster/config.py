@@ -13,6 +13,9 @@ from typing import Any, Mapping
 from storage.config import StoreConfig, _positive_int, config_from_dict, describe, doc
 from storage.errors import ConfigError
 
+#: How the SDK reaches the shards (``cluster.transport``).
+TRANSPORTS = ("direct", "ray")
+
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -106,8 +109,8 @@ class ClusterConfig:
             _positive_int(self, name)
         for name in ("send_retries", "linger_ms", "pull_wait_ms"):
             _positive_int(self, name, minimum=0)
-        if self.transport not in ("direct", "ray"):
-            raise ConfigError(f"transport must be 'direct' or 'ray', not {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {TRANSPORTS}, not {self.transport!r}")
         if not isinstance(self.auto_create_topics, bool):
             raise ConfigError("auto_create_topics must be true or false")
         levels = parse_delay_levels(self.delay_levels)

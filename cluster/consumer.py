@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-
 from cluster import rpc
 from cluster.message import MessageExt, check_group, messages_ext, retry_topic
 from storage.errors import InvalidMessageError, RayMQError
@@ -243,13 +242,9 @@ class Consumer:
 
     def _collect(self, timeout_s: float) -> None:
         """Take in the pulls that finished (waiting up to ``timeout_s`` for the first)."""
-        deadline = time.monotonic() + timeout_s
         with self._pulls_done:
-            while not any(c.done() for c in self._inflight.values()):
-                remaining = deadline - time.monotonic()
-                if not self._inflight or remaining <= 0:
-                    return
-                self._pulls_done.wait(remaining)
+            if not self._wait_pulls(any, timeout_s):
+                return
             done = [(shard, c) for shard, c in self._inflight.items() if c.done()]
         for shard, call in done:
             with self._lock:
@@ -265,15 +260,18 @@ class Consumer:
                 continue
             self._take_results(shard, reqs, results)
 
-    def _await_pulls(self, timeout_s: float) -> None:
-        """Wait for the pulls in flight to end (long polls end within ``pull_wait_ms``)."""
+    def _wait_pulls(self, how: Callable, timeout_s: float) -> bool:
+        """Wait until ``how`` (``any`` or ``all``) of the pulls in flight are done; whether
+        that happened (no pull in flight: only ``all`` holds).  Under ``_pulls_done``."""
         deadline = time.monotonic() + timeout_s
-        with self._pulls_done:
-            while not all(c.done() for c in self._inflight.values()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self._pulls_done.wait(remaining)
+        while not (self._inflight and how(c.done() for c in self._inflight.values())):
+            remaining = deadline - time.monotonic()
+            if not self._inflight:
+                return how is all
+            if remaining <= 0:
+                return False
+            self._pulls_done.wait(remaining)
+        return True
 
     def _pull_finished(self, _call) -> None:
         with self._pulls_done:
@@ -427,7 +425,8 @@ class Consumer:
         self._closed = True
         self._stop.set()
         self._hb.join()
-        self._await_pulls(self.config.pull_wait_ms / 1000 + 5.0)
+        with self._pulls_done:  # long polls end within pull_wait_ms
+            self._wait_pulls(all, self.config.pull_wait_ms / 1000 + 5.0)
         try:
             self.commit()
         finally:

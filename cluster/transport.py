@@ -25,11 +25,10 @@ from typing import Any, Callable
 
 from actors.endpoint import receive_timeout, tune
 from cluster import rpc
+from cluster.config import TRANSPORTS
 from storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
 
 log = logging.getLogger("raymq.transport")
-
-TRANSPORTS = ("direct", "ray")
 
 
 class Outcome:
@@ -72,6 +71,15 @@ class Outcome:
     def set_exception(self, err: BaseException) -> None:
         self._error = err
         self._finish()
+
+    def settle(self, fn: Callable[[], Any]) -> None:
+        """Complete with ``fn()``'s result, or with what it raised (for whoever waits)."""
+        try:
+            value = fn()
+        except BaseException as err:
+            self.set_exception(err)
+        else:
+            self.set_result(value)
 
     def add_done_callback(self, cb) -> None:
         with _OUTCOME_LOCK:
@@ -123,13 +131,7 @@ class RayTransport:
         """
         out = Outcome()
         ref = getattr(self._handle(shard), method).remote(*args)
-
-        def done(_f) -> None:
-            try:
-                out.set_result(rpc.get(ref, 0))
-            except BaseException as err:  # handed to whoever waits on the outcome
-                out.set_exception(err)
-        ref.future().add_done_callback(done)
+        ref.future().add_done_callback(lambda _f: out.settle(lambda: rpc.get(ref, 0)))
         return out
 
     def close(self) -> None:
@@ -189,14 +191,9 @@ class DirectTransport:
     def submit(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> Outcome:
         """Start a call in an I/O thread; the outcome completes with its result or error."""
         out = Outcome()
-
-        def run() -> None:
-            try:
-                out.set_result(self.call(shard, method, *args, timeout_s=timeout_s))
-            except BaseException as err:  # handed to whoever waits on the outcome
-                out.set_exception(err)
         try:
-            self._io.submit(run)
+            self._io.submit(out.settle,
+                            lambda: self.call(shard, method, *args, timeout_s=timeout_s))
         except RuntimeError as err:  # the transport was closed
             out.set_exception(RayMQError(f"client closed: {err}"))
         return out
