@@ -11,6 +11,12 @@ a queue is kept (its messages are in one lane, one request after another),
 requests for different queues overlap, and every request is idempotent: it
 is resent unchanged after a timeout or a shard restart and the shard stores
 it once.
+
+A busy lane is driven by one *runner* (an I/O thread): it sends a request,
+waits for the answer, completes the callers, and sends the next request of
+whatever gathered meanwhile, without handing off to another thread.  A
+lane that is idle is started by the send that finds it so (or by the
+producer's own thread, for lingering requests and retry back-offs).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +34,8 @@ import numpy as np
 from cluster.transport import Outcome
 from cluster.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
                              key_queue, record_properties, validate_messages)
-from storage.records import RecordBatch
-from storage.errors import RayMQError, RequestTimeoutError
+from storage.records import RecordBatch, none_if_empty, shared_value
+from storage.errors import RayMQError
 
 log = logging.getLogger("raymq.producer")
 
@@ -39,22 +45,37 @@ STICKY_MESSAGES = 64
 
 @dataclass
 class _Pending:
-    batch: object  # RecordBatch of one message or one send_batch call's slice
+    batch: object  # a send_batch call's slice (RecordBatch), or a single send's row (tuple)
     future: Outcome  # -> list[SendResult], one per message
     topic_qids: list[tuple[str, int]]
     positions: list[int]  # where each message stands in its send_batch call
     queued_at: float = 0.0
 
 
-@dataclass
-class _InFlight:
-    call: Outcome
-    items: list[_Pending]
-    request: object
-    sequence: int
-    attempt: int
-    deadline: float
-    ends: list  # transaction ends riding along (``add_ends``)
+def _rows_batch(rows: list[tuple]) -> RecordBatch:
+    """One batch of single sends' rows: (topic, queue, body, key, tags, properties, born)."""
+    topics, qids, bodies, keys, tags, props, born = map(list, zip(*rows))
+    return RecordBatch(shared_value(topics), shared_value(qids), bodies,
+                       keys=none_if_empty(keys), tags=none_if_empty(tags),
+                       properties=none_if_empty(props), born_ms=shared_value(born))
+
+
+def _request_batch(parts: list) -> RecordBatch:
+    """The request of a lane: its parts (single sends' rows and send_batch slices) in order."""
+    if all(type(p) is tuple for p in parts):
+        return _rows_batch(parts)
+    batches, rows = [], []
+    for p in parts:
+        if type(p) is tuple:
+            rows.append(p)
+            continue
+        if rows:
+            batches.append(_rows_batch(rows))
+            rows = []
+        batches.append(p)
+    if rows:
+        batches.append(_rows_batch(rows))
+    return RecordBatch.concat(batches)
 
 
 class _Results:
@@ -120,9 +141,8 @@ class Producer:
         self.producer_id = self._lane_pids[0]
         self._seq: dict[int, int] = defaultdict(int)
         self._pending: dict[int, deque[_Pending]] = defaultdict(deque)
-        self._inflight: dict[int, _InFlight] = {}
-        self._retrying: dict[int, tuple[_InFlight, float]] = {}
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # the producer's state; plain, so cheap to take
+        self._cv = threading.Condition(self._lock)  # the producer thread waits on it
         self._rr_next: dict[str, int] = {}
         self._sticky_count: dict[str, int] = {}
         self._ends: dict[int, list] = defaultdict(list)
@@ -132,13 +152,17 @@ class Producer:
         self.requests = 0  # requests sent to shards (attempts), for benchmarks and status
         from cluster.metrics import RayMetrics
         self.metrics = RayMetrics(client="producer", group=group)
+        self._active: set[tuple[int, int]] = set()  # lanes with a runner
+        self._runners = ThreadPoolExecutor(max_workers=64, thread_name_prefix="raymq-lane")
         self._thread = threading.Thread(target=self._run, name="raymq-producer", daemon=True)
         self._thread.start()
 
     # --------------------------------------------------------------- API
     def send(self, msg: Message, timeout_s: float | None = None) -> SendResult:
         """Send one message; blocks until the shard stored it (or raises)."""
-        return self.send_batch([msg], timeout_s)[0]
+        if self._closed:
+            raise RayMQError("producer is closed")
+        return self._submit_one(msg, None)[0].result(timeout_s)[0]
 
     def send_async(self, msg: Message) -> Future:
         """Send one message; the future gives its ``SendResult``."""
@@ -168,21 +192,22 @@ class Producer:
 
         ``ends``: ``[(group, transaction id, origins, state)]`` (``BrokerShard.end_transactions``).
         """
-        with self._cv:
+        with self._lock:
             self._ends[shard].extend(ends)
-            self._cv.notify_all()
+            self._kick((shard, 0))
 
     def close(self) -> None:
         """Send what is pending, then stop."""
-        with self._cv:
+        with self._lock:
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
+        self._runners.shutdown(wait=True)
 
     # ---------------------------------------------------------- internal
     def _next_rr(self, topic: str, count: int) -> int:
         """Reserve ``count`` round-robin slots of a topic; return the first."""
-        with self._cv:
+        with self._lock:
             start = self._rr_next.get(topic, 0)
             self._rr_next[topic] = start + count
             return start
@@ -248,10 +273,11 @@ class Producer:
                 pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx,
                                                time.monotonic())))
                 parts.append((fut, idx))
-        with self._cv:
+        with self._lock:
             for key, pending in pendings:
                 self._pending[key].append(pending)
-            self._cv.notify_all()
+            for key in {key for key, _ in pendings}:
+                self._kick(key)
         return parts
 
     def _submit_one(self, m: Message, system_props: dict[str, str] | None
@@ -266,14 +292,14 @@ class Producer:
             props = [record_properties(m.properties, m.delay_level, m.deliver_at_ms,
                                        system_props)]
         body = m.body if type(m.body) is bytes else bytes(m.body)
-        batch = RecordBatch(m.topic, qid, [body], keys=[m.key] if m.key else None,
-                            tags=[m.tags] if m.tags else None, properties=props,
-                            born_ms=int(time.time() * 1000))
+        row = (m.topic, qid, body, m.key or None, m.tags or None, props and props[0],
+               int(time.time() * 1000))
         fut = Outcome()
-        with self._cv:
-            self._pending[(shard, qid % self.lanes)].append(
-                _Pending(batch, fut, [(m.topic, qid)], [0], time.monotonic()))
-            self._cv.notify_all()
+        key = (shard, qid % self.lanes)
+        with self._lock:
+            self._pending[key].append(_Pending(row, fut, [(m.topic, qid)], [0],
+                                               time.monotonic()))
+            self._kick(key)
         return fut, [0]
 
     def _take(self, key: tuple[int, int]) -> list[_Pending]:
@@ -287,98 +313,105 @@ class Producer:
             items.append(queue.popleft())
         return items
 
-    def _start(self, shard: tuple[int, int], items: list[_Pending], request, sequence: int,
-               attempt: int, ends: list) -> None:
-        """Send a request of lane ``(shard, lane)``; completion arrives in ``_on_done``."""
-        timeout_s = self.config.send_timeout_ms / 1000
-        self.requests += 1
-        args = (request, self._lane_pids[shard[1]] if sequence else 0, sequence)
-        call = self._mq.transport.submit(shard[0], "send", args + (ends,) if ends else args,
-                                         timeout_s=timeout_s)
-        f = _InFlight(call, items, request, sequence, attempt, time.monotonic() + timeout_s,
-                      ends)
-        with self._cv:
-            self._inflight[shard] = f
-        call.add_done_callback(lambda _call: self._on_done(shard, f))
+    def _claim(self, key: tuple[int, int], now: float):
+        """With ``_cv`` held: lane ``key``'s next request, if it should go now.
 
-    def _on_done(self, shard: int, f: _InFlight) -> None:
-        """Runs in a transport thread when a request finished (or failed)."""
-        with self._cv:
-            if self._inflight.get(shard) is not f:
-                return  # timed out and resent meanwhile: the resend decides
-            del self._inflight[shard]
-        try:
-            result = f.call.result()
-        except RayMQError as err:
-            with self._cv:
-                self._retry_or_fail(shard, f, err)
-                self._cv.notify_all()
+        Returns ``(items, sequence, ends)`` and marks the lane active, or None
+        (the lane has a runner already, has nothing to send, or lingers).
+        """
+        if key in self._active:
+            return None
+        queue = self._pending.get(key)
+        if not queue and not (key[1] == 0 and self._ends.get(key[0])):
+            return None
+        linger = self.config.linger_ms / 1000.0
+        if linger and queue and not self._closed and now - queue[0].queued_at < linger and \
+                sum(len(p.positions) for p in queue) < self.config.batch_max_messages:
+            return None  # wait for more to come
+        items = self._take(key) if queue else []
+        ends = self._ends.pop(key[0], []) if key[1] == 0 else []
+        sequence = 0
+        if items:
+            self._seq[key] += 1
+            sequence = self._seq[key]
+        self._active.add(key)
+        return items, sequence, ends
+
+    def _kick(self, key: tuple[int, int]) -> None:
+        """With ``_cv`` held: give lane ``key`` a runner if it is idle and has work."""
+        work = self._claim(key, time.monotonic())
+        if work is not None:
+            self._runners.submit(self._drive, key, work)
+        elif self.config.linger_ms:
+            self._cv.notify_all()  # the producer thread times the linger
+
+    def _drive(self, key: tuple[int, int], work) -> None:
+        """A lane's runner: its requests one after another, while it has any."""
+        while work is not None:
+            items, sequence, ends = work
+            try:
+                self._exchange(key, items, sequence, ends)
+            except BaseException as err:  # a bug here must not leave callers waiting
+                self._fail(items, err, ends)
+            with self._lock:
+                self._active.discard(key)
+                work = self._claim(key, time.monotonic())
+                if work is None and (self._closed or self.config.linger_ms):
+                    self._cv.notify_all()
+
+    def _exchange(self, key: tuple[int, int], items: list[_Pending], sequence: int,
+                  ends: list) -> None:
+        """Send one request of lane ``key`` (resending it after retriable failures).
+
+        The lane waits through the back-off: a later request must not
+        overtake this one (its queue order, and its sequence at the shard).
+        """
+        request = _request_batch([p.batch for p in items]) if items else None
+        timeout_s = self.config.send_timeout_ms / 1000
+        args = (request, self._lane_pids[key[1]] if sequence else 0, sequence)
+        if ends:
+            args += (ends,)
+        attempt = 0
+        while True:
+            self.requests += 1
+            try:
+                result = self._mq.transport.call(key[0], "send", *args, timeout_s=timeout_s)
+            except RayMQError as err:
+                if not err.retriable or attempt >= self.config.send_retries or (
+                        self._closed and attempt >= 2):
+                    self._fail(items, err, ends)
+                    return
+                backoff = min(self.config.retry_backoff_ms * (2 ** attempt),
+                              self.config.retry_backoff_max_ms) / 1000.0
+                attempt += 1
+                self.retries += 1
+                self.metrics.inc("send_retries")
+                log.warning("send to shard-%d failed (%s); retry %d in %.2f s", key[0], err,
+                            attempt, backoff)
+                time.sleep(backoff)
+                continue
+            self._complete(key[0], items, request, result)
             return
-        except Exception as err:  # a bug in the shard: surface it
-            self._fail(f.items, err, f.ends)
-        else:
-            self._complete(shard, f, result)
-        with self._cv:
-            self._cv.notify_all()
 
     def _run(self) -> None:
+        """The producer's own thread: starts lanes whose linger ran out; ends the producer."""
+        linger = self.config.linger_ms / 1000.0
         while True:
-            with self._cv:
+            with self._lock:
                 now = time.monotonic()
-                for shard, f in list(self._inflight.items()):
-                    if now > f.deadline:
-                        del self._inflight[shard]
-                        self._retry_or_fail(shard, f, RequestTimeoutError(
-                            f"shard-{shard[0]} did not answer within "
-                            f"{self.config.send_timeout_ms} ms"))
-                linger = self.config.linger_ms / 1000.0
-                ready, lingering = [], []
-                lanes = dict(self._pending)
-                for shard_index, ends in self._ends.items():  # ends ride on lane 0
-                    if ends and not lanes.get((shard_index, 0)):
-                        lanes[(shard_index, 0)] = deque()
-                for key, q in lanes.items():
-                    if key in self._inflight or key in self._retrying or not (
-                            q or (key[1] == 0 and self._ends.get(key[0]))):
-                        continue
-                    if linger and q and sum(len(p.positions) for p in q) < \
-                            self.config.batch_max_messages and now - q[0].queued_at < linger:
-                        lingering.append(q[0].queued_at + linger)  # wait for more to come
-                    else:
-                        ready.append(key)
-                due = [s for s, (_, when) in self._retrying.items()
-                       if when <= now and s not in self._inflight]
-                if not ready and not due:
-                    if self._closed and not any(self._pending.values()) \
-                            and not any(self._ends.values()) \
-                            and not self._retrying and not self._inflight:
-                        return
-                    waits = [0.05] + [w - now for _, w in self._retrying.values()] + \
-                        [f.deadline - now for f in self._inflight.values()] + \
-                        [t - now for t in lingering]
-                    self._cv.wait(max(0.001, min(waits)))
-                    continue
-                starts = []
-                for shard in ready:
-                    items = self._take(shard)
-                    ends = self._ends.pop(shard[0], []) if shard[1] == 0 else []
-                    seq = 0
-                    if items:
-                        self._seq[shard] += 1
-                        seq = self._seq[shard]
-                    starts.append((shard, items, seq, ends))
-                retries = [(shard, self._retrying.pop(shard)[0]) for shard in due]
-            for shard, f in retries:
-                try:
-                    self._start(shard, f.items, f.request, f.sequence, f.attempt + 1, f.ends)
-                except Exception as err:
-                    self._fail(f.items, err, f.ends)
-            for shard, items, seq, ends in starts:
-                request = RecordBatch.concat([p.batch for p in items]) if items else None
-                try:
-                    self._start(shard, items, request, seq, 0, ends)
-                except Exception as err:  # no handle: fail these callers
-                    self._fail(items, err, ends)
+                keys = [k for k, q in self._pending.items() if q]
+                keys += [(s, 0) for s, e in self._ends.items() if e]
+                lingering = []
+                for key in keys:
+                    work = self._claim(key, now)
+                    if work is not None:
+                        self._runners.submit(self._drive, key, work)
+                    elif linger and key not in self._active and self._pending.get(key):
+                        lingering.append(self._pending[key][0].queued_at + linger)
+                if self._closed and not self._active and not any(self._pending.values()) \
+                        and not any(self._ends.values()):
+                    return
+                self._cv.wait(max(0.001, min([0.05] + [t - now for t in lingering])))
 
     def _sticky_queue(self, topic: str, queues: int) -> int:
         """The queue of a keyless single send: the topic's sticky queue.
@@ -388,7 +421,7 @@ class Producer:
         halves to the same shard); after ``STICKY_MESSAGES`` sends the queue
         moves on, so over time the queues fill as evenly as round-robin.
         """
-        with self._cv:
+        with self._lock:
             turn = self._rr_next.get(topic, 0)
             count = self._sticky_count.get(topic, 0) + 1
             if count >= STICKY_MESSAGES:
@@ -396,31 +429,17 @@ class Producer:
             self._sticky_count[topic] = count
             return turn % queues
 
-    def _retry_or_fail(self, shard: int, f: _InFlight, err: RayMQError) -> None:
-        if err.retriable and f.attempt < self.config.send_retries and not (
-                self._closed and f.attempt >= 2):
-            backoff = min(self.config.retry_backoff_ms * (2 ** f.attempt),
-                          self.config.retry_backoff_max_ms) / 1000.0
-            self.retries += 1
-            self.metrics.inc("send_retries")
-            log.warning("send to shard-%d failed (%s); retry %d in %.2f s", shard[0], err,
-                        f.attempt + 1, backoff)
-            self._retrying[shard] = (f, time.monotonic() + backoff)
-            return
-        self._fail(f.items, err, f.ends)
-
-    def _complete(self, key: tuple[int, int], f: _InFlight, result: dict) -> None:
-        shard = key[0]
+    def _complete(self, shard: int, items: list[_Pending], request, result: dict) -> None:
         for outcome in result.get("ends") or ():
             if outcome.startswith(("REFUSED", "FAILED")):
                 log.warning("end_transaction refused by shard-%d: %s", shard, outcome)
         status = SendStatus(result["status"])
-        if f.request is not None:
-            self.metrics.inc("messages_sent", len(result["phys"]) or len(f.request))
+        if request is not None:
+            self.metrics.inc("messages_sent", len(result["phys"]) or len(request))
         phys, qoffs = list(result["phys"]), list(result["queue_offsets"])
         i = 0
         known = len(phys)
-        for p in f.items:
+        for p in items:
             k = len(p.topic_qids)
             if i + k <= known:
                 p.future.set_result(_Results(status, shard, p.topic_qids, qoffs[i:i + k],

@@ -39,14 +39,14 @@ class Outcome:
     Offers the part of the Future interface the SDK uses.
     """
 
-    __slots__ = ("_done", "_result", "_error", "_callbacks", "_event")
+    __slots__ = ("_done", "_result", "_error", "_callbacks", "_event")  # _event: a Lock
 
     def __init__(self):
         self._done = False
         self._result = None
         self._error: BaseException | None = None
         self._callbacks: list | None = None
-        self._event: threading.Event | None = None
+        self._event: threading.Lock | None = None
 
     def done(self) -> bool:
         return self._done
@@ -55,9 +55,9 @@ class Outcome:
         with _OUTCOME_LOCK:
             self._done = True
             callbacks, self._callbacks = self._callbacks, None
-            event = self._event
-        if event is not None:
-            event.set()
+            waiter, self._event = self._event, None
+        if waiter is not None:
+            waiter.release()
         for cb in callbacks or ():
             try:
                 cb(self)
@@ -102,11 +102,15 @@ class Outcome:
         if self._done:
             return
         with _OUTCOME_LOCK:
-            if not self._done and self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        if event is not None and not event.wait(timeout):
+            if self._done:
+                return
+            if self._event is None:  # a bare lock, held until the outcome completes
+                self._event = threading.Lock()
+                self._event.acquire()
+            waiter = self._event
+        if not waiter.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError("the call did not complete in time")
+        waiter.release()  # and so the next waiter passes too
 
 
 _OUTCOME_LOCK = threading.Lock()

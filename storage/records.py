@@ -251,14 +251,14 @@ class RecordBatch:
     def from_records(cls, records: Sequence[Record]) -> "RecordBatch":
         return cls(
             shared_value(list(map(_get_topic, records))), shared_value(list(map(_get_qid, records))),
-            list(map(_get_body, records)), keys=_none_if_empty(list(map(_get_key, records))),
-            tags=_none_if_empty(list(map(_get_tags, records))),
-            properties=_none_if_empty(list(map(_get_props, records))),
+            list(map(_get_body, records)), keys=none_if_empty(list(map(_get_key, records))),
+            tags=none_if_empty(list(map(_get_tags, records))),
+            properties=none_if_empty(list(map(_get_props, records))),
             flags=shared_value(list(map(_get_flags, records))),
             born_ms=shared_value(list(map(_get_born, records))),
             reconsume=shared_value(list(map(_get_recon, records))),
             prepared_offsets=shared_value(list(map(_get_prep, records))),
-            tag_codes=_none_if_empty(list(map(_get_tagcode, records))))
+            tag_codes=none_if_empty(list(map(_get_tagcode, records))))
 
     def column(self, name: str) -> list:
         col = getattr(self, name)
@@ -312,7 +312,7 @@ def shared_value(values: list):
     return values
 
 
-def _none_if_empty(values: list):
+def none_if_empty(values: list):
     if values.count(None) == len(values):
         return None
     return values
