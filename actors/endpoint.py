@@ -59,8 +59,8 @@ class Endpoint:
 
     def __init__(self, target: object, *, host: str = "127.0.0.1",
                  methods: frozenset[str] = DATA_METHODS, authkey: bytes | None = None):
-        self._target = target
-        self._methods = methods
+        self._handlers = {m: getattr(target, m) for m in methods  # resolved once
+                          if hasattr(target, m)}
         self.authkey = authkey or os.urandom(32)
         self._sock = socket.create_server((host, 0), backlog=128)
         self.address = (host, self._sock.getsockname()[1])
@@ -122,9 +122,10 @@ class Endpoint:
     def _dispatch(self, data: bytes) -> bytes:
         try:
             method, args = pickle.loads(data)
-            if method not in self._methods:
+            handler = self._handlers.get(method)
+            if handler is None:
                 raise PermissionError(f"{method!r} is not callable on the data channel")
-            return encode_reply(True, getattr(self._target, method)(*args))
+            return encode_reply(True, handler(*args))
         except Exception as err:  # the caller gets the error, the connection lives on
             return encode_reply(False, err)
 

@@ -53,6 +53,9 @@ class NullMetrics:
     def observe(self, name: str, value: float, **tags) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
 
 def offset_key(group: str, topic: str, queue_id: int) -> str:
     return f"{group}@{topic}@{queue_id}"
@@ -457,6 +460,7 @@ class BrokerShard:
             except Exception:  # keep delivering; the next round retries
                 log.exception("shard-%d: delay delivery failed", self.index)
                 wait = 1000
+            self.metrics.flush()  # counters summed in the process reach Ray within a tick
             self._stop.wait(min(wait, self.config.schedule_tick_ms) / 1000.0)
 
     # ---------------------------------------------------- transactional messages

@@ -431,6 +431,7 @@ class Consumer:
             self.commit()
         finally:
             rpc.call(self._mq.controller.leave, self.group, self.member_id, timeout_s=30)
+            self.metrics.flush()
 
     def __enter__(self):
         return self

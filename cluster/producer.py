@@ -203,6 +203,7 @@ class Producer:
             self._cv.notify_all()
         self._thread.join()
         self._runners.shutdown(wait=True)
+        self.metrics.flush()
 
     # ---------------------------------------------------------- internal
     def _next_rr(self, topic: str, count: int) -> int:
