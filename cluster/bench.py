@@ -189,9 +189,10 @@ def _bench_cluster(b: Bench, name: str, **overrides):
     """An embedded local Ray with a fresh RayMQ deployment of its own."""
     import ray
 
-    from cluster.client import connect
+    from cluster.client import connect, worker_priority
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
+        worker_priority()
         ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
                  log_to_driver=False, logging_level="ERROR")
     data = b.tempdir(name)

@@ -179,6 +179,7 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
     import ray
 
     from cluster import connect
+    from cluster.client import worker_priority
     from cluster.deploy import undeploy
     work = data_dir or tempfile.mkdtemp(prefix="raymq-demo-")
     os.makedirs(work, exist_ok=True)
@@ -186,6 +187,7 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
     init_order_db(order_db)
     say(f"RayMQ demo: {orders} orders, data in {work}")
     say("starting an embedded local Ray cluster and RayMQ (2 shards, checker, registry)")
+    worker_priority()
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
              log_to_driver=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address

@@ -20,7 +20,10 @@ TEST_CONFIG = dict(num_shards=2, heartbeat_interval_ms=200, session_timeout_ms=1
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
+
+    from cluster.client import worker_priority
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    worker_priority()
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
              log_to_driver=False, object_store_memory=300 * 1024 * 1024)
     yield ray
