@@ -1,0 +1,161 @@
+"""The producer's lanes against real shards in this process (no Ray).
+
+The transport below calls ``BrokerShard.send`` directly and can drop a
+request before the shard sees it or lose the reply after the shard stored
+it: what a broken connection or a restarting shard does to a real client.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+
+from actors.shard import BrokerShard
+from cluster.config import ClusterConfig
+from cluster.message import Message
+from cluster.producer import Producer
+from storage.errors import BrokerUnavailableError, InvalidMessageError
+
+TOPIC = "lanes"
+QUEUES = 4
+
+
+class InProcessTransport:
+    """Shard calls in this process; call number k can fail before or after the shard."""
+
+    name = "in-process"
+
+    def __init__(self, shards, *, drop_request=lambda k: False, lose_reply=lambda k: False,
+                 refuse=lambda k: False):
+        self.shards = shards
+        self.drop_request, self.lose_reply, self.refuse = drop_request, lose_reply, refuse
+        self.calls = 0
+        self.faults = 0
+        self._lock = threading.Lock()
+
+    def call(self, shard, method, *args, timeout_s):
+        with self._lock:
+            self.calls += 1
+            k = self.calls
+        if self.refuse(k):
+            self.faults += 1
+            raise InvalidMessageError(f"call {k} refused")
+        if self.drop_request(k):
+            self.faults += 1
+            raise BrokerUnavailableError(f"call {k} dropped before the shard")
+        result = getattr(self.shards[shard], method)(*args)
+        if self.lose_reply(k):
+            self.faults += 1
+            raise BrokerUnavailableError(f"reply to call {k} lost")
+        return result
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(transport_faults=None, **overrides):
+        cfg = ClusterConfig.from_dict({"data_dir": str(tmp_path), "num_shards": 2,
+                                       "flush_mode": "async", "retry_backoff_ms": 1,
+                                       "retry_backoff_max_ms": 5, **overrides})
+        shards = [BrokerShard(i, cfg, background=False) for i in range(2)]
+        routes = [q % 2 for q in range(QUEUES)]
+        for i, s in enumerate(shards):
+            s.set_routes([(TOPIC, q) for q in range(QUEUES) if routes[q] == i])
+        transport = InProcessTransport(shards, **(transport_faults or {}))
+        mq = SimpleNamespace(config=cfg, transport=transport,
+                             routes_for=lambda topics: {t: routes for t in topics})
+        made.extend(shards)
+        return Producer(mq, "lanes"), shards, transport
+    yield make
+    for s in made:
+        s.close()
+
+
+def stored(shards) -> list:
+    """Every message of the topic, queue by queue, in queue order."""
+    out = []
+    for q in range(QUEUES):
+        shard = shards[q % 2]
+        offset = 0
+        while True:
+            [(_t, _q, batch, nxt, _max)] = shard.pull([(TOPIC, q, offset, 1000)], 0)
+            msgs = list(batch.messages())
+            if not msgs:
+                break
+            out.extend(msgs)
+            offset = nxt
+    return out
+
+
+def send_from_threads(producer, threads: int, per_thread: int, *, use_async=False) -> list:
+    errors = []
+
+    def run(t):
+        try:
+            futures = []
+            for i in range(per_thread):
+                m = Message(TOPIC, f"{t}-{i}".encode(), key=f"k{t}")
+                if use_async and i % 2:
+                    futures.append(producer.send_async(m))
+                else:
+                    producer.send(m)
+            for f in futures:
+                f.result(30)
+        except Exception as err:
+            errors.append(err)
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return errors
+
+
+def assert_once_and_in_key_order(msgs, threads: int, per_thread: int) -> None:
+    bodies = [m.body for m in msgs]
+    assert len(bodies) == len(set(bodies)) == threads * per_thread  # none lost, none twice
+    by_key = defaultdict(list)
+    for m in msgs:
+        t, i = map(int, m.body.decode().split("-"))
+        assert m.key == f"k{t}"
+        by_key[t].append(i)
+    assert all(seq == list(range(per_thread)) for seq in by_key.values())  # send order kept
+
+
+def test_dropped_requests_and_lost_replies_store_once_in_order(cluster):
+    producer, shards, transport = cluster({
+        "drop_request": lambda k: k % 7 == 3, "lose_reply": lambda k: k % 11 == 5})
+    errors = send_from_threads(producer, threads=6, per_thread=60)
+    producer.close()
+    assert not errors
+    assert transport.faults > 10 and producer.retries == transport.faults
+    assert_once_and_in_key_order(stored(shards), 6, 60)
+
+
+def test_lingering_and_async_sends_all_complete_and_close_drains(cluster):
+    producer, shards, transport = cluster({"lose_reply": lambda k: k % 5 == 1}, linger_ms=3)
+    errors = send_from_threads(producer, threads=4, per_thread=40, use_async=True)
+    assert not errors
+    tail = [producer.send_async(Message(TOPIC, f"tail-{i}".encode())) for i in range(50)]
+    producer.close()  # sends what is pending first
+    assert all(f.done() and f.exception() is None for f in tail)
+    msgs = stored(shards)
+    assert_once_and_in_key_order([m for m in msgs if not m.body.startswith(b"tail")], 4, 40)
+    assert sorted(m.body for m in msgs if m.body.startswith(b"tail")) == \
+        sorted(f"tail-{i}".encode() for i in range(50))
+    # lingering gathers sends: fewer requests than messages
+    assert producer.requests - transport.faults < 4 * 40 + 50
+
+
+def test_a_refused_request_fails_its_callers_only_and_the_lane_goes_on(cluster):
+    producer, shards, transport = cluster({"refuse": lambda k: k == 2})
+    producer.send(Message(TOPIC, b"first", key="k"))
+    with pytest.raises(InvalidMessageError):
+        producer.send(Message(TOPIC, b"refused", key="k"))
+    producer.send(Message(TOPIC, b"after", key="k"))
+    producer.close()
+    assert [m.body for m in stored(shards)] == [b"first", b"after"]
+    assert producer.retries == 0
