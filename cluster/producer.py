@@ -78,6 +78,16 @@ def _request_batch(parts: list) -> RecordBatch:
     return RecordBatch.concat(batches)
 
 
+class _Raise:
+    """A call that could not even start: its result is the error."""
+
+    def __init__(self, err: BaseException):
+        self.err = err
+
+    def result(self):
+        raise self.err
+
+
 class _Results:
     """The results of one part of a send, made into ``SendResult`` objects on demand."""
 
@@ -347,52 +357,77 @@ class Producer:
             self._cv.notify_all()  # the producer thread times the linger
 
     def _drive(self, key: tuple[int, int], work) -> None:
-        """A lane's runner: its requests one after another, while it has any."""
-        while work is not None:
-            items, sequence, ends = work
+        """A lane's runner: its requests one after another, while it has any.
+
+        When an answer arrives, the lane's next request goes out before the
+        callers of the answered one are woken: woken callers hold the
+        interpreter for a while, and the shard would wait for its next
+        request meanwhile.
+        """
+        current = self._send_request(key, work)
+        while current is not None:
+            (items, _sequence, ends), request, args, call = current
+            result = None
             try:
-                self._exchange(key, items, sequence, ends)
-            except BaseException as err:  # a bug here must not leave callers waiting
+                try:
+                    result = call.result()
+                except RayMQError as err:
+                    result = self._resend(key, args, err)
+            except BaseException as err:  # given up on, or a bug: these callers fail
                 self._fail(items, err, ends)
             with self._lock:
                 self._active.discard(key)
                 work = self._claim(key, time.monotonic())
                 if work is None and (self._closed or self.config.linger_ms):
                     self._cv.notify_all()
+            current = self._send_request(key, work) if work is not None else None
+            if result is not None:
+                try:
+                    self._complete(key[0], items, request, result)
+                except BaseException as err:  # a malformed answer must not leave callers waiting
+                    self._fail(items, err, ends)
 
-    def _exchange(self, key: tuple[int, int], items: list[_Pending], sequence: int,
-                  ends: list) -> None:
-        """Send one request of lane ``key`` (resending it after retriable failures).
+    def _send_request(self, key: tuple[int, int], work):
+        """Send lane ``key``'s request: (work, request batch, send arguments, call)."""
+        items, sequence, ends = work
+        request, args, call = None, (), None
+        try:
+            request = _request_batch([p.batch for p in items]) if items else None
+            args = (request, self._lane_pids[key[1]] if sequence else 0, sequence)
+            if ends:
+                args += (ends,)
+            self.requests += 1
+            call = self._mq.transport.begin(key[0], "send", args,
+                                            timeout_s=self.config.send_timeout_ms / 1000)
+        except BaseException as err:
+            call = _Raise(err)
+        return work, request, args, call
+
+    def _resend(self, key: tuple[int, int], args: tuple, err: RayMQError):
+        """Send a failed request again after back-offs, while retriable; its answer.
 
         The lane waits through the back-off: a later request must not
         overtake this one (its queue order, and its sequence at the shard).
         """
-        request = _request_batch([p.batch for p in items]) if items else None
-        timeout_s = self.config.send_timeout_ms / 1000
-        args = (request, self._lane_pids[key[1]] if sequence else 0, sequence)
-        if ends:
-            args += (ends,)
         attempt = 0
         while True:
+            if not err.retriable or attempt >= self.config.send_retries or (
+                    self._closed and attempt >= 2):
+                raise err
+            backoff = min(self.config.retry_backoff_ms * (2 ** attempt),
+                          self.config.retry_backoff_max_ms) / 1000.0
+            attempt += 1
+            self.retries += 1
+            self.metrics.inc("send_retries")
+            log.warning("send to shard-%d failed (%s); retry %d in %.2f s", key[0], err,
+                        attempt, backoff)
+            time.sleep(backoff)
             self.requests += 1
             try:
-                result = self._mq.transport.call(key[0], "send", *args, timeout_s=timeout_s)
-            except RayMQError as err:
-                if not err.retriable or attempt >= self.config.send_retries or (
-                        self._closed and attempt >= 2):
-                    self._fail(items, err, ends)
-                    return
-                backoff = min(self.config.retry_backoff_ms * (2 ** attempt),
-                              self.config.retry_backoff_max_ms) / 1000.0
-                attempt += 1
-                self.retries += 1
-                self.metrics.inc("send_retries")
-                log.warning("send to shard-%d failed (%s); retry %d in %.2f s", key[0], err,
-                            attempt, backoff)
-                time.sleep(backoff)
-                continue
-            self._complete(key[0], items, request, result)
-            return
+                return self._mq.transport.call(key[0], "send", *args,
+                                               timeout_s=self.config.send_timeout_ms / 1000)
+            except RayMQError as again:
+                err = again
 
     def _run(self) -> None:
         """The producer's own thread: starts lanes whose linger ran out; ends the producer."""

@@ -128,6 +128,10 @@ class RayTransport:
     def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
         return rpc.call(getattr(self._handle(shard), method), *args, timeout_s=timeout_s)
 
+    def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float):
+        """Start a call; ``result()`` of what it returns waits for it."""
+        return _RayCall(getattr(self._handle(shard), method).remote(*args), timeout_s)
+
     def submit(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> Outcome:
         """Start a call; the outcome completes with its result or its ``RayMQError``.
 
@@ -141,6 +145,16 @@ class RayTransport:
 
     def close(self) -> None:
         pass
+
+
+class _RayCall:
+    __slots__ = ("ref", "timeout_s")
+
+    def __init__(self, ref, timeout_s: float):
+        self.ref, self.timeout_s = ref, timeout_s
+
+    def result(self) -> Any:
+        return rpc.get(self.ref, self.timeout_s)
 
 
 class DirectTransport:
@@ -167,28 +181,53 @@ class DirectTransport:
         A pooled connection found broken is replaced once at once (the shard
         restarted since it was opened; every channel method is idempotent).
         """
-        request = pickle.dumps((method, args), protocol=5)
-        conn, reused = self._checkout(shard, timeout_s)
+        return self.begin(shard, method, args, timeout_s=timeout_s).result()
+
+    def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> "_Call":
+        """Send a call now; its ``result()`` waits for the answer (``call`` in two halves,
+        so the caller can do other work while the shard works)."""
+        c = _Call(self, shard, method, pickle.dumps((method, args), protocol=5), timeout_s)
+        try:
+            c.conn, c.reused = self._checkout(shard, timeout_s)
+            self._send(c)
+        except RayMQError as err:
+            c.error = err
+        return c
+
+    def _send(self, c: "_Call") -> None:
         while True:
             try:
-                conn.send_bytes(request)
-                if not _readable(conn, timeout_s):
-                    raise RequestTimeoutError(f"shard-{shard} did not answer {method} within "
-                                              f"{timeout_s:.1f} s")
-                ok, value = pickle.loads(conn.recv_bytes())
+                c.conn.send_bytes(c.request)
+                return
+            except (EOFError, OSError) as err:
+                self._replace(c, err)
+
+    def _replace(self, c: "_Call", err: BaseException) -> None:
+        """The call's connection broke: a fresh one if it was pooled, else the shard is gone."""
+        c.conn.close()
+        self._forget(c.shard)
+        if not c.reused:
+            raise BrokerUnavailableError(f"shard-{c.shard} connection lost during {c.method}: "
+                                         f"{type(err).__name__}: {err}") from None
+        c.conn, c.reused = self._checkout(c.shard, c.timeout_s)
+
+    def _receive(self, c: "_Call") -> Any:
+        if c.error is not None:
+            raise c.error
+        while True:
+            try:
+                if not _readable(c.conn, c.timeout_s):
+                    raise RequestTimeoutError(f"shard-{c.shard} did not answer {c.method} "
+                                              f"within {c.timeout_s:.1f} s")
+                ok, value = pickle.loads(c.conn.recv_bytes())
                 break
             except (EOFError, OSError) as err:
-                conn.close()
-                self._forget(shard)
-                if reused:
-                    conn, reused = self._checkout(shard, timeout_s)
-                    continue
-                raise BrokerUnavailableError(f"shard-{shard} connection lost during {method}: "
-                                             f"{type(err).__name__}: {err}") from None
+                self._replace(c, err)
+                self._send(c)
             except BaseException:  # a timeout too: its late reply must not be read as the next's
-                conn.close()
+                c.conn.close()
                 raise
-        self._checkin(shard, conn)
+        self._checkin(c.shard, c.conn)
         if ok:
             return value
         raise value
@@ -250,6 +289,24 @@ class DirectTransport:
         for conns in idle.values():
             for c in conns:
                 c.close()
+
+
+class _Call:
+    """A call sent over a connection, its answer not yet read (``DirectTransport.begin``)."""
+
+    __slots__ = ("transport", "shard", "method", "request", "timeout_s", "conn", "reused",
+                 "error")
+
+    def __init__(self, transport: DirectTransport, shard: int, method: str, request: bytes,
+                 timeout_s: float):
+        self.transport, self.shard, self.method = transport, shard, method
+        self.request, self.timeout_s = request, timeout_s
+        self.conn: Connection | None = None
+        self.reused = False
+        self.error: BaseException | None = None
+
+    def result(self) -> Any:
+        return self.transport._receive(self)
 
 
 def _readable(conn: Connection, timeout_s: float) -> bool:

@@ -35,6 +35,20 @@ class InProcessTransport:
         self.faults = 0
         self._lock = threading.Lock()
 
+    def begin(self, shard, method, args, *, timeout_s):
+        """The call happens now; ``result()`` hands over its answer or its error."""
+        try:
+            value, err = self.call(shard, method, *args, timeout_s=timeout_s), None
+        except Exception as raised:
+            value, err = None, raised
+
+        class Answer:
+            def result(self):
+                if err is not None:
+                    raise err
+                return value
+        return Answer()
+
     def call(self, shard, method, *args, timeout_s):
         with self._lock:
             self.calls += 1
