@@ -642,11 +642,15 @@ class BrokerShard:
             os._exit(17)  # test fault: the op write never happens
         # one put (all or nothing, also across frames): the batch ahead, real messages
         # (delayed now if they asked for a delay) and their op records
-        parts = [] if ahead is None else [ahead]
-        if records:
-            parts.append(self._redirect_delayed(RecordBatch.from_records(records)))
-        written = self.store.put(RecordBatch.concat(parts), producer_id=producer_id,
-                                 sequence=sequence, wait=wait)
+        if not records:
+            batch = ahead
+        elif any(r.properties and not _REDIRECTING.isdisjoint(r.properties) for r in records):
+            tail = self._redirect_delayed(RecordBatch.from_records(records))
+            batch = tail if ahead is None else RecordBatch.concat([ahead, tail])
+        else:  # nothing to redirect: the records go straight after the batch
+            batch = RecordBatch.from_records(records) if ahead is None \
+                else ahead.with_records(records)
+        written = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
         if not written.duplicate:  # a resend: its resolutions went with the first copy
             self._mark_resolved(done)
         return written
@@ -882,6 +886,9 @@ class _Half(NamedTuple):
     tags: str | None
     born_ms: int
 
+
+#: Properties that make ``_redirect_delayed`` move a record (any of them).
+_REDIRECTING = frozenset((Prop.DELAY, Prop.DELIVER_AT, Prop.TRAN_MSG))
 
 _TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Prop.CHECK_TIMES,
              Prop.ORIGIN_HALF, Prop.TXN_TIMEOUT_MS, Prop.CHECK_BASE_MS)

@@ -274,6 +274,28 @@ class RecordBatch:
 
     _OPTIONAL = ("keys", "tags", "properties", "tag_codes")
 
+    def with_records(self, records: Sequence[Record]) -> "RecordBatch":
+        """This batch's records, then ``records``: ``concat`` without a batch of them first."""
+        if not records:
+            return self
+        n = len(self.bodies)
+        cols = []
+        for name, get in _RECORD_GETTERS:
+            mine, theirs = getattr(self, name), list(map(get, records))
+            if name in self._OPTIONAL:
+                if mine is None:
+                    cols.append(None if theirs.count(None) == len(theirs)
+                                else [None] * n + theirs)
+                else:
+                    cols.append(mine + theirs)
+            elif name == "bodies":
+                cols.append(mine + theirs)
+            else:
+                cols.append(shared_value((mine if isinstance(mine, list) else [mine] * n)
+                                         + theirs))
+        topics, qids, bodies, *rest = cols
+        return RecordBatch(topics, qids, bodies, **dict(zip(self.__slots__[3:], rest)))
+
     @classmethod
     def concat(cls, batches: Sequence["RecordBatch"]) -> "RecordBatch":
         """One batch of all the records of ``batches``, in order."""
@@ -329,6 +351,10 @@ _get_born = attrgetter("born_ms")
 _get_recon = attrgetter("reconsume_count")
 _get_prep = attrgetter("prepared_offset")
 _get_tagcode = attrgetter("tag_code")
+#: Each column of a RecordBatch, with how to read it from a Record.
+_RECORD_GETTERS = tuple(zip(RecordBatch.__slots__, (
+    _get_topic, _get_qid, _get_body, _get_key, _get_tags, _get_props, _get_flags, _get_born,
+    _get_recon, _get_prep, _get_tagcode)))
 _TOPIC_DECODE: dict[bytes, str] = {}
 
 

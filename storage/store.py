@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import threading
 from typing import Sequence
 
@@ -41,6 +42,10 @@ log = logging.getLogger("raymq.storage")
 TOPIC_RE = re.compile(r"^[A-Za-z0-9_%|.\-]{1,127}$")
 CHECKPOINT_FORMAT = "raymq-checkpoint"
 _SPAN_READ_SLACK_BYTES = 256 * 1024
+#: Puts of at most this many records to several queues index them record by record.
+SMALL_PUT = 64
+_CQ_PACK = struct.Struct("<qiq").pack  # one CQ_ENTRY
+assert struct.calcsize("<qiq") == CQ_ENTRY.itemsize
 
 
 def check_topic_name(topic: object) -> str:
@@ -407,6 +412,17 @@ class MessageStore:
         if len(ids_of) == 1:
             start = self._cq.get_or_create(*keys[0]).count
             return np.arange(start, start + n, dtype=np.int64), None
+        if n <= SMALL_PUT:  # record by record: numpy costs more than it saves here
+            next_offset, groups, qoffs = {}, {}, []
+            for i, key in enumerate(keys):
+                at = next_offset.get(key)
+                if at is None:
+                    at = self._cq.get_or_create(*key).count
+                    groups[key] = []
+                qoffs.append(at)
+                next_offset[key] = at + 1
+                groups[key].append(i)
+            return np.array(qoffs, np.int64), groups
         ids = np.fromiter(map(ids_of.__getitem__, keys), np.int64, n)
         qoffs = np.empty(n, np.int64)
         groups = {}
@@ -419,6 +435,15 @@ class MessageStore:
 
     def _dispatch(self, batch: RecordBatch, groups, lo: int, hi: int, phys: np.ndarray,
                   frame) -> None:
+        if groups is not None and type(next(iter(groups.values()))) is list:  # a small put
+            phys_l, sizes, tags = phys.tolist(), frame.rec_lens.tolist(), frame.tag_codes.tolist()
+            for key, idx in groups.items():
+                part = [i - lo for i in idx if lo <= i < hi]
+                if part:
+                    self._cq.get_or_create(*key).append(
+                        b"".join([_CQ_PACK(phys_l[j], sizes[j], tags[j]) for j in part]),
+                        phys_l[part[-1]])
+            return
         entries = np.empty(hi - lo, CQ_ENTRY)
         entries["phys"] = phys
         entries["size"] = frame.rec_lens

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import random
 import os
 import threading
 import time
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -73,6 +75,52 @@ def test_batch_over_several_queues_gets_offsets_per_queue(tmp_path):
     with open_store(tmp_path) as store:
         assert {q: store.read_queue(*q, 0, 10) for q in store.queues()} == before
         assert store.recovered_records == 7
+
+
+@pytest.mark.parametrize("n", [7, 150])  # record by record (small puts) and by columns
+def test_puts_over_several_queues_index_what_recovery_rebuilds(tmp_path, n):
+    rng = random.Random(n)
+    queues = [("a", 0), ("a", 1), ("b", 0), ("c", 3)]
+    picks = [rng.choice(queues) for _ in range(n)]
+    b = RecordBatch([t for t, _ in picks], [q for _, q in picks], [body(i) for i in range(n)],
+                    tags=[rng.choice([None, "x", "y"]) for _ in range(n)])
+    with open_store(tmp_path) as store:
+        store.put(RecordBatch("a", 1, [b"first"]))
+        res = store.put(b)
+        seen = defaultdict(int, {("a", 1): 1})
+        for (t, q), off in zip(picks, res.queue_offsets):
+            assert off == seen[(t, q)]
+            seen[(t, q)] += 1
+        indexed = {q: store.read_cq(*q, 0, 1000).tobytes() for q in store.queues()}
+    assert {q: len(v) // 20 for q, v in indexed.items()} == dict(seen)
+    import shutil
+    shutil.rmtree(tmp_path / "consumequeue")
+    forget_checkpoint(tmp_path)
+    with open_store(tmp_path) as store:
+        assert {q: store.read_cq(*q, 0, 1000).tobytes() for q in store.queues()} == indexed
+
+
+def test_with_records_is_concat_of_a_batch_of_them():
+    from storage.records import Record
+    rng = random.Random(7)
+    for _ in range(200):
+        k = rng.randint(1, 5)
+        pick = lambda *xs: [rng.choice(xs) for _ in range(k)]  # noqa: E731
+        ahead = RecordBatch(rng.choice(["t", pick("t", "u")]), rng.choice([0, pick(0, 1)]),
+                            [body(i) for i in range(k)],
+                            keys=rng.choice([None, pick(None, "k")]),
+                            tags=rng.choice([None, pick(None, "a")]),
+                            properties=rng.choice([None, pick(None, {"p": "1"})]),
+                            born_ms=rng.choice([5, pick(5, 6)]))
+        records = [Record(rng.choice(["t", "v"]), rng.choice([0, 2]), body(i),
+                          rng.choice([None, "k2"]), rng.choice([None, "b"]),
+                          rng.choice([None, {"q": "2"}]), rng.choice([0, 4]), 5,
+                          tag_code=rng.choice([None, 9]))
+                   for i in range(rng.randint(1, 4))]
+        got = ahead.with_records(records)
+        want = RecordBatch.concat([ahead, RecordBatch.from_records(records)])
+        assert {s: getattr(got, s) for s in RecordBatch.__slots__} == \
+            {s: getattr(want, s) for s in RecordBatch.__slots__}
 
 
 def test_many_segments_named_by_base_offset(tmp_path):
