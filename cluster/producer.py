@@ -41,6 +41,9 @@ log = logging.getLogger("raymq.producer")
 
 #: Keyless single sends to a topic before its sticky queue moves on.
 STICKY_MESSAGES = 64
+#: How long transaction ends wait for a request to ride on before they go alone: a
+#: sender's next transaction comes within this, and one request then carries both.
+END_LINGER_S = 0.001
 
 
 @dataclass
@@ -156,6 +159,7 @@ class Producer:
         self._rr_next: dict[str, int] = {}
         self._sticky_count: dict[str, int] = {}
         self._ends: dict[int, list] = defaultdict(list)
+        self._ends_due: dict[int, float] = {}  # shard -> when its waiting ends go alone
         self._num_levels = len(self.config.delay_levels_ms)
         self._closed = False
         self.retries = 0
@@ -204,7 +208,12 @@ class Producer:
         """
         with self._lock:
             self._ends[shard].extend(ends)
-            self._kick((shard, 0))
+            if (shard, 0) not in self._active and not self._pending.get((shard, 0)):
+                # nothing to ride on yet: wait a moment for the sender's next request
+                self._ends_due.setdefault(shard, time.monotonic() + END_LINGER_S)
+                self._cv.notify_all()
+            else:
+                self._kick((shard, 0))
 
     def close(self) -> None:
         """Send what is pending, then stop."""
@@ -333,14 +342,20 @@ class Producer:
         if key in self._active:
             return None
         queue = self._pending.get(key)
-        if not queue and not (key[1] == 0 and self._ends.get(key[0])):
-            return None
+        if not queue:
+            if not (key[1] == 0 and self._ends.get(key[0])):
+                return None
+            if now < self._ends_due.get(key[0], 0.0) and not self._closed:
+                return None  # ends alone: they wait a moment for a request to ride on
         linger = self.config.linger_ms / 1000.0
         if linger and queue and not self._closed and now - queue[0].queued_at < linger and \
                 sum(len(p.positions) for p in queue) < self.config.batch_max_messages:
             return None  # wait for more to come
         items = self._take(key) if queue else []
-        ends = self._ends.pop(key[0], []) if key[1] == 0 else []
+        ends = []
+        if key[1] == 0:
+            ends = self._ends.pop(key[0], [])
+            self._ends_due.pop(key[0], None)
         sequence = 0
         if items:
             self._seq[key] += 1
@@ -378,8 +393,9 @@ class Producer:
             with self._lock:
                 self._active.discard(key)
                 work = self._claim(key, time.monotonic())
-                if work is None and (self._closed or self.config.linger_ms):
-                    self._cv.notify_all()
+                if work is None and (self._closed or self.config.linger_ms
+                                     or self._ends.get(key[0])):
+                    self._cv.notify_all()  # the producer thread starts what lingers
             current = self._send_request(key, work) if work is not None else None
             if result is not None:
                 try:
@@ -444,10 +460,12 @@ class Producer:
                         self._runners.submit(self._drive, key, work)
                     elif linger and key not in self._active and self._pending.get(key):
                         lingering.append(self._pending[key][0].queued_at + linger)
+                    elif key[0] in self._ends_due and key not in self._active:
+                        lingering.append(self._ends_due[key[0]])
                 if self._closed and not self._active and not any(self._pending.values()) \
                         and not any(self._ends.values()):
                     return
-                self._cv.wait(max(0.001, min([0.05] + [t - now for t in lingering])))
+                self._cv.wait(max(0.0002, min([0.05] + [t - now for t in lingering])))
 
     def _sticky_queue(self, topic: str, queues: int) -> int:
         """The queue of a keyless single send: the topic's sticky queue.
