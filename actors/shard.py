@@ -33,7 +33,8 @@ from cluster.message import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE
 from storage import MessageStore, RecordBatch
 from storage.store import PutStatus
 from storage.clock import Clock, SystemClock
-from storage.errors import InvalidMessageError, OffsetOutOfRangeError, UnknownTopicError
+from storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
+                            UnknownTopicError)
 from storage.producers import INTERNAL_PRODUCER_BASE
 from storage.records import MessageBatch, Record, StoredMessage, SysFlag, tags_hash
 
@@ -473,7 +474,8 @@ class BrokerShard:
         end = self.store.max_queue_offset(OP_TOPIC, 0)
         for off in range(op_start, end, 1000):
             for m in self.store.read_queue(OP_TOPIC, 0, off, 1000):
-                self._resolved[int(m.properties[Prop.ORIGIN_HALF])] = HalfState[m.properties[Prop.OP_STATE]]
+                for origin, state in _op_entries(m.properties):
+                    self._resolved[origin] = state
         half_start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
         end = self.store.max_queue_offset(HALF_TOPIC, 0)
         for off in range(half_start, end, 1000):
@@ -533,6 +535,7 @@ class BrokerShard:
         outcomes: list[str] = []
         halves = self._read_halves([o for _g, _t, origins, _s in requests for o in origins])
         writes: list[Record] = []
+        op_entries: list[tuple[int, HalfState]] = []
         done: dict[int, HalfState] = {}
         for group, txid, origins, state in requests:
             try:
@@ -547,8 +550,11 @@ class BrokerShard:
                 outcomes.append(f"FAILED: {type(err).__name__}: {err}")
                 continue
             outcomes.append(outcome)
-            writes += real + ops
+            writes += real
+            op_entries += ops
             done.update(resolved)
+        if op_entries:  # one op record for all the ends of the call
+            writes.append(_ops_record(op_entries))
         return outcomes, writes, done
 
     def end_transaction(self, group: str, txid: str, origins: list[int], state: str) -> str:
@@ -563,7 +569,7 @@ class BrokerShard:
         with self._tx_lock:
             outcome, real, ops, done = self._plan_end(group, txid, origins, state,
                                                       operator=operator)
-            self._write_resolutions(real + ops, done)
+            self._write_resolutions(real + ([_ops_record(ops)] if ops else []), done)
         if done:
             self._wake_pullers()
         return outcome
@@ -592,7 +598,7 @@ class BrokerShard:
     def _plan_end(self, group: str, txid: str, origins: list[int], state: str, *,
                   operator: bool, also_done: dict | None = None,
                   halves: dict[int, StoredMessage] | None = None):
-        """Check an end and build its records: (outcome, real records, op records, resolved)."""
+        """Check an end: (outcome, real records, op entries (origin, state), resolved)."""
         if state not in self._WANTED:
             raise InvalidMessageError(f"unknown transaction state {state!r}")
         target = self._WANTED[state]
@@ -620,7 +626,7 @@ class BrokerShard:
                 continue
             if new == HalfState.COMMITTED:
                 real.append(_real_from_half(self.index, half))
-            ops.append(_op_record(origin, new, props))
+            ops.append((origin, new))
             done[origin] = new
         return (target.name if done else "NOOP"), real, ops, done
 
@@ -792,9 +798,8 @@ class BrokerShard:
         # an op whose half is still EXPIRED is kept (operators and late ends may still
         # resolve it, and a restart must find it): it counts as not matched yet
         blocked = min_live if min_live is not None else float("inf")
-        n = op_progress([int(m.properties[Prop.ORIGIN_HALF])
-                         if self._resolved.get(int(m.properties[Prop.ORIGIN_HALF]))
-                         is not HalfState.EXPIRED else blocked for m in ops], min_live)
+        n = op_progress([_op_origin(m.properties, self._resolved, blocked) for m in ops],
+                        min_live)
         if n:
             self.store.offsets.update({self._OP_PROGRESS: start + n})
         # forget what can no longer come up (expired halves stay: operators resolve them)
@@ -910,6 +915,32 @@ def _op_record(origin: int, state: HalfState, half_props: dict) -> Record:
              Prop.PRODUCER_GROUP: half_props.get(Prop.PRODUCER_GROUP, ""),
              Prop.TRANSACTION_ID: half_props.get(Prop.TRANSACTION_ID, "")}
     return Record(OP_TOPIC, 0, b"", None, "d", props, int(SysFlag.OP))
+
+
+def _ops_record(entries: list[tuple[int, HalfState]]) -> Record:
+    """One op record for several resolved halves (RocketMQ 5 batches its op messages too):
+    their origins and new states, in order, comma-separated."""
+    props = {Prop.ORIGIN_HALF: ",".join([str(o) for o, _ in entries]),
+             Prop.OP_STATE: ",".join([st.name for _, st in entries])}
+    return Record(OP_TOPIC, 0, b"", None, "d", props, int(SysFlag.OP))
+
+
+def _op_entries(props: dict) -> list[tuple[int, HalfState]]:
+    """The (origin, state) pairs of an op record: one (``_op_record``) or several."""
+    origins, states = props[Prop.ORIGIN_HALF].split(","), props[Prop.OP_STATE].split(",")
+    if len(origins) != len(states):
+        raise CorruptLogError(f"op record with {len(origins)} origins and {len(states)} states")
+    return [(int(o), HalfState[st]) for o, st in zip(origins, states)]
+
+
+def _op_origin(props: dict, resolved: dict, blocked) -> int:
+    """What an op record counts as for the op progress (``op_progress``): its highest
+    origin; ``blocked`` while any of its halves is EXPIRED (operators may still resolve
+    it, and a restart must find it)."""
+    entries = _op_entries(props)
+    if any(resolved.get(o) is HalfState.EXPIRED for o, _ in entries):
+        return blocked
+    return max(o for o, _ in entries)
 
 
 def _copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: int) -> Record:

@@ -114,3 +114,39 @@ def test_checks_the_registry_could_not_take_are_not_counted(tmp_path):
         assert len(batch) == 1
     finally:
         sh.close()
+
+
+def test_one_op_record_per_call_is_what_a_restart_and_the_op_progress_read(tmp_path):
+    cfg = {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1}
+    sh = BrokerShard(0, cfg, background=False)
+    sh.set_routes([("orders", 0), ("orders", 1)])
+    sent = sh.send(tx_batch("orders", 6, 0), 77, 1)["phys"]
+    states = ["COMMIT_MESSAGE", "ROLLBACK_MESSAGE", "COMMIT_MESSAGE"]
+    ends = [("g", f"tx{i}", [sent[i]], states[i]) for i in range(3)]
+    assert sh.send(tx_batch("orders", 1, 50), 77, 2, ends)["ends"] == \
+        ["COMMITTED", "ROLLED_BACK", "COMMITTED"]
+    assert sh.end_transactions([("g", "tx3", [sent[3]], "ROLLBACK_MESSAGE"),
+                                ("g", "tx4", [sent[4]], "COMMIT_MESSAGE")]) == \
+        ["ROLLED_BACK", "COMMITTED"]
+    ops = sh.store.read_queue(shard_mod.OP_TOPIC, 0, 0, 100)
+    assert [m.properties[Prop.ORIGIN_HALF] for m in ops] == \
+        [",".join(map(str, sent[:3])), ",".join(map(str, sent[3:5]))]  # one per call
+    want = {sent[0]: "COMMITTED", sent[1]: "ROLLED_BACK", sent[2]: "COMMITTED",
+            sent[3]: "ROLLED_BACK", sent[4]: "COMMITTED"}
+    assert {o: st.name for o, st in sh._resolved.items()} == want
+    sh.close()
+
+    sh = BrokerShard(0, cfg, background=False)  # a restart rebuilds the resolutions from them
+    try:
+        assert {o: st.name for o, st in sh._resolved.items() if o in want} == want
+        pending = {h["origin"] for h in sh.half_list()}
+        assert sent[5] in pending and not pending & set(want) and len(pending) == 2
+        # both op records cover only halves older than the oldest pending one (tx5):
+        # a round passes them (and no further: nothing else is resolved)
+        assert sh.store.offsets.get(sh._OP_PROGRESS, 0) == 0
+        sh.check_round(["g"], now_ms=sh.clock.now_ms() + 60_000)
+        assert sh.store.offsets.get(sh._OP_PROGRESS, 0) == 2
+        sh.end_transactions([("g", "tx5", [sent[5]], "ROLLBACK_MESSAGE")])
+        assert sent[5] not in {h["origin"] for h in sh.half_list()}
+    finally:
+        sh.close()
