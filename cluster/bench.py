@@ -362,7 +362,7 @@ def bench_txmsg(b: Bench) -> None:
                 t.join()
             return time.perf_counter() - t0
 
-        per = b.n(800, 50)
+        per = b.n(1500, 50)  # ~10 s of sends per figure: steadier than a few seconds
         b.progress(f"txmsg: 8 threads x {per} transactions on one transaction producer")
         before = tp._producer.requests
         dt = concurrently(lambda: tp.send_in_transaction(Message("tx", body), commit), per)
