@@ -7,6 +7,7 @@ it: what a broken connection or a restarting shard does to a real client.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -173,3 +174,28 @@ def test_a_refused_request_fails_its_callers_only_and_the_lane_goes_on(cluster):
     producer.close()
     assert [m.body for m in stored(shards)] == [b"first", b"after"]
     assert producer.retries == 0
+
+
+def test_an_end_waits_for_the_next_request_to_ride_on_or_goes_alone(cluster, monkeypatch):
+    from cluster import producer as producer_mod
+    from cluster.message import Prop
+    monkeypatch.setattr(producer_mod, "END_LINGER_S", 0.5)  # wide: no race with the send
+    producer, shards, transport = cluster()
+
+    def half(txid: str):
+        [(fut, _)] = producer._submit([Message(TOPIC, txid.encode(), key="k")], system_props={
+            Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "lanes", Prop.TRANSACTION_ID: txid})
+        r = fut.result(10)[0]  # a SendResult: ..., shard, physical offset
+        return r[5], [("lanes", txid, [r[6]], "COMMIT_MESSAGE")]  # as TransactionProducer queues it
+    shard, end = half("t1")
+    before = producer.requests
+    producer.add_ends(shard, end)
+    shard2, end2 = half("t2")  # the next request carries t1's end
+    assert shard2 == shard and producer.requests == before + 1
+    producer.add_ends(shard, end2)  # nothing comes: it goes alone once the linger is over
+    deadline = time.monotonic() + 10
+    while producer.requests < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polls the condition; the linger is 0.5 s
+    producer.close()
+    assert producer.requests == before + 2
+    assert sorted(m.body for m in stored(shards)) == [b"t1", b"t2"]  # both committed
