@@ -109,7 +109,7 @@ class Outcome:
                 self._event = threading.Lock()
                 self._event.acquire()
             waiter = self._event
-        if not waiter.acquire(timeout=-1 if timeout is None else timeout):
+        if not waiter.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             raise TimeoutError("the call did not complete in time")
         waiter.release()  # and so the next waiter passes too
 

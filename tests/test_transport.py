@@ -199,3 +199,26 @@ def test_unreachable_endpoint_is_broker_unavailable():
         t.call(0, "send", 1, timeout_s=2)
     assert 0 not in t._endpoints  # asked again next time
     t.close()
+
+
+def test_outcome_wakes_every_waiter_and_times_out_cleanly():
+    from cluster.transport import Outcome
+    out = Outcome()
+    with pytest.raises(TimeoutError):
+        out.result(0)
+    with pytest.raises(TimeoutError):
+        out.result(-1.0)  # a negative timeout is no timeout at all, as for Event.wait
+    got, seen = [], []
+    out.add_done_callback(lambda o: seen.append(o.result()))
+    waiters = [threading.Thread(target=lambda: got.append(out.result(30))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    out.set_result("done")
+    for t in waiters:
+        t.join(30)
+    assert got == ["done"] * 4 and seen == ["done"] and out.result(0) == "done"
+    failed = Outcome()
+    failed.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError):
+        failed.result(0)
+    assert isinstance(failed.exception(0), ValueError)
