@@ -186,8 +186,7 @@ class BrokerShard:
         4.x loops between the half and schedule topics here -- seed 000).
         """
         props = batch.properties
-        if not any(p and (Prop.DELAY in p or Prop.DELIVER_AT in p or Prop.TRAN_MSG in p)
-                   for p in props):
+        if not _redirects(props):
             return batch
         now = self.clock.now_ms()
         topics, qids = batch.column("topics"), batch.column("queue_ids")
@@ -650,7 +649,7 @@ class BrokerShard:
         # (delayed now if they asked for a delay) and their op records
         if not records:
             batch = ahead
-        elif any(r.properties and not _REDIRECTING.isdisjoint(r.properties) for r in records):
+        elif _redirects(r.properties for r in records):
             tail = self._redirect_delayed(RecordBatch.from_records(records))
             batch = tail if ahead is None else RecordBatch.concat([ahead, tail])
         else:  # nothing to redirect: the records go straight after the batch
@@ -663,11 +662,15 @@ class BrokerShard:
 
     def _mark_resolved(self, done: dict[int, HalfState]) -> None:
         for origin, new in done.items():
-            self._resolved[origin] = new
-            self._pending_halves.pop(origin, None)
-            self._half_size.pop(origin, None)
-            self._half_cache.pop(origin, None)
+            self._settle(origin, new)
         self.metrics.inc("transactions_ended", len(done))
+
+    def _settle(self, origin: int, state: HalfState) -> None:
+        """A half is resolved (or expired): no longer pending, nothing of it kept."""
+        self._resolved[origin] = state
+        self._pending_halves.pop(origin, None)
+        self._half_size.pop(origin, None)
+        self._half_cache.pop(origin, None)
 
     def set_fault(self, fault: str | None) -> None:
         """Test hook: 'crash_between_real_and_op' exits between the two writes of a commit."""
@@ -733,10 +736,7 @@ class BrokerShard:
                         self._pending_halves[view.origin] = qoff
                         self._latest_copy[view.origin] = qoff
                     elif kind == "op":
-                        self._resolved[view.origin] = HalfState.EXPIRED
-                        self._pending_halves.pop(view.origin, None)
-                        self._half_size.pop(view.origin, None)
-                        self._half_cache.pop(view.origin, None)
+                        self._settle(view.origin, HalfState.EXPIRED)
             # groups stay "waiting" until a producer of theirs is live again
             self._waiting_groups = (self._waiting_groups - set(live_groups)) | plan.waiting_groups
             if progress != start:
@@ -895,6 +895,11 @@ class _Half(NamedTuple):
 #: Properties that make ``_redirect_delayed`` move a record (any of them).
 _REDIRECTING = frozenset((Prop.DELAY, Prop.DELIVER_AT, Prop.TRAN_MSG))
 
+
+def _redirects(properties: Iterable[dict | None]) -> bool:
+    """Whether ``_redirect_delayed`` moves any of these records (given their properties)."""
+    return any(p and not _REDIRECTING.isdisjoint(p) for p in properties)
+
 _TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Prop.CHECK_TIMES,
              Prop.ORIGIN_HALF, Prop.TXN_TIMEOUT_MS, Prop.CHECK_BASE_MS)
 
@@ -911,10 +916,11 @@ def _real_from_half(shard: int, half: StoredMessage) -> Record:
 
 
 def _op_record(origin: int, state: HalfState, half_props: dict) -> Record:
-    props = {Prop.ORIGIN_HALF: str(origin), Prop.OP_STATE: state.name,
-             Prop.PRODUCER_GROUP: half_props.get(Prop.PRODUCER_GROUP, ""),
-             Prop.TRANSACTION_ID: half_props.get(Prop.TRANSACTION_ID, "")}
-    return Record(OP_TOPIC, 0, b"", None, "d", props, int(SysFlag.OP))
+    """The op record of one half, with its group and transaction id."""
+    record = _ops_record([(origin, state)])
+    record.properties[Prop.PRODUCER_GROUP] = half_props.get(Prop.PRODUCER_GROUP, "")
+    record.properties[Prop.TRANSACTION_ID] = half_props.get(Prop.TRANSACTION_ID, "")
+    return record
 
 
 def _ops_record(entries: list[tuple[int, HalfState]]) -> Record:

@@ -13,8 +13,8 @@ is resent unchanged after a timeout or a shard restart and the shard stores
 it once.
 
 A busy lane is driven by one *runner* (an I/O thread): it sends a request,
-waits for the answer, completes the callers, and sends the next request of
-whatever gathered meanwhile, without handing off to another thread.  A
+waits for the answer, sends the next request of whatever gathered meanwhile,
+then completes the answered callers, without handing off to another thread.  A
 lane that is idle is started by the send that finds it so (or by the
 producer's own thread, for lingering requests and retry back-offs).
 """

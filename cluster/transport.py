@@ -126,7 +126,7 @@ class RayTransport:
         self._handle = shard_handle
 
     def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
-        return rpc.call(getattr(self._handle(shard), method), *args, timeout_s=timeout_s)
+        return self.begin(shard, method, args, timeout_s=timeout_s).result()
 
     def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float):
         """Start a call; ``result()`` of what it returns waits for it."""
