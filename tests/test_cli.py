@@ -79,3 +79,24 @@ def test_bench_storage_prints_only_json_lines_on_stdout(tmp_path):
             "storage.read_cq"} <= names
     assert all(set(d) == {"metric", "value", "unit", "params"} for d in lines)
     assert "[bench]" in proc.stderr
+
+
+def test_bench_machine_cpu_counts_the_work_it_times():
+    import sys
+    import time
+
+    from cluster.bench import MachineCpu
+    if not sys.platform.startswith("linux"):
+        return  # /proc/stat only; elsewhere the figures are left out
+    cpu = MachineCpu()
+
+    def spin():
+        end = time.thread_time() + 0.3  # 0.3 s of this thread's own CPU, however slow the host
+        while time.thread_time() < end:
+            pass
+    dt = cpu.timed(spin)
+    assert cpu.busy_s >= 0.25 and dt >= 0.3
+    params = cpu.params(1000, dt)
+    assert params["cpu_us_per_msg"] == round(cpu.busy_s / 1000 * 1e6, 1) >= 250
+    assert 0 <= params["steal_pct"] <= 100
+    assert MachineCpu().params(1000, 1.0) == {}  # nothing timed: nothing claimed
