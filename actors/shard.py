@@ -134,12 +134,14 @@ class BrokerShard:
             return out
         # one put: the batch, then the real messages and op records of the ends
         batch = self._prepare(batch)
+        t0 = self.clock.monotonic_ms()
         with self._tx_lock:
             outcomes, writes, done = self._plan_ends(ends)
             res = self._write_resolutions(writes, done, wait=False, ahead=batch,
                                           producer_id=producer_id, sequence=sequence)
             self._note_new_halves(batch, res)
         out = self._sent(batch, res, self.store.wait_durable(res))
+        self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         out["ends"] = outcomes
         return out
 

@@ -435,7 +435,7 @@ class MessageStore:
 
     def _dispatch(self, batch: RecordBatch, groups, lo: int, hi: int, phys: np.ndarray,
                   frame) -> None:
-        if groups is not None and type(next(iter(groups.values()))) is list:  # a small put
+        if groups is not None and len(batch) <= SMALL_PUT:  # index groups are lists (a small put)
             phys_l, sizes, tags = phys.tolist(), frame.rec_lens.tolist(), frame.tag_codes.tolist()
             for key, idx in groups.items():
                 part = [i - lo for i in idx if lo <= i < hi]

@@ -150,3 +150,26 @@ def test_one_op_record_per_call_is_what_a_restart_and_the_op_progress_read(tmp_p
         assert sent[5] not in {h["origin"] for h in sh.half_list()}
     finally:
         sh.close()
+
+
+class RecordingMetrics(shard_mod.NullMetrics):
+    def __init__(self):
+        self.observed: list[tuple[str, float]] = []
+
+    def observe(self, name, value, **tags):
+        self.observed.append((name, value))
+
+
+def test_every_send_path_observes_its_put_latency(tmp_path):
+    metrics = RecordingMetrics()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False,
+                     metrics=metrics)
+    try:
+        sh.set_routes([("orders", 0), ("orders", 1)])
+        sent = sh.send(tx_batch("orders", 2, 0), 77, 1)  # a plain put
+        ends = [("g", f"tx{i}", [phys], "COMMIT_MESSAGE") for i, phys in enumerate(sent["phys"])]
+        sh.send(tx_batch("orders", 2, 10), 77, 2, ends)  # halves and ends in one put
+        latencies = [v for name, v in metrics.observed if name == "put_latency_ms"]
+        assert len(latencies) == 2 and all(v >= 0 for v in latencies)
+    finally:
+        sh.close()
