@@ -293,3 +293,68 @@ def test_async_transactions_many_in_flight_from_one_thread(mq, name):
     assert sorted(int(m.body) for m in got) == [i for i in range(90) if i % 3]
     assert not pending(mq, group)
     tp.close()
+
+
+@pytest.mark.slow
+def test_shards_killed_under_concurrent_transactions_commit_once_abort_never(mq, name):
+    """Transactions from several threads while every shard of the topic is killed: halves,
+    ends riding on requests and resends cross the restarts.  Every transaction whose local
+    commit ran is delivered exactly once; nothing else is delivered; no half is left."""
+    mq.create_topic(name, queues=4)
+    group = f"p{name}"
+    lock = threading.Lock()
+    committed: set[bytes] = set()
+
+    class Db(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            if arg is S.COMMIT_MESSAGE:
+                with lock:
+                    committed.add(msg.body)
+            return arg
+
+        def check_local_transaction(self, msg):  # the local database decides
+            with lock:
+                return S.COMMIT_MESSAGE if msg.body in committed else S.ROLLBACK_MESSAGE
+    tp = mq.transaction_producer(group, Db())
+    done, errors, stop = [0], [], threading.Event()
+
+    def stream(t):
+        i = 0
+        while not stop.is_set():
+            state = S.ROLLBACK_MESSAGE if i % 3 == 0 else S.COMMIT_MESSAGE
+            try:  # a long transaction timeout: no check-back races a local transaction here
+                tp.send_in_transaction(Message(name, f"{t}-{i}".encode()), state,
+                                       timeout_ms=5000)
+            except Exception as err:  # not stored: its local transaction never ran
+                errors.append(err)
+            with lock:
+                done[0] += 1
+            i += 1
+    threads = [threading.Thread(target=stream, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: done[0] >= 100, what="some transactions done")
+    shards = sorted(set(mq.routes_for({name})[name]))
+    pids = {s: rpc.call(mq.shard_handle(s).ping, timeout_s=30)["pid"] for s in shards}
+    for s in shards:
+        ray.kill(mq.shard_handle(s), no_restart=False)
+
+    def restarted():
+        try:
+            return all(rpc.call(mq.shard_handle(s).ping, timeout_s=30)["pid"] != pids[s]
+                       for s in shards)
+        except rpc.RayMQError:
+            return False
+    wait_for(restarted, 90, "the shards restarted")
+    after = done[0]
+    wait_for(lambda: done[0] >= after + 100, 90, "transactions after the restart")
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert len(errors) < done[0] / 2
+    wait_for(lambda: not pending(mq, group), timeout_s=90, what="every half resolved")
+    got = consume_all(mq, f"g{name}", [name], len(committed), timeout_s=60, settle_s=1.0)
+    bodies = [m.body for m in got]
+    assert len(bodies) == len(set(bodies))  # none delivered twice
+    assert set(bodies) == committed  # every local commit delivered, no rollback delivered
+    tp.close()
