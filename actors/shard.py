@@ -471,14 +471,14 @@ class BrokerShard:
 
     def _load_transactions(self) -> None:
         """Rebuild the resolution index: ops from the op progress, halves from the half progress."""
-        op_start = max(0, self.store.offsets.get(self._OP_PROGRESS, 0))
         end = self.store.max_queue_offset(OP_TOPIC, 0)
+        op_start = self._progress(self._OP_PROGRESS, end)
         for off in range(op_start, end, 1000):
             for m in self.store.read_queue(OP_TOPIC, 0, off, 1000):
                 for origin, state in _op_entries(m.properties):
                     self._resolved[origin] = state
-        half_start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
         end = self.store.max_queue_offset(HALF_TOPIC, 0)
+        half_start = self._progress(self._HALF_PROGRESS, end)
         for off in range(half_start, end, 1000):
             for m in self.store.read_queue(HALF_TOPIC, 0, off, 1000):
                 origin = int(m.properties.get(Prop.ORIGIN_HALF, m.phys_offset))
@@ -486,9 +486,25 @@ class BrokerShard:
                 if origin not in self._resolved:
                     self._pending_halves[origin] = m.queue_offset
 
+    def _progress(self, name: str, end: int) -> int:
+        """A durable progress, no further than the end of its queue: one past it (written
+        before this shard flushed its resolutions first) would skip what comes next."""
+        at = max(0, self.store.offsets.get(name, 0))
+        if at > end:
+            log.warning("shard-%d: %s %d is past the end of its queue (%d); using the end",
+                        self.index, name, at, end)
+            self.store.offsets.update({name: end})
+            at = end
+        return at
+
     def _note_new_halves(self, batch: RecordBatch, res) -> None:
-        """Track the halves just stored; keep what their end needs, so it reads nothing."""
-        if batch.properties is None or not (batch.topics == HALF_TOPIC or (
+        """Track the halves just stored; keep what their end needs, so it reads nothing.
+
+        A duplicate (a resend) stored nothing: its halves were tracked when the
+        first copy was, and may be resolved and forgotten since -- tracking them
+        again would make a rolled-back half pending, and committable, again.
+        """
+        if res.duplicate or batch.properties is None or not (batch.topics == HALF_TOPIC or (
                 isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
             return
         topics = batch.column("topics")
@@ -741,6 +757,10 @@ class BrokerShard:
                         self._settle(view.origin, HalfState.EXPIRED)
             # groups stay "waiting" until a producer of theirs is live again
             self._waiting_groups = (self._waiting_groups - set(live_groups)) | plan.waiting_groups
+            # the progress may pass halves resolved by puts not flushed yet (ends are
+            # resolved when written, before their fsync): make those durable first, or a
+            # power loss could keep the progress and lose the resolutions behind it
+            self.store.flush()
             if progress != start:
                 self.store.offsets.update({self._HALF_PROGRESS: progress})
             self._advance_op_progress(progress)

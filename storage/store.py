@@ -350,6 +350,8 @@ class MessageStore:
 
     def wait_durable(self, result: PutResult) -> PutStatus:
         """Wait until a put is durable under the flush mode; its final status."""
+        if result.duplicate:  # its first copy's fsync was waited for already
+            return result.status
         if self.config.flush_mode == "sync" and not self._wait_flushed(result.end_offset):
             return PutStatus.FLUSH_DISK_TIMEOUT
         return PutStatus.PUT_OK

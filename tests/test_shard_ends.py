@@ -173,3 +173,76 @@ def test_every_send_path_observes_its_put_latency(tmp_path):
         assert len(latencies) == 2 and all(v >= 0 for v in latencies)
     finally:
         sh.close()
+
+
+def one_half(start: int) -> RecordBatch:
+    return RecordBatch("orders", 0, [f"body-{start}".encode()],
+                       properties=[{Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g",
+                                    Prop.TRANSACTION_ID: f"tx{start}"}])
+
+
+def test_a_resend_after_the_half_was_rolled_back_and_forgotten_does_not_revive_it(tmp_path):
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1000},
+                     clock=clock, background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        half = sh.send(one_half(0), 77, 1)["phys"][0]  # stored; the producer never hears so
+        clock.advance(5000)
+        assert [c["origin"] for c in sh.check_round(["g"])] == [half]
+        assert sh.end_transaction("g", "tx0", [half], "ROLLBACK_MESSAGE") == "ROLLED_BACK"
+        clock.advance(5000)
+        sh.check_round(["g"])  # passes the resolved half: nothing of it is kept any more
+        assert half not in sh._resolved and half not in sh._pending_halves
+        again = sh.send(one_half(0), 77, 1)  # the producer's resend, at last
+        assert again["duplicate"] and again["phys"] == [half]
+        assert sh.transaction_status()["pending_halves"] == 0  # not pending again ...
+        late = sh.send(None, 0, 0, [("g", "tx0", [half], "COMMIT_MESSAGE")])
+        assert late["ends"] == ["NOOP"]  # ... so a late commit cannot deliver it
+        [(_t, _q, batch, _next, _end)] = sh.pull([("orders", 0, 0, 10)])
+        assert len(batch) == 0
+    finally:
+        sh.close()
+
+
+def test_check_progress_is_never_durable_ahead_of_the_resolutions_it_passes(tmp_path):
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    # async flush and no background flush: a put stays unflushed until someone flushes
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async",
+                         "txn_timeout_ms": 1000}, clock=clock, background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        half = sh.send(one_half(0), 77, 1)["phys"][0]
+        sh.send(one_half(1), 77, 2, [("g", "tx0", [half], "COMMIT_MESSAGE")])
+        written = sh.store._log.max_offset
+        assert sh.store._log.flushed_offset < written  # the commit is not durable yet
+        clock.advance(500)  # the second half is not due: the round only passes the first
+        sh.check_round(["g"])
+        assert sh.store.offsets.get(sh._HALF_PROGRESS, 0) == 1
+        assert sh.store._log.flushed_offset >= written  # flushed before the progress
+    finally:
+        sh.close()
+
+
+def test_a_progress_past_the_end_of_its_queue_is_cut_back_on_start(tmp_path):
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    cfg = {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1000}
+    sh = BrokerShard(0, cfg, clock=clock, background=False)
+    sh.set_routes([("orders", 0)])
+    sh.send(one_half(0), 77, 1)
+    # as an older version could leave it after a power loss: progress past the queues' ends
+    sh.store.offsets.update({sh._HALF_PROGRESS: 50, sh._OP_PROGRESS: 50})
+    sh.close()
+    sh = BrokerShard(0, cfg, clock=clock, background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        assert sh.store.offsets.get(sh._HALF_PROGRESS) == 1
+        assert sh.store.offsets.get(sh._OP_PROGRESS) == 0
+        later = sh.send(one_half(1), 78, 1)["phys"][0]  # a new half is checked, not skipped
+        clock.advance(5000)
+        assert [c["origin"] for c in sh.check_round(["g"])] == [later]
+    finally:
+        sh.close()

@@ -490,3 +490,14 @@ def test_small_frame_encoder_writes_the_column_encoders_bytes(monkeypatch):
             encode_frame(bad, np.zeros(1, np.int64), 1)
         monkeypatch.setattr(records, "SMALL_FRAME_RECORDS", 16)
         assert type(small_err.value) is type(column_err.value)
+
+
+def test_wait_durable_gives_a_duplicate_the_status_of_its_first_copy(tmp_path):
+    from storage.store import PutResult, PutStatus
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync")) as store:
+        # a resend's result: its first copy's fsync was waited for, and timed out
+        dup = PutResult(PutStatus.FLUSH_DISK_TIMEOUT, [], [], [], duplicate=True)
+        assert store.wait_durable(dup) is PutStatus.FLUSH_DISK_TIMEOUT
+        first = store.put(RecordBatch("t", 0, [b"x"]), producer_id=5, sequence=1)
+        again = store.put(RecordBatch("t", 0, [b"x"]), producer_id=5, sequence=1, wait=False)
+        assert again.duplicate and store.wait_durable(again) is first.status is PutStatus.PUT_OK
