@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,6 +108,8 @@ class TransactionProducer:
         self._drop_end = drop_end  # fault injection: lose this transaction's end
         self._registry = mq.registry_handle(group)
         self._stop = threading.Event()
+        self._in_flight: set[Future] = set()  # async transactions not finished yet
+        self._in_flight_lock = threading.Lock()
         self.checks_answered = 0
         from cluster import rpc
         rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
@@ -143,16 +145,26 @@ class TransactionProducer:
         out: Future = Future()
         remaining = [len(tx["parts"])]
         lock = threading.Lock()
+        with self._in_flight_lock:
+            self._in_flight.add(out)
+        out.add_done_callback(self._landed)
 
         def part_done(_f):
             with lock:
                 remaining[0] -= 1
                 if remaining[0]:
                     return
-            self._exec_pool.submit(self._finish_into, out, tx, arg)
+            try:
+                self._exec_pool.submit(self._finish_into, out, tx, arg)
+            except RuntimeError:  # the pool is shut down: finish here, never leave it hanging
+                self._finish_into(out, tx, arg)
         for fut, _positions in tx["parts"]:
             fut.add_done_callback(part_done)
         return out
+
+    def _landed(self, out: Future) -> None:
+        with self._in_flight_lock:
+            self._in_flight.discard(out)
 
     def _finish_into(self, out: Future, tx: dict, arg) -> None:
         try:
@@ -169,6 +181,8 @@ class TransactionProducer:
             return err
 
     def _begin(self, msg, timeout_ms: int | None) -> dict:
+        if self._stop.is_set():
+            raise RayMQError("transaction producer is closed")
         batch = isinstance(msg, list)
         msgs = list(msg) if batch else [msg]
         if not msgs:
@@ -276,6 +290,9 @@ class TransactionProducer:
         from cluster import rpc
         self._stop.set()
         self._poller.join()
+        with self._in_flight_lock:  # async transactions run to their end before the pools go
+            in_flight = list(self._in_flight)
+        wait(in_flight)
         self._exec_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._producer.close()  # sends the ends still queued

@@ -358,3 +358,20 @@ def test_shards_killed_under_concurrent_transactions_commit_once_abort_never(mq,
     assert len(bodies) == len(set(bodies))  # none delivered twice
     assert set(bodies) == committed  # every local commit delivered, no rollback delivered
     tp.close()
+
+
+def test_close_finishes_the_async_transactions_in_flight(mq, name):
+    from storage.errors import RayMQError
+    mq.create_topic(name, queues=2)
+    group = f"p{name}"
+    tp = mq.transaction_producer(group, Listener())
+    futures = [tp.send_in_transaction_async(Message(name, f"{i}".encode()), S.COMMIT_MESSAGE)
+               for i in range(3000)]
+    tp.close()  # at once, with most of them still in flight
+    assert all(f.done() for f in futures)
+    assert [f.result().local_state for f in futures] == [S.COMMIT_MESSAGE] * 3000
+    with pytest.raises(RayMQError, match="closed"):
+        tp.send_in_transaction_async(Message(name, b"late"), S.COMMIT_MESSAGE)
+    got = consume_all(mq, f"g{name}", [name], 3000, timeout_s=60)
+    assert sorted(int(m.body) for m in got) == list(range(3000))
+    assert not pending(mq, group)
