@@ -360,18 +360,23 @@ def test_shards_killed_under_concurrent_transactions_commit_once_abort_never(mq,
     tp.close()
 
 
+@pytest.mark.slow
 def test_close_finishes_the_async_transactions_in_flight(mq, name):
     from storage.errors import RayMQError
     mq.create_topic(name, queues=2)
     group = f"p{name}"
     tp = mq.transaction_producer(group, Listener())
-    futures = [tp.send_in_transaction_async(Message(name, f"{i}".encode()), S.COMMIT_MESSAGE)
-               for i in range(3000)]
+    # in flight for a while: the shards restart under them (a long transaction timeout:
+    # none is late, so every one commits)
+    futures = [tp.send_in_transaction_async(Message(name, f"{i}".encode()), S.COMMIT_MESSAGE,
+                                            timeout_ms=60_000) for i in range(300)]
+    for s in set(mq.routes_for({name})[name]):
+        ray.kill(mq.shard_handle(s), no_restart=False)
     tp.close()  # at once, with most of them still in flight
     assert all(f.done() for f in futures)
-    assert [f.result().local_state for f in futures] == [S.COMMIT_MESSAGE] * 3000
+    assert [f.result().local_state for f in futures] == [S.COMMIT_MESSAGE] * 300
     with pytest.raises(RayMQError, match="closed"):
         tp.send_in_transaction_async(Message(name, b"late"), S.COMMIT_MESSAGE)
-    got = consume_all(mq, f"g{name}", [name], 3000, timeout_s=60)
-    assert sorted(int(m.body) for m in got) == list(range(3000))
+    got = consume_all(mq, f"g{name}", [name], 300, timeout_s=60)
+    assert sorted(int(m.body) for m in got) == list(range(300))
     assert not pending(mq, group)
