@@ -303,6 +303,10 @@ class BrokerShard:
                     f"the queue holds offsets 0..{end}")
             values[offset_key(group, topic, qid)] = off
         if values:
+            # a consumer may have read records not flushed yet: they are made durable before
+            # the offset that passes them, or a power loss could keep the offset and lose
+            # them, and the records written next would be skipped
+            self.store.make_durable()
             self.store.offsets.update(values)
 
     def get_offsets(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
@@ -760,7 +764,7 @@ class BrokerShard:
             # the progress may pass halves resolved by puts not flushed yet (ends are
             # resolved when written, before their fsync): make those durable first, or a
             # power loss could keep the progress and lose the resolutions behind it
-            self.store.flush()
+            self.store.make_durable()
             if progress != start:
                 self.store.offsets.update({self._HALF_PROGRESS: progress})
             self._advance_op_progress(progress)

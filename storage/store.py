@@ -526,6 +526,14 @@ class MessageStore:
                 self._flush_cond.notify_all()
         return self._log.flushed_offset >= target and self.clock.monotonic_ms() <= deadline
 
+    def make_durable(self) -> None:
+        """Return once everything written so far is durable (group commit; nothing to do
+        when it already is, as after every put in sync mode)."""
+        target = self._log.max_offset
+        if self._log.flushed_offset < target and not self._wait_flushed(target):
+            raise StorageError(f"store {self.directory}: fsync did not complete within "
+                               f"{self.config.flush_timeout_ms} ms")
+
     def flush(self) -> int:
         """fsync the commit log now; return the durable offset."""
         with self._flush_cond:

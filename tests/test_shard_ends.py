@@ -246,3 +246,21 @@ def test_a_progress_past_the_end_of_its_queue_is_cut_back_on_start(tmp_path):
         assert [c["origin"] for c in sh.check_round(["g"])] == [later]
     finally:
         sh.close()
+
+
+def test_a_committed_consumer_offset_is_never_durable_ahead_of_what_it_passes(tmp_path):
+    # async flush, no background flush: what is put stays unflushed until someone flushes
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async"},
+                     background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        sh.send(RecordBatch("orders", 0, [b"a", b"b"]))
+        written = sh.store._log.max_offset
+        assert sh.store._log.flushed_offset < written
+        [(_t, _q, batch, next_offset, _end)] = sh.pull([("orders", 0, 0, 10)])
+        assert len(batch) == 2  # a consumer can read what is not durable yet ...
+        sh.commit_offsets("g", {("orders", 0): next_offset})
+        assert sh.store._log.flushed_offset >= written  # ... and its offset waits for it
+        assert sh.get_offsets("g", [("orders", 0)]) == {("orders", 0): 2}
+    finally:
+        sh.close()
