@@ -34,7 +34,7 @@ from storage import MessageStore, RecordBatch
 from storage.store import PutStatus
 from storage.clock import Clock, SystemClock
 from storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
-                            UnknownTopicError)
+                            StorageError, UnknownTopicError)
 from storage.producers import INTERNAL_PRODUCER_BASE
 from storage.records import MessageBatch, Record, StoredMessage, SysFlag, tags_hash
 
@@ -90,6 +90,7 @@ class BrokerShard:
         self._resolved: dict[int, HalfState] = {}   # origin -> COMMITTED/ROLLED_BACK/EXPIRED
         self._waiting_groups: set[str] = set()
         self._fault: str | None = None
+        self._cut_back_offsets()
         self._load_transactions()
         if background:
             self._scheduler = threading.Thread(target=self._schedule_loop,
@@ -382,9 +383,9 @@ class BrokerShard:
         topic = dlq_topic(group)
         progress_key = f"dlq-resend@{group}@{self.index}"
         if phys_offsets is None:
-            start = max(0, self.store.offsets.get(progress_key, 0))
-            msgs = self.store.read_queue(topic, self.index, start,
-                                         self.store.max_queue_offset(topic, self.index) - start)
+            end = self.store.max_queue_offset(topic, self.index)
+            start = min(max(0, self.store.offsets.get(progress_key, 0)), end)
+            msgs = self.store.read_queue(topic, self.index, start, end - start)
         else:
             msgs = [self.store.get_message(p) for p in phys_offsets]
             bad = [m for m in msgs if m.topic != topic]
@@ -398,10 +399,14 @@ class BrokerShard:
             p = dict(m.properties)
             p.pop(Prop.DLQ_REASON, None)
             props.append(p)
-        self.send(RecordBatch(retry_topic(group), self.index, [m.body for m in msgs],
-                              keys=[m.key for m in msgs], tags=[m.tags for m in msgs],
-                              properties=props, born_ms=[m.born_ms for m in msgs]))
-        if phys_offsets is None:
+        sent = self.send(RecordBatch(retry_topic(group), self.index, [m.body for m in msgs],
+                                     keys=[m.key for m in msgs], tags=[m.tags for m in msgs],
+                                     properties=props, born_ms=[m.born_ms for m in msgs]))
+        if sent["status"] != "SEND_OK":
+            raise StorageError(f"dead letters of {group!r} resent but not durable "
+                               f"({sent['status']}); resend them again")
+        if phys_offsets is None:  # the copies are durable before the progress that passes them
+            self.store.make_durable()
             self.store.offsets.update({progress_key: msgs[-1].queue_offset + 1})
         return [make_msg_id(self.index, m.phys_offset) for m in msgs]
 
@@ -489,6 +494,26 @@ class BrokerShard:
                 self._latest_copy[origin] = m.queue_offset
                 if origin not in self._resolved:
                     self._pending_halves[origin] = m.queue_offset
+
+    def _cut_back_offsets(self) -> None:
+        """Consumer offsets and dead-letter resend progress past the end of their queue
+        (possible with data written before an offset was made to wait for what it passes,
+        then lost to a power loss) would skip the records written next: cut back to the
+        end.  The transaction progress is cut back the same way (``_progress``)."""
+        known = set(self.store.queues())
+        cut = {}
+        for key, value in self.store.offsets.snapshot().items():
+            parts = key.split("@")  # group@topic@queue, or dlq-resend@group@shard
+            if len(parts) != 3 or not parts[2].isdigit():
+                continue
+            topic = dlq_topic(parts[1]) if parts[0] == "dlq-resend" else parts[1]
+            queue = (topic, int(parts[2]))
+            if queue in known and value > self.store.max_queue_offset(*queue):
+                cut[key] = self.store.max_queue_offset(*queue)
+        if cut:
+            log.warning("shard-%d: offsets past the end of their queues cut back: %s",
+                        self.index, cut)
+            self.store.offsets.update(cut)
 
     def _progress(self, name: str, end: int) -> int:
         """A durable progress, no further than the end of its queue: one past it (written

@@ -308,8 +308,7 @@ class MessageStore:
             if self._closed:
                 raise StorageError(f"store {self.directory} is closed")
             if self._failed is not None:
-                raise StorageError(f"store {self.directory} stopped after a failed write "
-                                   f"({self._failed}); restart it to recover")
+                raise self._stopped()
             if producer_id and self._producers.is_duplicate(producer_id, sequence):
                 return self._duplicate(producer_id, sequence)
             store_ms = self.clock.now_ms()
@@ -322,25 +321,31 @@ class MessageStore:
                     positions.append(self._log.append(frame))
             except BaseException as err:
                 if positions:  # part of a put is on disk: stop; recovery cuts the partial put
-                    self._failed = err
-                    log.error("store %s: write failed after %d of %d frames of a put (%s); "
-                              "refusing further writes until restart", self.directory,
-                              len(positions), len(frames), err)
+                    self._fail(err, f"write failed after {len(positions)} of {len(frames)} "
+                                    "frames of a put")
                 raise
             phys_parts, size_parts = [], []
-            for (lo, hi, frame), pos in zip(frames, positions):
-                phys = frame.rel_offsets + pos
-                self._dispatch(batch, groups, lo, hi, phys, frame)
-                phys_parts.append(phys)
-                size_parts.append(frame.rec_lens)
-            end = self._log.max_offset
-            self._dispatched_end = end
-            if producer_id:
-                self._producers.record(
-                    producer_id, sequence,
-                    phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts),
-                    qoffs, size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts),
-                    end, store_ms)
+            try:
+                for (lo, hi, frame), pos in zip(frames, positions):
+                    phys = frame.rel_offsets + pos
+                    self._dispatch(batch, groups, lo, hi, phys, frame)
+                    phys_parts.append(phys)
+                    size_parts.append(frame.rec_lens)
+                end = self._log.max_offset
+                self._dispatched_end = end
+                if producer_id:
+                    self._producers.record(
+                        producer_id, sequence,
+                        phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts),
+                        qoffs,
+                        size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts),
+                        end, store_ms)
+            except BaseException as err:
+                # the put is in the log but only partly indexed (a full disk under a
+                # consume queue): queue counts and producer sequences no longer match the
+                # log, and a resend would be stored again.  Stop; a restart re-indexes.
+                self._fail(err, "indexing a put failed after its commit-log write")
+                raise
         phys_all = phys_parts[0] if len(phys_parts) == 1 else np.concatenate(phys_parts)
         sizes = size_parts[0] if len(size_parts) == 1 else np.concatenate(size_parts)
         result = PutResult(PutStatus.PUT_OK, phys_all, qoffs, sizes, end_offset=end)
@@ -503,11 +508,34 @@ class MessageStore:
         yield lo, n
 
     # -------------------------------------------------------------- flush
+    def _fail(self, err: BaseException, what: str) -> None:
+        """Stop accepting writes until a restart (which recovers from the log)."""
+        if self._failed is None:
+            self._failed = err
+            log.error("store %s: %s (%s); refusing further writes until restart",
+                      self.directory, what, err)
+
+    def _stopped(self) -> StorageError:
+        return StorageError(f"store {self.directory} stopped after a failed write "
+                            f"({self._failed}); restart it to recover")
+
+    def _sync_log(self) -> int:
+        """fsync the commit log.  A failed fsync stops the store: Linux may drop the pages
+        it could not write and report the next fsync as a success, so nothing written
+        since the last good one may be acknowledged any more."""
+        try:
+            return self._log.sync()
+        except OSError as err:
+            self._fail(err, "fsync of the commit log failed")
+            raise
+
     def _wait_flushed(self, target: int) -> bool:
         """Group commit: return once an fsync covers ``target`` (False on timeout)."""
         deadline = self.clock.monotonic_ms() + self.config.flush_timeout_ms
         with self._flush_cond:
             while self._log.flushed_offset < target:
+                if self._failed is not None:
+                    raise self._stopped()
                 if self._flushing:
                     remaining = deadline - self.clock.monotonic_ms()
                     if remaining <= 0:
@@ -519,7 +547,7 @@ class MessageStore:
             else:
                 return True
         try:
-            self._log.sync()
+            self._sync_log()
         finally:
             with self._flush_cond:
                 self._flushing = False
@@ -541,7 +569,7 @@ class MessageStore:
                 self._flush_cond.wait()
             self._flushing = True
         try:
-            return self._log.sync()
+            return self._sync_log()
         finally:
             with self._flush_cond:
                 self._flushing = False
@@ -552,7 +580,7 @@ class MessageStore:
         with self._write_lock:
             # fsync first, so that the producer snapshot covers only durable puts
             if self._log.flushed_offset < self._dispatched_end:
-                self._log.sync()
+                self._sync_log()
             end = self._dispatched_end
             self._producers.expire(self.clock.now_ms(), self.config.producer_expiry_ms)
             producers = self._producers.snapshot()

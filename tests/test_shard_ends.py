@@ -264,3 +264,47 @@ def test_a_committed_consumer_offset_is_never_durable_ahead_of_what_it_passes(tm
         assert sh.get_offsets("g", [("orders", 0)]) == {("orders", 0): 2}
     finally:
         sh.close()
+
+
+def test_dlq_resend_makes_its_copies_durable_before_its_progress(tmp_path):
+    from cluster.message import dlq_topic, retry_topic
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async"},
+                     background=False)
+    try:
+        sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
+        sent = sh.send(RecordBatch("orders", 0, [b"m0"]))
+        sh.send_back("g", sent["phys"][0], dead_letter=True)
+        sh.store.flush()
+        assert len(sh.dlq_resend("g")) == 1
+        assert sh.store._log.flushed_offset >= sh.store._log.max_offset  # before the progress
+        assert sh.store.offsets.get("dlq-resend@g@0") == 1
+        assert sh.dlq_resend("g") == []  # and nothing twice
+    finally:
+        sh.close()
+
+
+def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
+    from cluster.message import dlq_topic, retry_topic
+    cfg = {"data_dir": str(tmp_path), "num_shards": 1}
+    routes = [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)]
+    sh = BrokerShard(0, cfg, background=False)
+    sh.set_routes(routes)
+    sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1"]))
+    sh.send_back("g", sent["phys"][0], dead_letter=True)
+    sh.commit_offsets("g", {("orders", 0): 2})
+    # as a power loss could leave them before offsets waited for their data: past the ends
+    sh.store.offsets.update({"g@orders@0": 9, "dlq-resend@g@0": 7, "h@nowhere@0": 5})
+    sh.close()
+    sh = BrokerShard(0, cfg, background=False)
+    try:
+        sh.set_routes(routes)
+        assert sh.get_offsets("g", [("orders", 0)]) == {("orders", 0): 2}
+        assert sh.store.offsets.get("dlq-resend@g@0") == 1
+        assert sh.store.offsets.get("h@nowhere@0") == 5  # a queue this shard does not have
+        nxt = sh.send(RecordBatch("orders", 0, [b"m2"]))  # what comes next is not skipped
+        [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 2, 10)])
+        assert [m.body for m in batch.messages()] == [b"m2"] and nxt["queue_offsets"] == [2]
+        sh.send_back("g", nxt["phys"][0], dead_letter=True)
+        assert len(sh.dlq_resend("g")) == 1
+    finally:
+        sh.close()

@@ -501,3 +501,57 @@ def test_wait_durable_gives_a_duplicate_the_status_of_its_first_copy(tmp_path):
         first = store.put(RecordBatch("t", 0, [b"x"]), producer_id=5, sequence=1)
         again = store.put(RecordBatch("t", 0, [b"x"]), producer_id=5, sequence=1, wait=False)
         assert again.duplicate and store.wait_durable(again) is first.status is PutStatus.PUT_OK
+
+
+def test_a_put_indexed_only_in_part_stops_the_store_and_a_restart_stores_it_once(
+        tmp_path, monkeypatch):
+    import errno
+
+    from storage import consumequeue
+    from storage.errors import StorageError
+    store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
+    records = [Record("A", 0, b"a1"), Record("B", 0, b"b1")]
+    append = consumequeue.ConsumeQueue.append
+
+    def disk_full_under_b(cq, entries, last_phys):
+        if cq.topic == "B":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return append(cq, entries, last_phys)
+    monkeypatch.setattr(consumequeue.ConsumeQueue, "append", disk_full_under_b)
+    with pytest.raises(OSError, match="No space"):
+        store.put(records, producer_id=7, sequence=1)  # in the log, indexed under A only
+    monkeypatch.setattr(consumequeue.ConsumeQueue, "append", append)
+    with pytest.raises(StorageError, match="restart"):  # the resend is not stored again
+        store.put(records, producer_id=7, sequence=1)
+    store.close()
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False) as store:
+        again = store.put(records, producer_id=7, sequence=1)
+        from storage.store import PutStatus
+        assert again.duplicate and again.status is PutStatus.PUT_OK
+        assert [m.body for m in store.read_queue("A", 0, 0, 10)] == [b"a1"]
+        assert [m.body for m in store.read_queue("B", 0, 0, 10)] == [b"b1"]
+
+
+def test_a_failed_fsync_stops_the_store_instead_of_acknowledging_a_resend(tmp_path, monkeypatch):
+    import errno
+
+    from storage import commitlog
+    from storage.errors import StorageError
+    store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
+    store.put([Record("T", 0, b"first")])
+    log_fd, real_fsync, failed = store._log._segments[-1].fd, os.fsync, []
+
+    def fsync_fails_once(fd):
+        if fd == log_fd and not failed:  # Linux may now drop the unwritten pages and
+            failed.append(fd)            # report success next time
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+    monkeypatch.setattr(commitlog.os, "fsync", fsync_fails_once)
+    with pytest.raises(OSError, match="Input/output"):
+        store.put([Record("T", 0, b"x")], producer_id=9, sequence=1)
+    with pytest.raises(StorageError, match="restart"):  # not acknowledged by the next fsync
+        store.put([Record("T", 0, b"x")], producer_id=9, sequence=1)
+    with pytest.raises(StorageError, match="restart"):
+        store.put([Record("T", 0, b"y")], producer_id=9, sequence=2)
+    monkeypatch.setattr(commitlog.os, "fsync", real_fsync)
+    store.close()
