@@ -363,16 +363,18 @@ class MessageStore:
 
     def _duplicate(self, producer_id: int, sequence: int) -> PutResult:
         cached = self._producers.cached(producer_id, sequence)
-        if cached is None:
-            return PutResult(PutStatus.PUT_OK, [], [], [], duplicate=True)
-        end = cached.end_offset
+        # no longer remembered (later puts pushed it out): it lies somewhere before the end
+        end = self._log.max_offset if cached is None else cached.end_offset
         self._write_lock.release()  # the original put may still be waiting for its fsync
         try:
             ok = self.config.flush_mode != "sync" or self._wait_flushed(end)
         finally:
             self._write_lock.acquire()
-        return PutResult(PutStatus.PUT_OK if ok else PutStatus.FLUSH_DISK_TIMEOUT,
-                         cached.phys, cached.queue_offsets, cached.sizes, duplicate=True)
+        status = PutStatus.PUT_OK if ok else PutStatus.FLUSH_DISK_TIMEOUT
+        if cached is None:
+            return PutResult(status, [], [], [], duplicate=True)
+        return PutResult(status, cached.phys, cached.queue_offsets, cached.sizes,
+                         duplicate=True)
 
     def last_sequence(self, producer_id: int) -> int:
         """The last put sequence stored for a producer (0: none)."""

@@ -555,3 +555,14 @@ def test_a_failed_fsync_stops_the_store_instead_of_acknowledging_a_resend(tmp_pa
         store.put([Record("T", 0, b"y")], producer_id=9, sequence=2)
     monkeypatch.setattr(commitlog.os, "fsync", real_fsync)
     store.close()
+
+
+def test_a_resend_no_longer_remembered_is_acknowledged_only_once_durable(tmp_path):
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False) as store:
+        first = store.put([Record("T", 0, b"x0")], producer_id=9, sequence=1, wait=False)
+        for seq in range(2, 20):  # later puts push the first out of the producer's results
+            store.put([Record("T", 0, b"x%d" % seq)], producer_id=9, sequence=seq, wait=False)
+        assert store._log.flushed_offset < first.end_offset  # nothing flushed yet
+        again = store.put([Record("T", 0, b"x0")], producer_id=9, sequence=1)
+        assert again.duplicate and again.phys_offsets == []  # offsets forgotten ...
+        assert store._log.flushed_offset >= first.end_offset  # ... but durable before the ack
