@@ -175,6 +175,15 @@ def test_every_send_path_observes_its_put_latency(tmp_path):
         sh.close()
 
 
+def unflushed_shard(tmp_path, routes, clock=None, **config) -> BrokerShard:
+    """A shard whose puts stay unflushed until someone flushes (async flush, no background
+    flush): what is durable when can be checked."""
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async",
+                         **config}, clock=clock, background=False)
+    sh.set_routes(routes)
+    return sh
+
+
 def one_half(start: int) -> RecordBatch:
     return RecordBatch("orders", 0, [f"body-{start}".encode()],
                        properties=[{Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g",
@@ -209,11 +218,8 @@ def test_a_resend_after_the_half_was_rolled_back_and_forgotten_does_not_revive_i
 def test_check_progress_is_never_durable_ahead_of_the_resolutions_it_passes(tmp_path):
     from storage.clock import ManualClock
     clock = ManualClock()
-    # async flush and no background flush: a put stays unflushed until someone flushes
-    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async",
-                         "txn_timeout_ms": 1000}, clock=clock, background=False)
+    sh = unflushed_shard(tmp_path, [("orders", 0)], clock=clock, txn_timeout_ms=1000)
     try:
-        sh.set_routes([("orders", 0)])
         half = sh.send(one_half(0), 77, 1)["phys"][0]
         sh.send(one_half(1), 77, 2, [("g", "tx0", [half], "COMMIT_MESSAGE")])
         written = sh.store._log.max_offset
@@ -249,11 +255,8 @@ def test_a_progress_past_the_end_of_its_queue_is_cut_back_on_start(tmp_path):
 
 
 def test_a_committed_consumer_offset_is_never_durable_ahead_of_what_it_passes(tmp_path):
-    # async flush, no background flush: what is put stays unflushed until someone flushes
-    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async"},
-                     background=False)
+    sh = unflushed_shard(tmp_path, [("orders", 0)])
     try:
-        sh.set_routes([("orders", 0)])
         sh.send(RecordBatch("orders", 0, [b"a", b"b"]))
         written = sh.store._log.max_offset
         assert sh.store._log.flushed_offset < written
@@ -268,10 +271,8 @@ def test_a_committed_consumer_offset_is_never_durable_ahead_of_what_it_passes(tm
 
 def test_dlq_resend_makes_its_copies_durable_before_its_progress(tmp_path):
     from cluster.message import dlq_topic, retry_topic
-    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "flush_mode": "async"},
-                     background=False)
+    sh = unflushed_shard(tmp_path, [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
     try:
-        sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
         sent = sh.send(RecordBatch("orders", 0, [b"m0"]))
         sh.send_back("g", sent["phys"][0], dead_letter=True)
         sh.store.flush()
