@@ -41,6 +41,7 @@ class Group:
     members: dict[str, Member] = field(default_factory=dict)
     owners: dict[tuple[str, int], str] = field(default_factory=dict)
     generation: int = 0
+    announced: set[tuple[str, int]] = field(default_factory=set)  # held by someone since start
 
 
 def allocate(queues: list[tuple[str, int]], members: list[str]) -> dict[str, list[tuple[str, int]]]:
@@ -58,9 +59,15 @@ def allocate(queues: list[tuple[str, int]], members: list[str]) -> dict[str, lis
 
 
 class Controller:
-    def __init__(self, config: dict | ClusterConfig, *, clock: Clock | None = None):
+    def __init__(self, config: dict | ClusterConfig, *, clock: Clock | None = None,
+                 restarted: bool = False):
+        """``restarted``: this controller replaces one that died.  Group membership was
+        soft state and is gone, so for a session timeout a queue nobody re-announces is not
+        handed out: its holder may not have heartbeated yet."""
         self.config = config if isinstance(config, ClusterConfig) else ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
+        self._grace_until = self.clock.now_ms() + self.config.session_timeout_ms \
+            if restarted else 0
         self.directory = os.path.join(self.config.resolved_data_dir(), "controller")
         os.makedirs(self.directory, exist_ok=True)
         self._path = os.path.join(self.directory, "meta.json")
@@ -180,11 +187,17 @@ class Controller:
                 g.owners.setdefault(q, member_id)
             desired = self._desired(group, g)
             mine = set(desired.get(member_id, []))
-            for q in mine:
-                if g.owners.get(q) in (None, member_id):
+            settling = now < self._grace_until
+            if settling:
+                g.announced |= held_set
+            for q in mine:  # while settling, a queue nobody announced may have a silent holder
+                if g.owners.get(q) == member_id or (
+                        q not in g.owners and (not settling or q in g.announced)):
                     g.owners[q] = member_id
             granted = sorted(q for q, o in g.owners.items() if o == member_id and q in mine)
-            release = sorted(q for q in held_set if q not in mine)
+            # whatever it holds and does not own goes: moved to another member, or owned
+            # by another already (a controller restart, a heartbeat after its expiry)
+            release = sorted(q for q in held_set if q not in granted)
             return {"granted": granted, "release": release, "generation": g.generation,
                     "members": sorted(g.members)}
 

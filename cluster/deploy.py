@@ -111,6 +111,10 @@ class CheckerActor(CheckerWorker):
 
 
 class ControllerActor(Controller):
+    def __init__(self, config, **kwargs):
+        super().__init__(config, restarted=ray.get_runtime_context()
+                         .was_current_actor_reconstructed, **kwargs)
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
