@@ -295,8 +295,10 @@ class Consumer:
                     self._buffer.append(((topic, qid), messages_ext(shard, batch)))
                     self._buffered += len(batch)
                 self.metrics.inc("messages_consumed", len(batch))
-                if not len(batch):
-                    q.position = max(q.position, next_offset) if q.position == q.fetch else q.position
+                if not len(batch) and q.position == q.fetch:
+                    # past filtered entries, or back to the end from an offset past it (a
+                    # seek, or a shard that lost its tail): the position follows either way
+                    q.position = next_offset
                 q.fetch = next_offset
 
     # --------------------------------------------------------------- commit

@@ -403,3 +403,25 @@ def test_consumer_cut_off_from_the_controller_gives_up_its_queues_without_commit
     b.close()
     p.close()
     ray.kill(unreachable)
+
+
+def test_a_position_past_the_end_comes_back_and_commits_nothing_skipped(mq, name):
+    from cluster import Message
+    mq.create_topic(name, queues=1)
+    p = mq.producer("p")
+    p.send_batch([Message(name, f"{i}".encode()) for i in range(5)])
+    c = mq.consumer(f"g{name}", [name])
+    wait_for(lambda: (name, 0) in c.assignment(), what="the queue assigned")
+    c.seek(name, 0, 50)  # past the end: the shard answers with the end (5)
+    assert c.poll(10, 0.5) == []
+    p.send_batch([Message(name, f"{i}".encode()) for i in range(5, 100)])
+    got, deadline = [], time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        got = c.poll(10, 5.0)  # fewer than the 45 between the end and the seek
+    assert [m.source_offset for m in got] == list(range(5, 5 + len(got)))
+    c.commit()
+    shard = mq.routes_for({name})[name][0]
+    committed = mq.transport.call(shard, "get_offsets", f"g{name}", [(name, 0)], timeout_s=30)
+    assert committed[(name, 0)] == 5 + len(got)  # not the 50 it was moved to
+    c.close()
+    p.close()
