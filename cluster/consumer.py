@@ -128,7 +128,7 @@ class Consumer:
         for shard, qs in by_shard.items():
             offsets = self._mq.transport.call(shard, "get_offsets", self.group, qs,
                                               timeout_s=30)
-            ends = None
+            ends, starts = None, {}
             for q in qs:
                 off = offsets[q]
                 if off < 0 and self.start_from == "latest" and not q[0].startswith("%"):
@@ -136,10 +136,14 @@ class Consumer:
                         ends = self._mq.transport.call(shard, "pull",
                                                        [(t, i, 0, 0) for t, i in qs], 0,
                                                        timeout_s=30)
-                    off = next(e[4] for e in ends if (e[0], e[1]) == q)
+                    off = starts[q] = next(e[4] for e in ends if (e[0], e[1]) == q)
                 off = max(off, 0)
                 with self._lock:
                     self._queues[q] = _Queue(shard, off, off, off)
+            if starts:  # the group's start is recorded at once: whoever owns the queue next
+                # goes on from here, not from a later end (what came between would be lost)
+                self._mq.transport.call(shard, "commit_offsets", self.group, starts,
+                                        timeout_s=30)
             log.info("consumer %s of %s: took %s", self.member_id, self.group, qs)
 
     def _release(self, queues: list[tuple[str, int]]) -> None:

@@ -425,3 +425,20 @@ def test_a_position_past_the_end_comes_back_and_commits_nothing_skipped(mq, name
     assert committed[(name, 0)] == 5 + len(got)  # not the 50 it was moved to
     c.close()
     p.close()
+
+
+def test_latest_start_is_kept_for_the_next_owner_of_the_queue(mq, name):
+    from cluster import Message
+    mq.create_topic(name, queues=1)
+    group = f"g{name}"
+    p = mq.producer("p")
+    p.send_batch([Message(name, b"old") for _ in range(5)])  # before the group existed
+    a = mq.consumer(group, [name], start_from="latest")
+    wait_for(lambda: (name, 0) in a.assignment(), what="the queue assigned")
+    p.send_batch([Message(name, f"new-{i}".encode()) for i in range(3)])
+    a.close()  # left without polling: nothing of its own to commit
+    b = mq.consumer(group, [name], start_from="latest")
+    got = drain(b, 3, timeout_s=20)
+    assert [m.body for m in got] == [b"new-0", b"new-1", b"new-2"]  # from a's start on
+    b.close()
+    p.close()
