@@ -78,6 +78,7 @@ class Consumer:
         self.generation = 0
         self._lease_from = time.monotonic()  # when the last heartbeat that got through was sent
         self._processing: dict[tuple[str, int], int] = {}  # queue -> first offset in a handler
+        self._handled = threading.Condition(self._lock)  # a run() batch is done
         from cluster.metrics import RayMetrics
         self.metrics = RayMetrics(client="consumer", group=group)
         self.heartbeat()  # own queues before the first poll
@@ -147,6 +148,12 @@ class Consumer:
             log.info("consumer %s of %s: took %s", self.member_id, self.group, qs)
 
     def _release(self, queues: list[tuple[str, int]]) -> None:
+        # a batch in run()'s handlers finishes first: its queue's next owner must not start
+        # while this one still works on it (ordered mode), and it commits what was handled.
+        # Bounded: past half a session the lease is at risk, and the release goes on.
+        with self._handled:
+            self._handled.wait_for(lambda: not any(q in self._processing for q in queues),
+                                   self.config.session_timeout_ms / 2000)
         self._commit_queues(queues)
         with self._lock:
             for q in queues:
@@ -401,6 +408,7 @@ class Consumer:
                             self.nack(m, reason)
                 with self._lock:
                     self._processing.clear()
+                    self._handled.notify_all()
                 self.commit()
         finally:
             pool.shutdown(wait=True)

@@ -352,6 +352,43 @@ def test_ordered_mode_handles_each_queue_in_order_and_retries_in_place(mq, name)
     p.close()
 
 
+def test_ordered_queue_moves_only_after_its_old_owner_finished_its_batch(mq, name):
+    mq.create_topic(name, queues=2)
+    group = f"g{name}"
+    p = mq.producer("p")
+    p.send_batch([Message(name, f"{k}:{i}".encode(), key=f"key{k}")
+                  for i in range(12) for k in range(4)])
+    lock, clock, events = threading.Lock(), [0], []  # (queue, offset, started, ended)
+
+    def handler(m):
+        with lock:
+            clock[0] += 1
+            started = clock[0]
+        time.sleep(0.02)  # a handler's work
+        with lock:
+            clock[0] += 1
+            events.append((m.source_queue, m.source_offset, started, clock[0]))
+    a = mq.consumer(group, [name], ordered=True)
+    ta = threading.Thread(target=a.run, args=(handler,), kwargs={"idle_s": 0.2, "batch": 8})
+    ta.start()
+    wait_for(lambda: len(events) >= 3, what="the first consumer at work")
+    b = mq.consumer(group, [name], ordered=True)  # one of the two queues moves to it
+    tb = threading.Thread(target=b.run, args=(handler,), kwargs={"idle_s": 0.2, "batch": 8})
+    tb.start()
+    wait_for(lambda: len({(q, o) for q, o, _s, _e in events}) >= 48, what="all handled")
+    for c, t in ((a, ta), (b, tb)):
+        c.stop()
+        t.join()
+    for queue in (0, 1):
+        mine = sorted((s, e, o) for q, o, s, e in events if q == queue)
+        for (_s1, end1, o1), (start2, _e2, o2) in zip(mine, mine[1:]):
+            assert start2 > end1, f"queue {queue}: offset {o2} began before {o1} was done"
+            assert o2 >= o1, f"queue {queue}: offset {o2} after {o1}"
+    a.close()
+    b.close()
+    p.close()
+
+
 class _Unreachable:
     """A controller this consumer cannot reach (a network partition, as it sees it)."""
 
