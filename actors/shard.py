@@ -175,9 +175,14 @@ class BrokerShard:
         self._wake_pullers()
         self.metrics.inc("messages_in", n)
         self.metrics.inc("bytes_in", float(res.size_array[:n].sum()))
+        queue_offsets = res.queue_offset_array[:n].tolist()
+        if batch.properties is not None and SCHEDULE_TOPIC in batch.column("topics"):
+            # a delayed message gets its queue offset when it is delivered: unknown yet
+            queue_offsets = [-1 if t == SCHEDULE_TOPIC else o
+                             for t, o in zip(batch.column("topics"), queue_offsets)]
         return {"status": "SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
                 "phys": res.phys_array[:n].tolist(),
-                "queue_offsets": res.queue_offset_array[:n].tolist(),
+                "queue_offsets": queue_offsets,
                 "duplicate": res.duplicate}
 
     def _redirect_delayed(self, batch: RecordBatch) -> RecordBatch:
@@ -452,7 +457,8 @@ class BrokerShard:
                     next_wait = min(next_wait, int(entries["tag"][0] - now))
                     break
                 msgs = self.store.messages_at(entries[:due]).messages()
-                self.store.put(_restore_real(msgs), producer_id=SCHEDULER_PID_BASE + level,
+                self.store.put(_restore_real(self.index, msgs),
+                               producer_id=SCHEDULER_PID_BASE + level,
                                sequence=start + due)
                 late = int(now - entries["tag"][:due].min())
                 self.max_lateness_ms = max(self.max_lateness_ms, late)
@@ -909,18 +915,21 @@ class BrokerShard:
         self.store.close()
 
 
-def _restore_real(msgs: list[StoredMessage]) -> RecordBatch:
+def _restore_real(shard: int, msgs: list[StoredMessage]) -> RecordBatch:
+    """The due delayed messages as consumers get them: real topic and queue back, and the id
+    the producer was given (its scheduled copy's, unless it carries an older one)."""
     props = []
     for m in msgs:
         p = dict(m.properties)
         for k in (Prop.DELAY, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS):
             p.pop(k, None)
-        props.append(p or None)
+        p.setdefault(Prop.ORIGIN_MSG_ID, make_msg_id(shard, m.phys_offset))
+        props.append(p)
     return RecordBatch([m.properties[Prop.REAL_TOPIC] for m in msgs],
                        [int(m.properties[Prop.REAL_QID]) for m in msgs],
                        [m.body for m in msgs], keys=[m.key for m in msgs],
                        tags=[m.tags for m in msgs],
-                       properties=props if any(props) else None,
+                       properties=props,
                        flags=[int(m.properties.get(Prop.REAL_FLAGS, 0)) for m in msgs],
                        born_ms=[m.born_ms for m in msgs],
                        reconsume=[m.reconsume_count for m in msgs],

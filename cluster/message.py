@@ -135,6 +135,10 @@ class Message:
             if isinstance(self.deliver_at_ms, bool) or not isinstance(self.deliver_at_ms, int) \
                     or self.deliver_at_ms < 0:
                 raise InvalidMessageError("deliver_at_ms must be epoch milliseconds (int)")
+            # refused here, not by the shard: there it would fail every send sharing the
+            # request with this one
+            raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level "
+                                      "(arbitrary deliver-at times come with the timer issue)")
 
 
 _ATTRS = ("topic", "body", "key", "tags", "properties", "delay_level", "deliver_at_ms")

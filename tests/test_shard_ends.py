@@ -309,3 +309,31 @@ def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
         assert len(sh.dlq_resend("g")) == 1
     finally:
         sh.close()
+
+
+def test_a_delayed_message_keeps_the_id_its_producer_was_given(tmp_path):
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
+                     background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        sent = sh.send(RecordBatch("orders", 0, [b"now", b"later"],
+                                   properties=[None, {Prop.DELAY: "1"}]), 77, 1)
+        assert sent["queue_offsets"] == [0, -1]  # the delayed one's offset comes on delivery
+        clock.advance(60_000)
+        sh.deliver_due()
+        [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 0, 10)])
+        got = batch.messages()
+        assert [m.body for m in got] == [b"now", b"later"]
+        assert got[1].properties[Prop.ORIGIN_MSG_ID] == make_msg_id(0, sent["phys"][1])
+        assert Prop.DELAY not in got[1].properties
+    finally:
+        sh.close()
+
+
+def test_deliver_at_is_refused_by_the_client_before_it_can_fail_a_shared_request():
+    from cluster.message import Message
+    from storage.errors import InvalidMessageError
+    with pytest.raises(InvalidMessageError, match="not supported yet"):
+        Message("orders", b"x", deliver_at_ms=1_700_000_000_000).validate(1024, 18)
