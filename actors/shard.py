@@ -176,10 +176,11 @@ class BrokerShard:
         self.metrics.inc("messages_in", n)
         self.metrics.inc("bytes_in", float(res.size_array[:n].sum()))
         queue_offsets = res.queue_offset_array[:n].tolist()
-        if batch.properties is not None and SCHEDULE_TOPIC in batch.column("topics"):
-            # a delayed message gets its queue offset when it is delivered: unknown yet
-            queue_offsets = [-1 if t == SCHEDULE_TOPIC else o
-                             for t, o in zip(batch.column("topics"), queue_offsets)]
+        if batch.properties is not None:  # only then can a record have been delayed
+            topics = batch.column("topics")
+            if SCHEDULE_TOPIC in topics:  # its queue offset comes when it is delivered
+                queue_offsets = [-1 if t == SCHEDULE_TOPIC else o
+                                 for t, o in zip(topics, queue_offsets)]
         return {"status": "SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
                 "phys": res.phys_array[:n].tolist(),
                 "queue_offsets": queue_offsets,
@@ -309,11 +310,7 @@ class BrokerShard:
                     f"the queue holds offsets 0..{end}")
             values[offset_key(group, topic, qid)] = off
         if values:
-            # a consumer may have read records not flushed yet: they are made durable before
-            # the offset that passes them, or a power loss could keep the offset and lose
-            # them, and the records written next would be skipped
-            self.store.make_durable()
-            self.store.offsets.update(values)
+            self.store.save_offsets(values)
 
     def get_offsets(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Committed offsets (-1: none yet)."""
@@ -410,9 +407,8 @@ class BrokerShard:
         if sent["status"] != "SEND_OK":
             raise StorageError(f"dead letters of {group!r} resent but not durable "
                                f"({sent['status']}); resend them again")
-        if phys_offsets is None:  # the copies are durable before the progress that passes them
-            self.store.make_durable()
-            self.store.offsets.update({progress_key: msgs[-1].queue_offset + 1})
+        if phys_offsets is None:
+            self.store.save_offsets({progress_key: msgs[-1].queue_offset + 1})
         return [make_msg_id(self.index, m.phys_offset) for m in msgs]
 
     # -------------------------------------------------------------- query
@@ -486,14 +482,14 @@ class BrokerShard:
 
     def _load_transactions(self) -> None:
         """Rebuild the resolution index: ops from the op progress, halves from the half progress."""
+        op_start = max(0, self.store.offsets.get(self._OP_PROGRESS, 0))
         end = self.store.max_queue_offset(OP_TOPIC, 0)
-        op_start = self._progress(self._OP_PROGRESS, end)
         for off in range(op_start, end, 1000):
             for m in self.store.read_queue(OP_TOPIC, 0, off, 1000):
                 for origin, state in _op_entries(m.properties):
                     self._resolved[origin] = state
+        half_start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
         end = self.store.max_queue_offset(HALF_TOPIC, 0)
-        half_start = self._progress(self._HALF_PROGRESS, end)
         for off in range(half_start, end, 1000):
             for m in self.store.read_queue(HALF_TOPIC, 0, off, 1000):
                 origin = int(m.properties.get(Prop.ORIGIN_HALF, m.phys_offset))
@@ -502,35 +498,31 @@ class BrokerShard:
                     self._pending_halves[origin] = m.queue_offset
 
     def _cut_back_offsets(self) -> None:
-        """Consumer offsets and dead-letter resend progress past the end of their queue
-        (possible with data written before an offset was made to wait for what it passes,
-        then lost to a power loss) would skip the records written next: cut back to the
-        end.  The transaction progress is cut back the same way (``_progress``)."""
+        """Offsets past the end of their queue would skip the records written next: cut
+        back to the end.  (Possible with data written before offsets waited for what they
+        pass, then lost to a power loss.)  Consumer offsets and dead-letter progress of a
+        queue this shard does not have are left alone; its own transaction progress is
+        always checked."""
+        own = {self._HALF_PROGRESS: (HALF_TOPIC, 0), self._OP_PROGRESS: (OP_TOPIC, 0)}
         known = set(self.store.queues())
         cut = {}
         for key, value in self.store.offsets.snapshot().items():
-            parts = key.split("@")  # group@topic@queue, or dlq-resend@group@shard
-            if len(parts) != 3 or not parts[2].isdigit():
-                continue
-            topic = dlq_topic(parts[1]) if parts[0] == "dlq-resend" else parts[1]
-            queue = (topic, int(parts[2]))
-            if queue in known and value > self.store.max_queue_offset(*queue):
-                cut[key] = self.store.max_queue_offset(*queue)
+            queue = own.get(key)
+            if queue is None:
+                parts = key.split("@")  # group@topic@queue, or dlq-resend@group@shard
+                if len(parts) != 3 or not parts[2].isdigit():
+                    continue
+                topic = dlq_topic(parts[1]) if parts[0] == "dlq-resend" else parts[1]
+                queue = (topic, int(parts[2]))
+                if queue not in known:
+                    continue
+            end = self.store.max_queue_offset(*queue)
+            if value > end:
+                cut[key] = end
         if cut:
             log.warning("shard-%d: offsets past the end of their queues cut back: %s",
                         self.index, cut)
             self.store.offsets.update(cut)
-
-    def _progress(self, name: str, end: int) -> int:
-        """A durable progress, no further than the end of its queue: one past it (written
-        before this shard flushed its resolutions first) would skip what comes next."""
-        at = max(0, self.store.offsets.get(name, 0))
-        if at > end:
-            log.warning("shard-%d: %s %d is past the end of its queue (%d); using the end",
-                        self.index, name, at, end)
-            self.store.offsets.update({name: end})
-            at = end
-        return at
 
     def _note_new_halves(self, batch: RecordBatch, res) -> None:
         """Track the halves just stored; keep what their end needs, so it reads nothing.
@@ -793,11 +785,9 @@ class BrokerShard:
             # groups stay "waiting" until a producer of theirs is live again
             self._waiting_groups = (self._waiting_groups - set(live_groups)) | plan.waiting_groups
             # the progress may pass halves resolved by puts not flushed yet (ends are
-            # resolved when written, before their fsync): make those durable first, or a
-            # power loss could keep the progress and lose the resolutions behind it
-            self.store.make_durable()
+            # resolved when written, before their fsync): save_offsets makes them durable
             if progress != start:
-                self.store.offsets.update({self._HALF_PROGRESS: progress})
+                self.store.save_offsets({self._HALF_PROGRESS: progress})
             self._advance_op_progress(progress)
         if plan.waiting_groups:
             self.metrics.set("halves_waiting_for_producer", float(sum(
@@ -858,7 +848,7 @@ class BrokerShard:
         n = op_progress([_op_origin(m.properties, self._resolved, blocked) for m in ops],
                         min_live)
         if n:
-            self.store.offsets.update({self._OP_PROGRESS: start + n})
+            self.store.save_offsets({self._OP_PROGRESS: start + n})
         # forget what can no longer come up (expired halves stay: operators resolve them)
         for origin in [o for o, st in self._resolved.items() if st is not HalfState.EXPIRED
                        and o not in self._latest_copy

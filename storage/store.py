@@ -556,6 +556,16 @@ class MessageStore:
                 self._flush_cond.notify_all()
         return self._log.flushed_offset >= target and self.clock.monotonic_ms() <= deadline
 
+    def save_offsets(self, values: dict[str, int]) -> None:
+        """Save offsets that pass records (consumer positions, progress through a queue).
+
+        What they pass is made durable first: a reader may have seen records not
+        flushed yet, and a power loss must not keep an offset and lose what it
+        passed (the records written next would be skipped).
+        """
+        self.make_durable()
+        self.offsets.update(values)
+
     def make_durable(self) -> None:
         """Return once everything written so far is durable (group commit; nothing to do
         when it already is, as after every put in sync mode)."""
