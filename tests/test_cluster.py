@@ -443,7 +443,6 @@ def test_consumer_cut_off_from_the_controller_gives_up_its_queues_without_commit
 
 
 def test_a_position_past_the_end_comes_back_and_commits_nothing_skipped(mq, name):
-    from cluster import Message
     mq.create_topic(name, queues=1)
     p = mq.producer("p")
     p.send_batch([Message(name, f"{i}".encode()) for i in range(5)])
@@ -465,7 +464,6 @@ def test_a_position_past_the_end_comes_back_and_commits_nothing_skipped(mq, name
 
 
 def test_latest_start_is_kept_for_the_next_owner_of_the_queue(mq, name):
-    from cluster import Message
     mq.create_topic(name, queues=1)
     group = f"g{name}"
     p = mq.producer("p")
