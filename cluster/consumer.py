@@ -150,15 +150,17 @@ class Consumer:
     def _release(self, queues: list[tuple[str, int]]) -> None:
         # a batch in run()'s handlers finishes first: its queue's next owner must not start
         # while this one still works on it (ordered mode), and it commits what was handled.
-        # Bounded: past half a session the lease is at risk, and the release goes on.
+        # Bounded: past half a session the lease is at risk, and the release goes on.  The
+        # queues go in the same step, so run() takes nothing more of them meanwhile (a
+        # failed commit then means redelivery, never loss).
         with self._handled:
             self._handled.wait_for(lambda: not any(q in self._processing for q in queues),
                                    self.config.session_timeout_ms / 2000)
-        self._commit_queues(queues)
-        with self._lock:
+            points = {} if self._fence_if_lease_lost() else self._commit_points(queues)
             for q in queues:
                 self._queues.pop(q, None)
             self._drop_buffered(set(queues))
+        self._send_commits(points)
         log.info("consumer %s of %s: released %s", self.member_id, self.group, queues)
 
     def _fence_if_lease_lost(self) -> bool:
@@ -205,6 +207,11 @@ class Consumer:
         Pulls run ahead of the application (prefetch): while the buffer runs
         low, the next pulls are already on their way.
         """
+        return self._poll(max_messages, timeout_s, handling=False)
+
+    def _poll(self, max_messages: int, timeout_s: float, *, handling: bool) -> list[MessageExt]:
+        """``poll``; with ``handling`` (``run``) the messages taken are marked as in a
+        handler in the same step, so that no release can pass them in between."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._fence_if_lease_lost()
@@ -221,6 +228,10 @@ class Consumer:
                         q = self._queues.get(key)
                         if q is not None:  # a chunk is in offset order: its last is the newest
                             q.position = max(q.position, chunk[-1].source_offset + 1)
+                            if handling:
+                                self._processing[key] = min(
+                                    self._processing.get(key, chunk[0].source_offset),
+                                    chunk[0].source_offset)
                     self._buffered -= len(out)
                     low = self._buffered < self.config.pull_batch_messages
                 else:
@@ -327,6 +338,10 @@ class Consumer:
     def _commit_queues(self, queues, *, wait: bool = True) -> None:
         if self._fence_if_lease_lost():
             return  # the queues may be another member's now: never commit for them
+        self._send_commits(self._commit_points(queues), wait=wait)
+
+    def _commit_points(self, queues) -> dict[int, dict]:
+        """What to commit for these queues, by shard: {shard: {queue: offset}}."""
         by_shard = defaultdict(dict)
         with self._lock:
             for key in queues:
@@ -337,6 +352,9 @@ class Consumer:
                 upto = min(q.position, self._processing.get(key, q.position))
                 if upto != q.committed:
                     by_shard[q.shard][key] = upto
+        return by_shard
+
+    def _send_commits(self, by_shard: dict[int, dict], *, wait: bool = True) -> None:
         for shard, offsets in by_shard.items():
             if wait:
                 self._mq.transport.call(shard, "commit_offsets", self.group, offsets,
@@ -388,14 +406,9 @@ class Consumer:
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raymq-handler")
         try:
             while not self._stop.is_set():
-                msgs = self.poll(batch, idle_s)
+                msgs = self._poll(batch, idle_s, handling=True)
                 if not msgs:
                     continue
-                with self._lock:
-                    for m in msgs:
-                        key = (m.source_topic, m.source_queue)
-                        self._processing[key] = min(self._processing.get(key, m.source_offset),
-                                                    m.source_offset)
                 if self.ordered:
                     by_queue = defaultdict(list)
                     for m in msgs:

@@ -13,7 +13,7 @@ import ray
 
 from cluster import LocalTransactionState as S
 from cluster import Message, TransactionListener, rpc
-from storage.errors import InvalidMessageError
+from storage.errors import InvalidMessageError, RayMQError
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ray
@@ -362,7 +362,6 @@ def test_shards_killed_under_concurrent_transactions_commit_once_abort_never(mq,
 
 @pytest.mark.slow
 def test_close_finishes_the_async_transactions_in_flight(mq, name):
-    from storage.errors import RayMQError
     mq.create_topic(name, queues=2)
     group = f"p{name}"
     tp = mq.transaction_producer(group, Listener())
