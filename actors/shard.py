@@ -18,6 +18,7 @@ Idempotence of methods (what a retried Ray call may do):
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -42,6 +43,8 @@ log = logging.getLogger("raymq.shard")
 
 #: Producer ids of the shard's own writers (clients draw theirs below 2**62).
 SCHEDULER_PID_BASE = INTERNAL_PRODUCER_BASE
+#: Dead-letter resends: this plus a 56-bit hash of the group (``_dlq_resend_pid``).
+DLQ_RESEND_PID_BASE = INTERNAL_PRODUCER_BASE + (1 << 61)
 
 
 class NullMetrics:
@@ -379,15 +382,25 @@ class BrokerShard:
     def dlq_resend(self, group: str, phys_offsets: list[int] | None = None) -> list[str]:
         """Send dead letters back to the group's retry topic, reconsume count reset.
 
-        Without ``phys_offsets``: every dead letter not resent before (progress
-        is durable).  Returns the ids of the resent dead letters.
+        Without ``phys_offsets``: every dead letter not resent before, exactly
+        once.  The copies are written as an idempotent producer of the shard's
+        own (one per group) whose sequence is the dead-letter queue offset they
+        reach, so the progress is stored with the copies themselves: a resend
+        cut short after its copies and before its progress (a crash) is
+        neither lost nor, when run again, written twice.  Returns the ids of
+        the resent dead letters.  With ``phys_offsets`` (an operator's pick)
+        each call resends them again.
         """
         topic = dlq_topic(group)
         progress_key = f"dlq-resend@{group}@{self.index}"
+        pid, sequence = 0, 0
         if phys_offsets is None:
+            pid = _dlq_resend_pid(group)
             end = self.store.max_queue_offset(topic, self.index)
-            start = min(max(0, self.store.offsets.get(progress_key, 0)), end)
+            done = max(self.store.offsets.get(progress_key, 0), self.store.last_sequence(pid))
+            start = min(max(0, done), end)
             msgs = self.store.read_queue(topic, self.index, start, end - start)
+            sequence = msgs[-1].queue_offset + 1 if msgs else 0
         else:
             msgs = [self.store.get_message(p) for p in phys_offsets]
             bad = [m for m in msgs if m.topic != topic]
@@ -403,7 +416,8 @@ class BrokerShard:
             props.append(p)
         sent = self.send(RecordBatch(retry_topic(group), self.index, [m.body for m in msgs],
                                      keys=[m.key for m in msgs], tags=[m.tags for m in msgs],
-                                     properties=props, born_ms=[m.born_ms for m in msgs]))
+                                     properties=props, born_ms=[m.born_ms for m in msgs]),
+                         pid, sequence)
         if sent["status"] != "SEND_OK":
             raise StorageError(f"dead letters of {group!r} resent but not durable "
                                f"({sent['status']}); resend them again")
@@ -952,6 +966,12 @@ def _redirects(properties: Iterable[dict | None]) -> bool:
 
 _TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Prop.CHECK_TIMES,
              Prop.ORIGIN_HALF, Prop.TXN_TIMEOUT_MS, Prop.CHECK_BASE_MS)
+
+
+def _dlq_resend_pid(group: str) -> int:
+    """The producer id of a group's dead-letter resends (stable across restarts)."""
+    digest = hashlib.blake2b(group.encode(), digest_size=7, person=b"raymq-dlq").digest()
+    return DLQ_RESEND_PID_BASE + int.from_bytes(digest, "big")
 
 
 def _real_from_half(shard: int, half: StoredMessage) -> Record:

@@ -284,6 +284,43 @@ def test_dlq_resend_makes_its_copies_durable_before_its_progress(tmp_path):
         sh.close()
 
 
+def test_dlq_resend_cut_short_before_its_progress_resends_each_dead_letter_once(tmp_path):
+    """A crash after the copies are durable and before the progress is written: the
+    resend run again after the restart writes nothing twice, and misses nothing new."""
+    from cluster.message import dlq_topic, retry_topic
+    cfg = {"data_dir": str(tmp_path), "num_shards": 1}
+    routes = [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)]
+    sh = BrokerShard(0, cfg, background=False)
+    sh.set_routes(routes)
+    sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1", b"m2"]))
+    for phys in sent["phys"][:2]:
+        sh.send_back("g", phys, dead_letter=True)
+
+    def crash(_offsets):
+        raise SystemExit("crashed before the progress")
+    sh.store.save_offsets = crash  # the fault: the process dies between the two writes
+    with pytest.raises(SystemExit):
+        sh.dlq_resend("g")
+    sh.close()
+    sh = BrokerShard(0, cfg, background=False)
+    try:
+        sh.set_routes(routes)
+        assert sh.store.offsets.get("dlq-resend@g@0", 0) == 0  # the progress was lost
+        sh.send_back("g", sent["phys"][2], dead_letter=True)  # and a new dead letter came
+        assert len(sh.dlq_resend("g")) == 1  # only the new one is resent now
+        assert sh.dlq_resend("g") == []
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        assert sorted(m.body for m in batch.messages()) == [b"m0", b"m1", b"m2"]
+        # an operator's pick is resent on every call: that is what they asked for
+        dead = sh.store.read_queue(dlq_topic("g"), 0, 0, 1)
+        sh.dlq_resend("g", [dead[0].phys_offset])
+        sh.dlq_resend("g", [dead[0].phys_offset])
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        assert len(batch) == 5
+    finally:
+        sh.close()
+
+
 def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
     from cluster.message import dlq_topic, retry_topic
     cfg = {"data_dir": str(tmp_path), "num_shards": 1}
