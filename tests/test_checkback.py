@@ -1,0 +1,118 @@
+"""Check-back rounds end to end in this process (no Ray): a real shard, a real
+registry and a real checker on one manual clock, so that "due", "leased" and
+"backed off" are exact instants rather than sleeps."""
+from __future__ import annotations
+
+import pytest
+
+from actors.checker import CheckerWorker
+from actors.registry import ProducerGroupRegistry
+from actors.shard import BrokerShard
+from cluster.message import Prop
+from storage import RecordBatch
+from storage.clock import ManualClock
+
+TIMEOUT_MS = 1000
+
+
+@pytest.fixture
+def world(tmp_path):
+    """(clock, shard, registry, checker) with a per-group limit of 10 checks a round."""
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": TIMEOUT_MS,
+                         "txn_max_checks": 15, "txn_check_backoff_max_ms": 60_000},
+                     clock=clock, background=False)
+    sh.set_routes([("orders", 0)])
+    registry = ProducerGroupRegistry(lease_ms=6000, clock=clock)
+    checker = CheckerWorker(0, [0], call_shard=lambda _i, m, *a, **k: getattr(sh, m)(*a, **k),
+                            call_registry=lambda _i, m, *a: getattr(registry, m)(*a),
+                            num_registries=1, interval_ms=10**6, max_checks_per_group=10,
+                            background=False)
+    yield clock, sh, registry, checker
+    sh.close()
+
+
+def halves(sh, group: str, n: int, start: int = 0, timeout_ms: int | None = None) -> list[int]:
+    props = []
+    for i in range(start, start + n):
+        p = {Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: group, Prop.TRANSACTION_ID: f"tx{i}"}
+        if timeout_ms is not None:
+            p[Prop.TXN_TIMEOUT_MS] = str(timeout_ms)
+        props.append(p)
+    batch = RecordBatch("orders", 0, [f"m{i}".encode() for i in range(start, start + n)],
+                        properties=props)
+    return sh.send(batch)["phys"]
+
+
+def taken(registry, group: str) -> list[int]:
+    return [r["origin"] for r in registry.poll_checks(group, "instance-1", 10_000, 0)]
+
+
+def test_a_check_storm_is_cut_to_the_group_limit_and_each_half_waits_its_back_off(world):
+    clock, sh, registry, checker = world
+    registry.heartbeat("g", "instance-1")
+    origins = halves(sh, "g", 35)
+    clock.advance(TIMEOUT_MS + 1)
+    asked = []
+    for _ in range(4):  # 35 due halves, at most 10 a round: four rounds, nobody twice
+        sent = checker.run_round()
+        got = taken(registry, "g")
+        assert sent == {"g": len(got)} and len(got) == min(10, 35 - len(asked))
+        asked += got
+    assert sorted(asked) == sorted(origins)
+    assert checker.run_round() == {}  # all checked once: each now waits out its back-off
+    assert {h["checks"] for h in sh.half_list()} == {1}
+    clock.advance(TIMEOUT_MS)  # past the first back-off (it doubles from the timeout)
+    assert checker.run_round() == {"g": 10}
+    assert len(set(taken(registry, "g"))) == 10
+
+
+def test_one_group_s_storm_does_not_use_up_another_group_s_round(world):
+    clock, sh, registry, checker = world
+    for group in ("noisy", "quiet"):
+        registry.heartbeat(group, "instance-1")
+    halves(sh, "noisy", 40)
+    quiet = halves(sh, "quiet", 2, start=100)
+    clock.advance(TIMEOUT_MS + 1)
+    assert checker.run_round() == {"noisy": 10, "quiet": 2}
+    assert sorted(taken(registry, "quiet")) == sorted(quiet)
+
+
+def test_a_producer_whose_lease_ran_out_is_not_live_and_its_halves_wait_uncounted(world):
+    clock, sh, registry, checker = world
+    registry.heartbeat("g", "instance-1")
+    [origin] = halves(sh, "g", 1)
+    assert registry.live_groups() == ["g"]
+    clock.advance(6001)  # the instance died without unregistering: its lease runs out
+    assert registry.live_groups() == [] and registry.live("g") == []
+    assert registry.status()["g"]["live"] == []
+    for _ in range(20):  # more rounds than the maximum number of checks
+        assert checker.run_round() == {}
+        clock.advance(60_000)
+    [half] = sh.half_list()
+    assert (half["origin"], half["checks"], half["waiting_for_producer"]) == (origin, 0, True)
+    assert sh.half_list(expired=True) == []
+    assert sh.transaction_status()["groups_without_live_producer"] == ["g"]
+    # polling for checks is a heartbeat too: a new instance makes the group live again
+    assert registry.poll_checks("g", "instance-2", 10, 0) == []
+    assert registry.live("g") == ["instance-2"]
+    assert checker.run_round() == {"g": 1}
+    assert taken(registry, "g") == [origin]
+    assert not sh.half_list()[0]["waiting_for_producer"]
+
+
+def test_a_per_message_transaction_timeout_reaches_the_shard(world):
+    clock, sh, registry, checker = world
+    registry.heartbeat("g", "instance-1")
+    [slow] = halves(sh, "g", 1, timeout_ms=60_000)
+    [usual] = halves(sh, "g", 1, start=1)
+    clock.advance(TIMEOUT_MS + 1)
+    assert checker.run_round() == {"g": 1}  # the usual one is due, the slow one is not,
+    assert taken(registry, "g") == [usual]  # and the slow one does not hold it back
+    clock.advance(60_000 - TIMEOUT_MS - 2)
+    registry.heartbeat("g", "instance-1")  # (a live producer heartbeats all along)
+    assert checker.run_round() == {"g": 1}  # the usual one again, after its back-off
+    assert taken(registry, "g") == [usual]
+    clock.advance(2)  # the slow one's own timeout is up, counted from when it was stored
+    assert checker.run_round() == {"g": 1}
+    assert taken(registry, "g") == [slow]
