@@ -134,7 +134,8 @@ class BrokerShard:
             out["ends"] = self.end_transactions(ends)  # its fsync covers the batch too
             if written is not None:
                 durable = self.store.wait_durable(written) is PutStatus.PUT_OK
-                out["status"] = "SEND_OK" if durable else "FLUSH_DISK_TIMEOUT"
+                if not durable:
+                    out["status"] = "FLUSH_DISK_TIMEOUT"
             return out
         # one put: the batch, then the real messages and op records of the ends
         batch = self._prepare(batch)
@@ -184,6 +185,8 @@ class BrokerShard:
             if SCHEDULE_TOPIC in topics:  # its queue offset comes when it is delivered
                 queue_offsets = [-1 if t == SCHEDULE_TOPIC else o
                                  for t, o in zip(topics, queue_offsets)]
+        if self._fault == "flush_disk_timeout":
+            status = PutStatus.FLUSH_DISK_TIMEOUT
         return {"status": "SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
                 "phys": res.phys_array[:n].tolist(),
                 "queue_offsets": queue_offsets,
@@ -732,7 +735,9 @@ class BrokerShard:
         self._half_cache.pop(origin, None)
 
     def set_fault(self, fault: str | None) -> None:
-        """Test hook: 'crash_between_real_and_op' exits between the two writes of a commit."""
+        """Test hooks: 'crash_between_real_and_op' exits between the two writes of a
+        commit; 'flush_disk_timeout' answers sends FLUSH_DISK_TIMEOUT (stored, not
+        known durable), as a disk too slow for ``flush_timeout_ms`` does."""
         self._fault = fault
 
     def check_round(self, live_groups: list[str], *, window: int = 2000,

@@ -13,6 +13,7 @@ import ray
 
 from cluster import LocalTransactionState as S
 from cluster import Message, TransactionListener, rpc
+from cluster.message import SendStatus
 from storage.errors import InvalidMessageError, RayMQError
 from tests.conftest import wait_for
 
@@ -74,6 +75,28 @@ def test_every_branch_of_the_flow(mq, name):
     assert ids[b"commit"] == commit.msg_id  # the id the producer got is the one consumers see
     assert set(lst.checked) == {unknown.transaction_id, raised.transaction_id,
                                 none.transaction_id}
+    tp.close()
+
+
+def test_a_send_that_is_not_ok_rolls_back_without_running_the_local_transaction(mq, name):
+    mq.create_topic(name, queues=1)
+    group = f"p{name}"
+    lst = Listener(check_answer=S.COMMIT_MESSAGE)  # a check would commit: none may happen
+    tp = mq.transaction_producer(group, lst)
+    handle = mq.shard_handle(mq.routes_for({name})[name][0])
+    rpc.call(handle.set_fault, "flush_disk_timeout")  # stored, but not known durable
+    try:
+        res = tp.send_in_transaction(Message(name, b"unsure"), S.COMMIT_MESSAGE)
+    finally:
+        rpc.call(handle.set_fault, None)
+    assert res.send_status is SendStatus.FLUSH_DISK_TIMEOUT
+    assert res.local_state is S.ROLLBACK_MESSAGE
+    assert lst.db == {}  # the local transaction never ran
+    wait_for(lambda: not pending(mq, group), what="the half rolled back by its end")
+    tp.send_in_transaction(Message(name, b"sure"), S.COMMIT_MESSAGE)
+    got = consume_all(mq, f"g{name}", [name], 1)
+    assert [m.body for m in got] == [b"sure"]
+    assert lst.checked == []  # settled by the producer's end, not by a check-back
     tp.close()
 
 
