@@ -864,8 +864,9 @@ class BrokerShard:
         # an op whose half is still EXPIRED is kept (operators and late ends may still
         # resolve it, and a restart must find it): it counts as not matched yet
         blocked = min_live if min_live is not None else float("inf")
+        # (with no half pending an EXPIRED op still stops it: hence ``blocked``, not None)
         n = op_progress([_op_origin(m.properties, self._resolved, blocked) for m in ops],
-                        min_live)
+                        blocked)
         if n:
             self.store.save_offsets({self._OP_PROGRESS: start + n})
         # forget what can no longer come up (expired halves stay: operators resolve them)

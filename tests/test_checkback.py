@@ -116,3 +116,36 @@ def test_a_per_message_transaction_timeout_reaches_the_shard(world):
     clock.advance(2)  # the slow one's own timeout is up, counted from when it was stored
     assert checker.run_round() == {"g": 1}
     assert taken(registry, "g") == [slow]
+
+
+def test_an_expired_half_with_nothing_else_pending_survives_a_restart(tmp_path):
+    """Its op record must hold the op progress even when no half is pending, or a restart
+    forgets it: not listed as expired, and an operator's commit does nothing."""
+    from cluster.message import CHECK_EXPIRED_TOPIC
+    clock = ManualClock()
+    cfg = {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": TIMEOUT_MS,
+           "txn_max_checks": 1}
+    sh = BrokerShard(0, cfg, clock=clock, background=False)
+    sh.set_routes([("orders", 0)])
+    [origin] = halves(sh, "g", 1)
+    for _ in range(3):  # checked once (nobody answers), then expired
+        clock.advance(10 * TIMEOUT_MS)
+        sh.check_round(["g"])
+    assert [h["origin"] for h in sh.half_list(expired=True)] == [origin]
+    for _ in range(3):  # later rounds with nothing pending
+        clock.advance(10 * TIMEOUT_MS)
+        sh.check_round(["g"])
+    sh.close()
+    sh = BrokerShard(0, cfg, clock=clock, background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        [expired] = sh.half_list(expired=True)
+        assert expired["origin"] == origin
+        assert sh.resolve_half(origin, "COMMIT") == "COMMITTED"
+        [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 0, 10)])
+        assert [m.body for m in batch.messages()] == [b"m0"]
+        assert sh.half_list(expired=True) == []
+        [(_t, _q, batch, _n, _e)] = sh.pull([(CHECK_EXPIRED_TOPIC, 0, 0, 10)])
+        assert len(batch) == 1
+    finally:
+        sh.close()
