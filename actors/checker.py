@@ -44,15 +44,26 @@ class CheckerWorker:
             self._thread.start()
 
     def run_round(self) -> dict:
-        """One round over every shard; returns how many checks went to each group."""
+        """One round over every shard; returns how many checks went to each group.
+
+        A group's ``max_checks_per_group`` holds across all the shards of the
+        round.  A registry that cannot be asked which groups are live makes its
+        groups wait (nothing of theirs is counted); checks a registry did not
+        queue are taken back from their shard.
+        """
         live: list[str] = []
         for r in range(self.num_registries):
-            live += self._call_registry(r, "live_groups")
+            try:
+                live += self._call_registry(r, "live_groups")
+            except Exception as err:  # its groups wait this round; the others go on
+                log.warning("checker-%d: registry-%d unavailable: %s", self.index, r, err)
+                self.last_error = f"registry-{r}: {err}"
         sent: dict[str, int] = {}
         for shard in self.shards:
             try:
                 requests = self._call_shard(shard, "check_round", sorted(set(live)),
-                                            max_checks_per_group=self.max_checks_per_group)
+                                            max_checks_per_group=self.max_checks_per_group,
+                                            checks_used=dict(sent))
             except Exception as err:  # one shard down must not stop the others
                 log.warning("checker-%d: shard-%d round failed: %s", self.index, shard, err)
                 self.last_error = f"shard-{shard}: {err}"
@@ -62,21 +73,25 @@ class CheckerWorker:
                 by_group.setdefault(req["group"], []).append(req)
             for group, reqs in by_group.items():
                 try:
-                    self._call_registry(registry_for(group, self.num_registries), "push_checks",
-                                        group, reqs)
-                    sent[group] = sent.get(group, 0) + len(reqs)
+                    refused = self._call_registry(registry_for(group, self.num_registries),
+                                                  "push_checks", group, reqs)
                 except Exception as err:  # nobody was asked: the checks must not count
                     log.warning("checker-%d: registry unavailable for %s: %s; taking back "
                                 "%d checks", self.index, group, err, len(reqs))
                     self.last_error = f"registry: {err}"
-                    try:
-                        self._call_shard(shard, "uncount_checks",
-                                         [(r["origin"], r["checks"]) for r in reqs])
-                    except Exception as undo_err:  # the back-off still spaces the next check
-                        log.warning("checker-%d: shard-%d could not take back checks: %s",
-                                    self.index, shard, undo_err)
+                    refused = [(shard, r["origin"], r["checks"]) for r in reqs]
+                sent[group] = sent.get(group, 0) + len(reqs) - len(refused)
+                if refused:
+                    self._take_back(shard, [(origin, checks) for _s, origin, checks in refused])
         self.rounds += 1
-        return sent
+        return {g: n for g, n in sent.items() if n}
+
+    def _take_back(self, shard: int, checks: list[tuple[int, int]]) -> None:
+        try:
+            self._call_shard(shard, "uncount_checks", checks)
+        except Exception as err:  # the back-off still spaces the next check
+            log.warning("checker-%d: shard-%d could not take back checks: %s",
+                        self.index, shard, err)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

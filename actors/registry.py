@@ -53,22 +53,29 @@ class ProducerGroupRegistry:
             return sorted(g for g, inst in self._instances.items()
                           if any(end > now for end in inst.values()))
 
-    def push_checks(self, group: str, requests: list[dict]) -> int:
-        """Queue check requests of a group (a request already queued is not queued twice)."""
+    def push_checks(self, group: str, requests: list[dict]) -> list[tuple[int, int, int]]:
+        """Queue check requests of a group; returns ``(shard, origin, checks)`` of those it
+        did not queue, for the checker to take back (a check nobody will be asked must
+        not count): all of them when no instance of the group holds a lease any more,
+        else those already queued (an earlier check of the same half is still waiting
+        to be taken) or past ``max_queued_per_group``."""
+        now = self.clock.now_ms()
         with self._cv:
+            if not any(end > now for end in self._instances.get(group, {}).values()):
+                return [(r["shard"], r["origin"], r["checks"]) for r in requests]
             q = self._checks.setdefault(group, deque())
             keys = self._queued_keys.setdefault(group, set())
-            added = 0
+            refused = []
             for r in requests:
                 key = (r["shard"], r["origin"])
                 if key in keys or len(q) >= self.max_queued:
+                    refused.append((r["shard"], r["origin"], r["checks"]))
                     continue
                 keys.add(key)
                 q.append(r)
-                added += 1
-            if added:
+            if len(refused) < len(requests):
                 self._cv.notify_all()
-            return added
+            return refused
 
     def poll_checks(self, group: str, instance: str, max_requests: int = 100,
                     wait_ms: int = 1000) -> list[dict]:

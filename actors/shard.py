@@ -740,8 +740,12 @@ class BrokerShard:
         known durable), as a disk too slow for ``flush_timeout_ms`` does."""
         self._fault = fault
 
+    #: Most half-queue entries one round reads per shard (resolved ones cost little).
+    ROUND_SCAN_MAX = 200_000
+
     def check_round(self, live_groups: list[str], *, window: int = 2000,
-                    max_checks_per_group: int = 1000, now_ms: int | None = None) -> list[dict]:
+                    max_checks_per_group: int = 1000, now_ms: int | None = None,
+                    checks_used: dict[str, int] | None = None) -> list[dict]:
         """One check-back round over this shard's halves; returns the checks to ask.
 
         Re-puts what it checks (check count + 1) or defers, moves halves past
@@ -749,15 +753,46 @@ class BrokerShard:
         the durable half and op progress.  Safe to repeat after a crash: a
         repeated re-put only makes a second copy of a half with the same
         origin, which resolves with it.
+
+        The round reads the half queue ``window`` entries at a time (sends go
+        on between windows) up to the first half not yet due, or to the end the
+        queue had when the round began (the copies it re-puts wait for the next
+        round), at most ``ROUND_SCAN_MAX`` entries.  ``max_checks_per_group``
+        bounds a group's checks in the round; ``checks_used`` are those the
+        round already sent it from other shards.
         """
         now = self.clock.now_ms() if now_ms is None else now_ms
         policy = CheckPolicy(max_checks=self.config.txn_max_checks,
                              check_backoff_max_ms=self.config.txn_check_backoff_max_ms,
                              max_checks_per_group=max_checks_per_group,
                              base_timeout_ms=self.config.txn_timeout_ms)
+        used = dict(checks_used or {})
+        end = self.store.max_queue_offset(HALF_TOPIC, 0)
+        out: list[dict] = []
+        waiting: set[str] = set()
+        waits = 0
+        scanned = 0
+        while True:
+            checks, more, plan = self._check_window(live_groups, policy, now, window, end, used)
+            out += checks
+            waiting |= plan.waiting_groups
+            waits += sum(1 for _v, a in plan.actions if a is Action.WAIT)
+            used = plan.checks_per_group
+            scanned += window
+            if not more or scanned >= self.ROUND_SCAN_MAX:
+                break
+        with self._tx_lock:  # groups stay "waiting" until a producer of theirs is live again
+            self._waiting_groups = (self._waiting_groups - set(live_groups)) | waiting
+        self.metrics.set("halves_waiting_for_producer", float(waits))
+        self.metrics.inc("transaction_checks", len(out))
+        return out
+
+    def _check_window(self, live_groups: list[str], policy: CheckPolicy, now: int, window: int,
+                      end: int, used: dict[str, int]):
+        """One window of a round: (checks, whether the round goes on, the plan)."""
         with self._tx_lock:
             start = max(0, self.store.offsets.get(self._HALF_PROGRESS, 0))
-            halves = self.store.read_queue(HALF_TOPIC, 0, start, window)
+            halves = self.store.read_queue(HALF_TOPIC, 0, start, max(0, min(window, end - start)))
             views = []
             for m in halves:
                 if m.phys_offset in self._resolved:  # a first copy, resolved: skip undecoded
@@ -769,11 +804,13 @@ class BrokerShard:
                                       int(p.get(Prop.CHECK_BASE_MS, m.store_ms)),
                                       int(p.get(Prop.CHECK_TIMES, 0)),
                                       int(p.get(Prop.TXN_TIMEOUT_MS, self.config.txn_timeout_ms))))
-            plan = plan_round(views, self._resolved, set(live_groups), now, policy)
+            plan = plan_round(views, self._resolved, set(live_groups), now, policy, used)
             by_offset = {m.queue_offset: m for m in halves}
             writes, checks, progress = [], [], start
+            stopped = False
             for view, action in plan.actions:
                 if action is Action.STOP:
+                    stopped = True
                     break
                 progress = view.queue_offset + 1
                 if action is Action.SKIP:
@@ -801,20 +838,15 @@ class BrokerShard:
                         self._latest_copy[view.origin] = qoff
                     elif kind == "op":
                         self._settle(view.origin, HalfState.EXPIRED)
-            # groups stay "waiting" until a producer of theirs is live again
-            self._waiting_groups = (self._waiting_groups - set(live_groups)) | plan.waiting_groups
             # the progress may pass halves resolved by puts not flushed yet (ends are
             # resolved when written, before their fsync): save_offsets makes them durable
             if progress != start:
                 self.store.save_offsets({self._HALF_PROGRESS: progress})
             self._advance_op_progress(progress)
-        if plan.waiting_groups:
-            self.metrics.set("halves_waiting_for_producer", float(sum(
-                1 for v, a in plan.actions if a is Action.WAIT)))
-        self.metrics.inc("transaction_checks", len(checks))
-        return [{"shard": self.index, "group": v.group, "origin": v.origin, "checks": count,
-                 "txid": m.properties.get(Prop.TRANSACTION_ID), "message": _listener_view(m)}
-                for v, m, count in checks]
+        more = not stopped and bool(halves) and progress < end
+        return ([{"shard": self.index, "group": v.group, "origin": v.origin, "checks": count,
+                  "txid": m.properties.get(Prop.TRANSACTION_ID), "message": _listener_view(m, self.index, v.origin)}
+                 for v, m, count in checks], more, plan)
 
     def uncount_checks(self, checks: list[tuple[int, int]]) -> int:
         """Take back checks that never reached a producer: ``[(origin, count)]``.
@@ -860,15 +892,20 @@ class BrokerShard:
             del self._latest_copy[origin]
         min_live = min(self._latest_copy) if self._latest_copy else None
         start = max(0, self.store.offsets.get(self._OP_PROGRESS, 0))
-        ops = self.store.read_queue(OP_TOPIC, 0, start, 5000)
         # an op whose half is still EXPIRED is kept (operators and late ends may still
         # resolve it, and a restart must find it): it counts as not matched yet
         blocked = min_live if min_live is not None else float("inf")
-        # (with no half pending an EXPIRED op still stops it: hence ``blocked``, not None)
-        n = op_progress([_op_origin(m.properties, self._resolved, blocked) for m in ops],
-                        blocked)
-        if n:
-            self.store.save_offsets({self._OP_PROGRESS: start + n})
+        passed = start
+        for _ in range(40):  # up to 200,000 ops a call, 5,000 at a time
+            ops = self.store.read_queue(OP_TOPIC, 0, passed, 5000)
+            # (with no half pending an EXPIRED op still stops it: ``blocked``, not None)
+            n = op_progress([_op_origin(m.properties, self._resolved, blocked) for m in ops],
+                            blocked)
+            passed += n
+            if n < 5000:
+                break
+        if passed != start:
+            self.store.save_offsets({self._OP_PROGRESS: passed})
         # forget what can no longer come up (expired halves stay: operators resolve them)
         for origin in [o for o, st in self._resolved.items() if st is not HalfState.EXPIRED
                        and o not in self._latest_copy
@@ -1034,9 +1071,11 @@ def _copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: int) 
                   m.born_ms)
 
 
-def _listener_view(m: StoredMessage) -> StoredMessage:
-    """The half as the application's check sees it: its real topic and queue."""
+def _listener_view(m: StoredMessage, shard: int, origin: int) -> StoredMessage:
+    """The half as the application's check sees it: its real topic and queue, and the id
+    its producer was given (that of the first copy, not of this re-put one)."""
     p = dict(m.properties)
+    p[Prop.ORIGIN_MSG_ID] = make_msg_id(shard, origin)
     topic, qid = p.get(Prop.REAL_TOPIC, m.topic), int(p.get(Prop.REAL_QID, 0))
     return StoredMessage(topic, qid, -1, m.phys_offset, m.size, m.flags, m.born_ms, m.store_ms,
                          m.prepared_offset, m.tag_code, m.reconsume_count, m.key, m.tags, p,

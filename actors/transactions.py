@@ -104,7 +104,7 @@ class RoundPlan:
 
 
 def plan_round(halves: list[HalfView], resolved: set[int] | dict, live_groups: set[str],
-               now_ms: int, policy: CheckPolicy) -> RoundPlan:
+               now_ms: int, policy: CheckPolicy, used: dict[str, int] | None = None) -> RoundPlan:
     """Decide what to do with each half, in half-queue order.
 
     The half queue is in store order, so the first never-checked half that
@@ -113,7 +113,7 @@ def plan_round(halves: list[HalfView], resolved: set[int] | dict, live_groups: s
     re-put again (DEFER), so that one young or slow half never blocks the
     progress of the others.
     """
-    plan = RoundPlan()
+    plan = RoundPlan(checks_per_group=dict(used or {}))  # ``used``: earlier in the round
     for h in halves:
         if h.origin in resolved:
             plan.actions.append((h, Action.SKIP))

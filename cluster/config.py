@@ -89,8 +89,9 @@ class ClusterConfig:
                               15)
     txn_check_backoff_max_ms: int = doc("Longest wait between two checks of the same half "
                                         "(the wait doubles from txn_timeout_ms).", 300_000)
-    txn_max_checks_per_group: int = doc("Most checks sent to one producer group per shard per "
-                                        "round: a check storm stays bounded.", 1000)
+    txn_max_checks_per_group: int = doc("Most checks one checker sends to a producer group "
+                                        "per round, over all its shards: a check storm stays "
+                                        "bounded.", 1000)
     num_checkers: int = doc("CheckerWorker actors; checker k covers the shards i with "
                             "i % num_checkers == k.", 1)
     num_registries: int = doc("ProducerGroupRegistry actors; a group is served by the "

@@ -115,6 +115,10 @@ class TransactionProducer:
         rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
         self._pool = ThreadPoolExecutor(max_workers=check_threads,
                                         thread_name_prefix="raymq-tx-check")
+        # the poller takes only as many checks as there are idle check threads: what a
+        # slow or hung listener cannot take stays at the registry for other instances
+        self._idle_checks = check_threads
+        self._idle_cv = threading.Condition()
         self._exec_pool = ThreadPoolExecutor(max_workers=executor_threads,
                                              thread_name_prefix="raymq-tx-exec")
         self._poller = threading.Thread(target=self._poll_checks, daemon=True,
@@ -130,8 +134,14 @@ class TransactionProducer:
         local transaction runs in the calling thread.
         """
         tx = self._begin(msg, timeout_ms)
-        return self._finish(tx, [(fut, positions, self._wait_part(fut))
-                                 for fut, positions in tx["parts"]], arg)
+        try:
+            result = self._finish(tx, [(fut, positions, self._wait_part(fut))
+                                       for fut, positions in tx["parts"]], arg)
+        except BaseException as err:
+            tx["token"].set_exception(err)
+            raise
+        tx["token"].set_result(result)
+        return result
 
     def send_in_transaction_async(self, msg: Message | list[Message], arg=None, *,
                                   timeout_ms: int | None = None) -> Future:
@@ -142,12 +152,9 @@ class TransactionProducer:
         thread can have many transactions in flight.
         """
         tx = self._begin(msg, timeout_ms)
-        out: Future = Future()
+        out: Future = tx["token"]  # in flight until it is finished
         remaining = [len(tx["parts"])]
         lock = threading.Lock()
-        with self._in_flight_lock:
-            self._in_flight.add(out)
-        out.add_done_callback(self._landed)
 
         def part_done(_f):
             with lock:
@@ -199,9 +206,20 @@ class TransactionProducer:
         if timeout_ms is not None:
             props[Prop.TXN_TIMEOUT_MS] = str(int(timeout_ms))
         started = time.monotonic()
-        parts = self._producer._submit(msgs, system_props=props)
+        # in flight from here to its end: close() waits for it (its end must still go out)
+        token: Future = Future()
+        with self._in_flight_lock:
+            if self._stop.is_set():
+                raise RayMQError("transaction producer is closed")
+            self._in_flight.add(token)
+        token.add_done_callback(self._landed)
+        try:
+            parts = self._producer._submit(msgs, system_props=props)
+        except BaseException as err:
+            token.set_exception(err)
+            raise
         return {"txid": txid, "msgs": msgs, "batch": batch, "timeout_ms": timeout_ms,
-                "started": started, "parts": parts}
+                "started": started, "parts": parts, "token": token}
 
     def _finish(self, tx: dict, parts: list, arg) -> TransactionSendResult:
         """Halves stored (or not): run the local transaction and end the transaction."""
@@ -260,19 +278,38 @@ class TransactionProducer:
     # ---------------------------------------------------------------- checks
     def _poll_checks(self) -> None:
         from cluster import rpc
+        heartbeat_s = self._mq.config.heartbeat_interval_ms / 1000.0
         while not self._stop.is_set():
+            with self._idle_cv:
+                if not self._idle_checks:
+                    self._idle_cv.wait(heartbeat_s)
+                free = self._idle_checks
             try:
-                reqs = rpc.call(self._registry.poll_checks, self.group, self.instance_id, 100,
-                                500, timeout_s=30)
+                if not free:  # every check thread busy: stay live, take nothing
+                    rpc.call(self._registry.heartbeat, self.group, self.instance_id,
+                             timeout_s=30)
+                    continue
+                reqs = rpc.call(self._registry.poll_checks, self.group, self.instance_id,
+                                min(100, free), 500, timeout_s=30)
             except Exception as err:  # registry restarting: keep trying
                 log.warning("transaction producer %s: poll_checks failed: %s",
                             self.instance_id, err)
                 self._stop.wait(0.5)
                 continue
+            with self._idle_cv:
+                self._idle_checks -= len(reqs)
             for req in reqs:
                 self._pool.submit(self._answer, req)
 
     def _answer(self, req: dict) -> None:
+        try:
+            self._check(req)
+        finally:
+            with self._idle_cv:
+                self._idle_checks += 1
+                self._idle_cv.notify()
+
+    def _check(self, req: dict) -> None:
         [msg] = messages_ext(req["shard"], [req["message"]])
         try:
             state = _state(self.listener.check_local_transaction(msg))
@@ -288,7 +325,10 @@ class TransactionProducer:
     # ----------------------------------------------------------------- close
     def close(self) -> None:
         from cluster import rpc
-        self._stop.set()
+        with self._in_flight_lock:  # no transaction begins after this
+            self._stop.set()
+        with self._idle_cv:
+            self._idle_cv.notify_all()
         self._poller.join()
         with self._in_flight_lock:  # async transactions run to their end before the pools go
             in_flight = list(self._in_flight)

@@ -149,3 +149,102 @@ def test_an_expired_half_with_nothing_else_pending_survives_a_restart(tmp_path):
         assert len(batch) == 1
     finally:
         sh.close()
+
+
+def test_a_round_reads_past_one_window_up_to_where_the_queue_ended(world):
+    clock, sh, registry, checker = world
+    origins = halves(sh, "g", 25)
+    clock.advance(TIMEOUT_MS + 1)
+    asked = sh.check_round(["g"], window=10)  # three windows in one round
+    assert sorted(c["origin"] for c in asked) == sorted(origins)
+    # its own re-puts wait for the next round, where their back-off holds them
+    assert sh.check_round(["g"], window=10) == []
+
+
+def test_the_group_limit_holds_across_the_shards_of_a_round(tmp_path):
+    clock = ManualClock()
+    shards = []
+    for i in range(2):
+        sh = BrokerShard(i, {"data_dir": str(tmp_path / f"s{i}"), "num_shards": 2,
+                             "txn_timeout_ms": TIMEOUT_MS}, clock=clock, background=False)
+        sh.set_routes([("orders", 0)])
+        shards.append(sh)
+    registry = ProducerGroupRegistry(lease_ms=10**9, clock=clock)
+    registry.heartbeat("g", "instance-1")
+    checker = CheckerWorker(0, [0, 1],
+                            call_shard=lambda i, m, *a, **k: getattr(shards[i], m)(*a, **k),
+                            call_registry=lambda _i, m, *a: getattr(registry, m)(*a),
+                            num_registries=1, interval_ms=10**6, max_checks_per_group=10,
+                            background=False)
+    try:
+        for sh in shards:
+            halves(sh, "g", 8)
+        clock.advance(TIMEOUT_MS + 1)
+        assert checker.run_round() == {"g": 10}
+        assert len(taken(registry, "g")) == 10
+        assert checker.run_round() == {"g": 6}  # the rest, the next round
+    finally:
+        for sh in shards:
+            sh.close()
+
+
+def test_an_unreachable_registry_holds_back_only_its_own_groups(tmp_path):
+    from actors.checker import registry_for
+    from storage.errors import BrokerUnavailableError
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": TIMEOUT_MS},
+                     clock=clock, background=False)
+    sh.set_routes([("orders", 0)])
+    registries = [ProducerGroupRegistry(lease_ms=10**9, clock=clock) for _ in range(2)]
+    groups = {}  # one group served by each registry
+    for i in range(100):
+        groups.setdefault(registry_for(f"g{i}", 2), f"g{i}")
+    up, down = groups[0], groups[1]
+
+    def call_registry(r, method, *args):
+        if r == 1:
+            raise BrokerUnavailableError("registry-1 restarting")
+        return getattr(registries[r], method)(*args)
+    checker = CheckerWorker(0, [0], call_shard=lambda _i, m, *a, **k: getattr(sh, m)(*a, **k),
+                            call_registry=call_registry, num_registries=2, interval_ms=10**6,
+                            max_checks_per_group=10, background=False)
+    try:
+        registries[0].heartbeat(up, "a")
+        registries[1].heartbeat(down, "b")
+        [mine] = halves(sh, up, 1)
+        halves(sh, down, 1, start=1)
+        clock.advance(TIMEOUT_MS + 1)
+        assert checker.run_round() == {up: 1}
+        assert taken(registries[0], up) == [mine]
+        waiting = {h["group"]: h for h in sh.half_list()}[down]
+        assert waiting["checks"] == 0 and waiting["waiting_for_producer"]
+    finally:
+        sh.close()
+
+
+def test_a_registry_refuses_checks_for_a_group_with_no_lease_and_twice_queued_ones():
+    clock = ManualClock()
+    registry = ProducerGroupRegistry(lease_ms=1000, clock=clock)
+    reqs = [{"shard": 0, "origin": o, "checks": 1} for o in (10, 20)]
+    assert registry.push_checks("g", reqs) == [(0, 10, 1), (0, 20, 1)]  # nobody registered
+    registry.heartbeat("g", "a")
+    assert registry.push_checks("g", reqs[:1]) == []
+    again = [{"shard": 0, "origin": 10, "checks": 2}, reqs[1]]
+    assert registry.push_checks("g", again) == [(0, 10, 2)]  # the first is still waiting
+    clock.advance(1001)
+    assert registry.push_checks("g", [{"shard": 1, "origin": 5, "checks": 1}]) == [(1, 5, 1)]
+
+
+def test_a_check_shows_the_listener_the_id_its_producer_was_given(world):
+    from cluster.message import make_msg_id, messages_ext
+    clock, sh, registry, checker = world
+    registry.heartbeat("g", "instance-1")
+    [origin] = halves(sh, "g", 1)
+    for checks in (1, 2):  # the first check reads the half, the second a re-put copy of it
+        clock.advance(10 * TIMEOUT_MS)
+        registry.heartbeat("g", "instance-1")
+        assert checker.run_round() == {"g": 1}
+        [req] = registry.poll_checks("g", "instance-1", 10, 0)
+        [msg] = messages_ext(req["shard"], [req["message"]])
+        assert req["checks"] == checks and msg.msg_id == make_msg_id(0, origin)
+        assert (msg.topic, msg.transaction_id) == ("orders", "tx0")

@@ -211,6 +211,83 @@ def test_check_storm_is_bounded_per_group_and_round(mq, name):
     tp.close()
 
 
+def test_a_hung_listener_takes_no_more_checks_than_it_can_answer(mq, name):
+    """An instance whose check threads are all stuck (a database lock) leaves the other
+    checks at the registry, where another instance takes them; nothing expires meanwhile."""
+    from cluster import deploy
+    from actors.checker import registry_for
+    mq.create_topic(name, queues=1)
+    group = f"p{name}"
+    release, stuck = threading.Event(), threading.Event()
+
+    class Hung(Listener):
+        def check_local_transaction(self, msg):
+            stuck.set()
+            release.wait(60)
+            return super().check_local_transaction(msg)
+    hung = mq.transaction_producer(group, Hung(), check_threads=1)
+    a = hung.send_in_transaction(Message(name, b"a"), S.UNKNOW)
+    b = hung.send_in_transaction(Message(name, b"b"), S.UNKNOW)
+    registry = deploy.get_registry(registry_for(group, mq.config.num_registries))
+    try:
+        assert stuck.wait(30)
+        # the other check waits at the registry instead of behind the stuck one
+        wait_for(lambda: rpc.call(registry.status)[group]["queued_checks"] >= 1,
+                 what="a check left at the registry")
+        helper = Listener(check_answer=S.COMMIT_MESSAGE)
+        other = mq.transaction_producer(group, helper)
+        wait_for(lambda: len(pending(mq, group)) <= 1, what="the other instance settles one")
+        assert helper.checked and not [h for h in mq.admin.half_list(expired=True)
+                                        if h["group"] == group]
+    finally:
+        release.set()
+    wait_for(lambda: not pending(mq, group), what="both settled")
+    got = consume_all(mq, f"g{name}", [name], 2)
+    assert sorted(m.msg_id for m in got) == sorted([a.msg_id, b.msg_id])
+    other.close()
+    hung.close()
+
+
+def test_close_waits_for_a_transaction_running_its_local_transaction(mq, name):
+    """close() while a send_in_transaction is inside its local transaction: the end of
+    that transaction still goes out (check-back would find no live instance)."""
+    mq.create_topic(name, queues=1)
+    group = f"p{name}"
+    entered, go = threading.Event(), threading.Event()
+
+    class Slow(Listener):
+        def execute_local_transaction(self, msg, arg):
+            entered.set()
+            go.wait(30)
+            return super().execute_local_transaction(msg, arg)
+    lst = Slow(check_answer=S.ROLLBACK_MESSAGE)
+    tp = mq.transaction_producer(group, lst)
+    results = []
+    sender = threading.Thread(target=lambda: results.append(tp.send_in_transaction(
+        Message(name, b"paid"), S.COMMIT_MESSAGE, timeout_ms=60_000)))
+    sender.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=tp.close)
+    closer.start()
+
+    def closed():
+        try:
+            tp.send_in_transaction(Message(name, b"late"), S.COMMIT_MESSAGE)
+        except RayMQError as err:
+            return "closed" in str(err)
+        return False
+    wait_for(closed, what="the producer refusing new transactions")
+    closer.join(2)  # (the old close finished by now, its producer closed, the end lost)
+    assert closer.is_alive()  # close waits for the transaction in flight
+    go.set()
+    sender.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and results[0].local_state is S.COMMIT_MESSAGE
+    got = consume_all(mq, f"g{name}", [name], 1)
+    assert [m.msg_id for m in got] == [results[0].msg_id]
+    assert lst.checked == [] and not pending(mq, group)
+
+
 def test_batch_transaction_across_topics_all_or_nothing(mq, name):
     other = f"{name}-b"
     mq.create_topic(name, queues=2)
