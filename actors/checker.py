@@ -11,6 +11,7 @@ shards, so a restarted checker resumes where the last one stopped.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import zlib
 from typing import Callable
@@ -104,7 +105,7 @@ class CheckerWorker:
             self._wake.clear()
 
     def ping(self) -> dict:
-        return {"checker": self.index}
+        return {"checker": self.index, "pid": os.getpid()}
 
     def status(self) -> dict:
         return {"checker": self.index, "shards": self.shards, "rounds": self.rounds,

@@ -13,6 +13,7 @@ checker asks again in its next round.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 
@@ -108,4 +109,4 @@ class ProducerGroupRegistry:
                     for g, inst in self._instances.items()}
 
     def ping(self) -> dict:
-        return {"registry": True}
+        return {"registry": True, "pid": os.getpid()}

@@ -340,11 +340,19 @@ def test_checker_and_registry_killed_mid_round(mq, name):
     for i in range(30):
         tp.send_in_transaction(Message(name, f"{i}".encode()), S.UNKNOW)
     from cluster import deploy
-    ray.kill(deploy.get_checker(0), no_restart=False)
-    ray.kill(deploy.get_registry(0), no_restart=False)
+    checker, registry = deploy.get_checker(0), deploy.get_registry(0)
+    pids = rpc.call(checker.ping)["pid"], rpc.call(registry.ping)["pid"]
+    before = rpc.call(checker.status)["rounds"]
+    wait_for(lambda: rpc.call(checker.status)["rounds"] > before, what="a round under way")
+    ray.kill(checker, no_restart=False)
+    ray.kill(registry, no_restart=False)
     wait_for(lambda: not pending(mq, group), timeout_s=60, what="halves resolved after restarts")
+    # both were restarted (new processes)
+    assert rpc.call(checker.ping, timeout_s=30)["pid"] != pids[0]
+    assert rpc.call(registry.ping, timeout_s=30)["pid"] != pids[1]
     got = consume_all(mq, f"g{name}", [name], 30)
-    assert sorted({int(m.body) for m in got}) == list(range(30))
+    # each exactly once: a check asked again after the restarts commits nothing twice
+    assert sorted(int(m.body) for m in got) == list(range(30))
     tp.close()
 
 
