@@ -53,13 +53,52 @@ def test_half_list_and_operator_rollback(mq, name, capsys):
     tp = mq.transaction_producer(f"p{name}", Undecided())
     res = tp.send_in_transaction(Message(name, b"x"), None)
     tp.close()  # nobody left to answer: the half waits, uncounted
-    assert main(["half", "list"]) == 0
-    out = capsys.readouterr().out
-    assert res.msg_id in out and f"group=p{name}" in out
+    from tests.conftest import wait_for
+
+    def listed():
+        assert main(["half", "list"]) == 0
+        return [x for x in capsys.readouterr().out.splitlines() if res.msg_id in x]
+    # (a round may have checked it once while the producer was still live)
+    [line] = wait_for(lambda: [x for x in listed() if "waiting: no live producer" in x],
+                      what="the half shown waiting for a producer")
+    assert f"group=p{name}" in line and f"topic={name}" in line and "\tage=" in line
+    assert "checks=0" in line or "checks=1" in line
     assert main(["half", "rollback", res.msg_id]) == 0
     assert capsys.readouterr().out.strip() == "ROLLED_BACK"
     assert main(["half", "list"]) == 0
     assert res.msg_id not in capsys.readouterr().out
+    assert main(["half", "commit", "zz"]) == 1
+    assert "not a RayMQ message id" in capsys.readouterr().err
+
+
+def test_expired_half_listed_and_committed_by_an_operator(mq, name, capsys):
+    from cluster import LocalTransactionState as S
+    from cluster import Message, TransactionListener
+    from tests.conftest import wait_for
+
+    class Undecided(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        def check_local_transaction(self, msg):
+            return S.UNKNOW
+    mq.create_topic(name, queues=1)
+    tp = mq.transaction_producer(f"p{name}", Undecided())  # live, never decides
+    res = tp.send_in_transaction(Message(name, b"stuck"), None)
+
+    def expired_line():
+        assert main(["half", "list", "--expired"]) == 0
+        return [x for x in capsys.readouterr().out.splitlines() if res.msg_id in x]
+    [line] = wait_for(expired_line, what="the half expired after the maximum checks")
+    assert "EXPIRED" in line and f"checks={mq.config.txn_max_checks}" in line
+    assert main(["half", "commit", res.msg_id]) == 0
+    assert capsys.readouterr().out.strip() == "COMMITTED"
+    assert main(["half", "commit", res.msg_id]) == 0  # again: nothing more happens
+    assert capsys.readouterr().out.strip() == "NOOP"
+    assert expired_line() == []
+    assert main(["consume", name, "--group", f"g{name}", "--max", "1", "--timeout", "20"]) == 0
+    assert capsys.readouterr().out.count("stuck") == 1
+    tp.close()
 
 
 def test_bench_storage_prints_only_json_lines_on_stdout(tmp_path):
