@@ -139,3 +139,29 @@ def test_bench_machine_cpu_counts_the_work_it_times():
     assert params["cpu_us_per_msg"] == round(cpu.busy_s / 1000 * 1e6, 1) >= 250
     assert 0 <= params["steal_pct"] <= 100
     assert MachineCpu().params(1000, 1.0) == {}  # nothing timed: nothing claimed
+
+
+@pytest.mark.slow
+def test_bench_txmsg_prints_its_figures(tmp_path):
+    """The issue's metric names, a check-back that settled, and a ratio of its own figures.
+    (Its own local Ray in a subprocess: the bench deploys a RayMQ of its own.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "txmsg", "--scale",
+                           "0.02", "--workdir", str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {d["metric"]: d for d in map(json.loads, proc.stdout.splitlines())}
+    assert {"txmsg.p1", "txmsg.p8", "txmsg.plain_p8", "txmsg.vs_plain_ratio",
+            "txmsg.async_p1", "txmsg.checkback_resolution_ms"} <= set(got)
+    for name in ("txmsg.p1", "txmsg.p8", "txmsg.plain_p8", "txmsg.async_p1"):
+        assert got[name]["value"] > 0 and got[name]["unit"] == "msgs/s"
+    ratio = got["txmsg.p8"]["value"] / got["txmsg.plain_p8"]["value"]
+    assert got["txmsg.vs_plain_ratio"]["value"] == pytest.approx(ratio, abs=0.001)
+    check = got["txmsg.checkback_resolution_ms"]
+    # settled by a check-back: not before the transaction timeout, every one of them
+    assert check["value"] >= check["params"]["txn_timeout_ms"] and check["params"]["n"] == 20
+    assert got["txmsg.p8"]["params"]["requests"] > 0
