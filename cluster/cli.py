@@ -207,7 +207,11 @@ def _cmd_demo(args) -> int:
         from cluster import storage_demo
         return storage_demo.run(args.data_dir)
     from cluster import demo
-    return demo.run(args.data_dir, orders=args.orders)
+    if args.orders < demo.MIN_ORDERS:
+        print(f"raymq demo: --orders must be at least {demo.MIN_ORDERS} (every failure the "
+              "demo injects needs an order of its own)", file=sys.stderr)
+        return 2
+    return demo.run(args.data_dir, orders=args.orders, sabotage=args.sabotage)
 
 
 def _cmd_bench(args) -> int:
@@ -311,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--orders", type=int, default=60, help="orders to place (default 60)")
     demo.add_argument("--storage", action="store_true",
                       help="run the storage-engine crash demonstration instead")
+    demo.add_argument("--sabotage", choices=("check-always-commits",),
+                      help="break the order service on purpose (its check-back answers COMMIT "
+                           "without looking at its database) to see the consistency report "
+                           "catch it: the demo then exits 1")
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="run benchmarks (JSON lines on stdout)",

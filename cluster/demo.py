@@ -17,6 +17,11 @@ Failures injected along the way (seeds 000-003):
 Then a consistency report: orders paid = orders credited with points, no
 points for a rolled-back order, no half message left unresolved, no dead
 letter.  Exit status 1 if anything is inconsistent.
+
+``--sabotage check-always-commits`` breaks the order service on purpose: its
+check-back answers COMMIT without looking at its database, so orders whose
+local transaction failed get points.  The report catches it (exit status 1):
+the check shows what the report is worth.
 """
 from __future__ import annotations
 
@@ -71,8 +76,14 @@ def init_order_db(path: str) -> None:
     con.close()
 
 
-def order_service(address: str, db: str, first: int, n: int, out) -> None:
-    """Runs in a child process; prints one JSON line per order."""
+SABOTAGE = ("check-always-commits",)
+#: Fewest orders for which every planned failure happens (a crash, a lost end, a local error).
+MIN_ORDERS = 12
+
+
+def order_service(address: str, db: str, first: int, n: int, out,
+                  sabotage: str | None = None) -> None:
+    """Runs in a child process; prints one JSON line per order, and per check-back answered."""
     import ray
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address, namespace="raymq", log_to_driver=False, logging_level="ERROR")
@@ -80,6 +91,7 @@ def order_service(address: str, db: str, first: int, n: int, out) -> None:
     from cluster import Message, TransactionListener, connect
     orders = plan(n)
     txids: dict[str, str] = {}  # transaction id -> order id (the lost-end fault needs it)
+    print_lock = threading.Lock()  # check-backs answer from other threads
 
     class OrderListener(TransactionListener):
         def execute_local_transaction(self, msg, order):
@@ -113,7 +125,13 @@ def order_service(address: str, db: str, first: int, n: int, out) -> None:
                                   (msg.transaction_id,)).fetchone()
             finally:
                 con.close()
-            return S.COMMIT_MESSAGE if row else S.ROLLBACK_MESSAGE
+            state = S.COMMIT_MESSAGE if row else S.ROLLBACK_MESSAGE
+            if sabotage == "check-always-commits":
+                state = S.COMMIT_MESSAGE  # the bug the report must catch
+            with print_lock:
+                print(json.dumps({"order": json.loads(msg.body)["order_id"], "event": "check",
+                                  "answer": state.value}), file=out, flush=True)
+            return state
 
     mq = connect()
     lost = {o["order_id"] for o in orders.values() if o["fault"] == "lost_end"}
@@ -123,9 +141,11 @@ def order_service(address: str, db: str, first: int, n: int, out) -> None:
         order = orders[i]
         msg = Message(TOPIC, json.dumps(order).encode(), key=order["order_id"], tags="order")
         res = tp.send_in_transaction(msg, order)
-        print(json.dumps({"order": order["order_id"], "event": res.local_state.value}),
-              file=out, flush=True)
-    print(json.dumps({"event": "done"}), file=out, flush=True)
+        with print_lock:
+            print(json.dumps({"order": order["order_id"], "event": res.local_state.value,
+                              "end_lost": order["order_id"] in lost}), file=out, flush=True)
+    with print_lock:
+        print(json.dumps({"event": "done"}), file=out, flush=True)
     # stay up to answer check-backs until the driver stops this process
     while True:
         time.sleep(1)
@@ -173,7 +193,7 @@ class PointsService:
 
 # ------------------------------------------------------------------------- driver
 def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
-        timeout_s: float = 240.0) -> int:
+        timeout_s: float = 240.0, sabotage: str | None = None) -> int:
     say = lambda text: print(f"[demo] {text}", file=out, flush=True)  # noqa: E731
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -199,11 +219,16 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         points.thread.start()
         say("points service consuming 'orders' (group points-service)")
 
-        events: dict[str, str] = {}
+        if sabotage:
+            say(f"SABOTAGE: {sabotage} -- the consistency report should catch it")
+        events: dict[str, str] = {}  # order -> local state of its transaction, or "crash"
+        ends_lost: set[str] = set()
+        answered: list[tuple[str, str]] = []  # check-backs answered: (order, answer)
 
         def start_order_service(first: int) -> subprocess.Popen:
             p = subprocess.Popen([sys.executable, "-m", "cluster.demo", "order-service", address,
-                                  order_db, str(first), str(orders)],
+                                  order_db, str(first), str(orders), *([sabotage] if sabotage
+                                                                        else [])],
                                  stdout=subprocess.PIPE, text=True,
                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  env={**os.environ, "RAY_AUTH_MODE": "disabled"})
@@ -213,9 +238,16 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         def read_events(p: subprocess.Popen) -> str:
             for line in p.stdout:
                 ev = json.loads(line)
+                if ev["event"] == "check":
+                    answered.append((ev["order"], ev["answer"]))
+                    continue
                 if ev["event"] == "done":
+                    # it stays up answering check-backs: keep reading those
+                    threading.Thread(target=read_events, args=(p,), daemon=True).start()
                     return "done"
                 events[ev["order"]] = ev["event"]
+                if ev.get("end_lost"):
+                    ends_lost.add(ev["order"])
                 if len(events) % 10 == 0:
                     say(f"order service: {len(events)}/{orders} orders placed")
                 if ev["event"] == "crash":
@@ -288,12 +320,16 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
              f"{len(halves)} pending, {len(expired)} expired"),
             ("no dead letter", not dlq, f"{len(dlq)} dead letters"),
         ]
-        faults = [o["fault"] for o in plan(orders).values() if o["fault"]]
-        say("injected: producer killed after DB commit x%d, end_transaction lost x%d, "
-            "local transaction error x%d, consumer failures x%d, duplicate deliveries "
-            "skipped %d" % (faults.count("crash"), faults.count("lost_end"),
-                            faults.count("db_error"), points.failures_injected,
-                            points.duplicates_skipped))
+        states = list(events.values())
+        answers = [a for _o, a in answered]
+        say("what happened: %d orders committed locally, %d rolled back (insufficient funds), "
+            "%d unknown (local transaction error), %d producer killed after its DB commit; "
+            "%d end_transaction lost; %d check-backs answered (%d commit, %d rollback); "
+            "%d consumer failures retried; %d duplicate deliveries skipped"
+            % (states.count("COMMIT_MESSAGE"), states.count("ROLLBACK_MESSAGE"),
+               states.count("UNKNOW"), states.count("crash"), len(ends_lost), len(answered),
+               answers.count("COMMIT_MESSAGE"), answers.count("ROLLBACK_MESSAGE"),
+               points.failures_injected, points.duplicates_skipped))
         print("\nconsistency report", file=out)
         ok = True
         for label, passed, detail in checks:
@@ -317,13 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["order-service"]:
         address, db, first, n = argv[1], argv[2], int(argv[3]), int(argv[4])
-        order_service(address, db, first, n, sys.stdout)
+        order_service(address, db, first, n, sys.stdout, argv[5] if len(argv) > 5 else None)
         return 0
     ap = argparse.ArgumentParser(prog="python -m cluster.demo")
     ap.add_argument("--data-dir")
     ap.add_argument("--orders", type=int, default=60)
+    ap.add_argument("--sabotage", choices=SABOTAGE)
     args = ap.parse_args(argv)
-    return run(args.data_dir, orders=args.orders)
+    return run(args.data_dir, orders=args.orders, sabotage=args.sabotage)
 
 
 if __name__ == "__main__":
