@@ -60,7 +60,10 @@ class CheckerWorker:
                 log.warning("checker-%d: registry-%d unavailable: %s", self.index, r, err)
                 self.last_error = f"registry-{r}: {err}"
         sent: dict[str, int] = {}
-        for shard in self.shards:
+        k = self.rounds % len(self.shards) if self.shards else 0
+        # each round starts at another shard: one shard's backlog of a group must not
+        # use up the group's checks in every round
+        for shard in self.shards[k:] + self.shards[:k]:
             try:
                 requests = self._call_shard(shard, "check_round", sorted(set(live)),
                                             max_checks_per_group=self.max_checks_per_group,

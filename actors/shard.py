@@ -9,8 +9,8 @@ Idempotence of methods (what a retried Ray call may do):
 - ``commit_offsets``: idempotent (sets, never adds).
 - ``send_back``: not idempotent; a retried call may produce a second retry copy
   (at-least-once redelivery, never loss).
-- ``dlq_resend``: not idempotent; a retried call may resend twice (progress is
-  recorded after the resend: at least once, never loss).
+- ``dlq_resend``: without ids, idempotent (its copies carry their progress as an
+  internal producer sequence); with ids, each call resends them.
 - ``end_transactions`` / ``resolve_half``: idempotent (a resolved half stays resolved).
 - ``check_round``: safe to repeat (stale copies are skipped).
 - ``uncount_checks``: idempotent (only a copy still carrying that count is changed).
@@ -86,6 +86,7 @@ class BrokerShard:
         self._scheduler: threading.Thread | None = None
         self.max_lateness_ms = 0
         self._tx_lock = threading.RLock()
+        self._dlq_lock = threading.Lock()  # one resend of all dead letters at a time
         self._pending_halves: dict[int, int] = {}    # unresolved origin -> its latest copy
         self._latest_copy: dict[int, int] = {}       # origin -> queue offset of its latest copy
         self._half_size: dict[int, int] = {}         # pending origin -> its record size
@@ -394,6 +395,12 @@ class BrokerShard:
         the resent dead letters.  With ``phys_offsets`` (an operator's pick)
         each call resends them again.
         """
+        if phys_offsets is not None:
+            return self._dlq_resend(group, phys_offsets)
+        with self._dlq_lock:  # two at once would read the same progress and overlap
+            return self._dlq_resend(group, None)
+
+    def _dlq_resend(self, group: str, phys_offsets: list[int] | None) -> list[str]:
         topic = dlq_topic(group)
         progress_key = f"dlq-resend@{group}@{self.index}"
         pid, sequence = 0, 0
@@ -783,6 +790,8 @@ class BrokerShard:
                 break
         with self._tx_lock:  # groups stay "waiting" until a producer of theirs is live again
             self._waiting_groups = (self._waiting_groups - set(live_groups)) | waiting
+            # once a round, with where the windows got to
+            self._advance_op_progress(max(0, self.store.offsets.get(self._HALF_PROGRESS, 0)))
         self.metrics.set("halves_waiting_for_producer", float(waits))
         self.metrics.inc("transaction_checks", len(out))
         return out
@@ -842,7 +851,6 @@ class BrokerShard:
             # resolved when written, before their fsync): save_offsets makes them durable
             if progress != start:
                 self.store.save_offsets({self._HALF_PROGRESS: progress})
-            self._advance_op_progress(progress)
         more = not stopped and bool(halves) and progress < end
         return ([{"shard": self.index, "group": v.group, "origin": v.origin, "checks": count,
                   "txid": m.properties.get(Prop.TRANSACTION_ID), "message": _listener_view(m, self.index, v.origin)}

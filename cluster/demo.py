@@ -237,7 +237,10 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
 
         def read_events(p: subprocess.Popen) -> str:
             for line in p.stdout:
-                ev = json.loads(line)
+                try:
+                    ev = json.loads(line)
+                except ValueError:  # a line cut short by the process being killed
+                    continue
                 if ev["event"] == "check":
                     answered.append((ev["order"], ev["answer"]))
                     continue
@@ -320,14 +323,13 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
              f"{len(halves)} pending, {len(expired)} expired"),
             ("no dead letter", not dlq, f"{len(dlq)} dead letters"),
         ]
-        states = list(events.values())
-        answers = [a for _o, a in answered]
+        states, answers = list(events.values()), [a for _o, a in list(answered)]
         say("what happened: %d orders committed locally, %d rolled back (insufficient funds), "
             "%d unknown (local transaction error), %d producer killed after its DB commit; "
             "%d end_transaction lost; %d check-backs answered (%d commit, %d rollback); "
             "%d consumer failures retried; %d duplicate deliveries skipped"
             % (states.count("COMMIT_MESSAGE"), states.count("ROLLBACK_MESSAGE"),
-               states.count("UNKNOW"), states.count("crash"), len(ends_lost), len(answered),
+               states.count("UNKNOW"), states.count("crash"), len(ends_lost), len(answers),
                answers.count("COMMIT_MESSAGE"), answers.count("ROLLBACK_MESSAGE"),
                points.failures_injected, points.duplicates_skipped))
         print("\nconsistency report", file=out)

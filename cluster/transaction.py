@@ -208,6 +208,7 @@ class TransactionProducer:
         started = time.monotonic()
         # in flight from here to its end: close() waits for it (its end must still go out)
         token: Future = Future()
+        token.set_running_or_notify_cancel()  # not cancellable: its end must go out
         with self._in_flight_lock:
             if self._stop.is_set():
                 raise RayMQError("transaction producer is closed")
@@ -296,10 +297,14 @@ class TransactionProducer:
                             self.instance_id, err)
                 self._stop.wait(0.5)
                 continue
-            with self._idle_cv:
-                self._idle_checks -= len(reqs)
             for req in reqs:
-                self._pool.submit(self._answer, req)
+                with self._idle_cv:
+                    self._idle_checks -= 1
+                try:
+                    self._pool.submit(self._answer, req)
+                except RuntimeError:  # the pool is shut down: the registry asks again later
+                    with self._idle_cv:
+                        self._idle_checks += 1
 
     def _answer(self, req: dict) -> None:
         try:
@@ -324,6 +329,9 @@ class TransactionProducer:
 
     # ----------------------------------------------------------------- close
     def close(self) -> None:
+        """Refuse new transactions, let those in flight end (their ends are sent), stop
+        answering checks and leave the group.  Not from inside a listener: it would wait
+        for its own transaction."""
         from cluster import rpc
         with self._in_flight_lock:  # no transaction begins after this
             self._stop.set()

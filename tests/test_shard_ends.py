@@ -1,6 +1,8 @@
 """A shard in-process (no Ray): transaction ends with and without the halves kept in memory."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from actors import shard as shard_mod
@@ -316,6 +318,54 @@ def test_dlq_resend_cut_short_before_its_progress_resends_each_dead_letter_once(
         sh.send_back("g", sent["phys"][2], dead_letter=True)  # and a new dead letter came
         assert len(sh.dlq_resend("g")) == 1  # only the new one is resent now
         assert sh.dlq_resend("g") == []
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        assert sorted(m.body for m in batch.messages()) == [b"m0", b"m1", b"m2"]
+        # an operator's pick is resent on every call: that is what they asked for
+        dead = sh.store.read_queue(dlq_topic("g"), 0, 0, 1)
+        sh.dlq_resend("g", [dead[0].phys_offset])
+        sh.dlq_resend("g", [dead[0].phys_offset])
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        assert len(batch) == 5
+    finally:
+        sh.close()
+
+
+def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
+    """A resend retried while the first is still writing (a client timeout), with a new
+    dead letter between them: the two must not both resend the old ones."""
+    import threading
+    from cluster.message import dlq_topic, retry_topic
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
+    try:
+        sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1", b"m2"]))
+        for phys in sent["phys"][:2]:
+            sh.send_back("g", phys, dead_letter=True)
+        real_send, arrived = sh.send, []
+        go = {"first": threading.Event(), "second": threading.Event()}
+
+        def send(batch, *args):  # each resend's write waits for its own go
+            if batch is not None and batch.topics == retry_topic("g"):
+                me = threading.current_thread().name
+                arrived.append(me)
+                go[me].wait(10)
+            return real_send(batch, *args)
+        sh.send = send
+        first = threading.Thread(target=sh.dlq_resend, args=("g",), name="first")
+        first.start()
+        deadline = time.monotonic() + 10
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arrived == ["first"]
+        sh.send_back("g", sent["phys"][2], dead_letter=True)
+        second = threading.Thread(target=sh.dlq_resend, args=("g",), name="second")
+        second.start()
+        second.join(1.0)  # it must not read the progress while the first one is writing
+        go["first"].set()  # the first writes first, then the second
+        first.join(10)
+        go["second"].set()
+        second.join(10)
+        assert not first.is_alive() and not second.is_alive()
         [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
         assert sorted(m.body for m in batch.messages()) == [b"m0", b"m1", b"m2"]
         # an operator's pick is resent on every call: that is what they asked for
