@@ -161,7 +161,9 @@ def test_a_round_reads_past_one_window_up_to_where_the_queue_ended(world):
     assert sh.check_round(["g"], window=10) == []
 
 
-def test_the_group_limit_holds_across_the_shards_of_a_round(tmp_path):
+@pytest.fixture
+def two_shards(tmp_path):
+    """(clock, [shard 0, shard 1], registry, checker): group "g" live, 10 checks a round."""
     clock = ManualClock()
     shards = []
     for i in range(2):
@@ -176,16 +178,19 @@ def test_the_group_limit_holds_across_the_shards_of_a_round(tmp_path):
                             call_registry=lambda _i, m, *a: getattr(registry, m)(*a),
                             num_registries=1, interval_ms=10**6, max_checks_per_group=10,
                             background=False)
-    try:
-        for sh in shards:
-            halves(sh, "g", 8)
-        clock.advance(TIMEOUT_MS + 1)
-        assert checker.run_round() == {"g": 10}
-        assert len(taken(registry, "g")) == 10
-        assert checker.run_round() == {"g": 6}  # the rest, the next round
-    finally:
-        for sh in shards:
-            sh.close()
+    yield clock, shards, registry, checker
+    for sh in shards:
+        sh.close()
+
+
+def test_the_group_limit_holds_across_the_shards_of_a_round(two_shards):
+    clock, shards, registry, checker = two_shards
+    for sh in shards:
+        halves(sh, "g", 8)
+    clock.advance(TIMEOUT_MS + 1)
+    assert checker.run_round() == {"g": 10}
+    assert len(taken(registry, "g")) == 10
+    assert checker.run_round() == {"g": 6}  # the rest, the next round
 
 
 def test_an_unreachable_registry_holds_back_only_its_own_groups(tmp_path):
@@ -250,31 +255,14 @@ def test_a_check_shows_the_listener_the_id_its_producer_was_given(world):
         assert (msg.topic, msg.transaction_id) == ("orders", "tx0")
 
 
-def test_one_shard_s_backlog_of_a_group_does_not_starve_its_other_shards(tmp_path):
-    clock = ManualClock()
-    shards = []
-    for i in range(2):
-        sh = BrokerShard(i, {"data_dir": str(tmp_path / f"s{i}"), "num_shards": 2,
-                             "txn_timeout_ms": TIMEOUT_MS}, clock=clock, background=False)
-        sh.set_routes([("orders", 0)])
-        shards.append(sh)
-    registry = ProducerGroupRegistry(lease_ms=10**9, clock=clock)
-    registry.heartbeat("g", "instance-1")
-    checker = CheckerWorker(0, [0, 1],
-                            call_shard=lambda i, m, *a, **k: getattr(shards[i], m)(*a, **k),
-                            call_registry=lambda _i, m, *a: getattr(registry, m)(*a),
-                            num_registries=1, interval_ms=10**6, max_checks_per_group=10,
-                            background=False)
-    try:
-        halves(shards[0], "g", 40)  # a backlog: four rounds' worth on shard 0
-        [lone] = halves(shards[1], "g", 1, start=100)
-        clock.advance(TIMEOUT_MS + 1)
-        asked = []
-        for _ in range(2):
-            assert checker.run_round() == {"g": 10}
-            asked += [(r["shard"], r["origin"]) for r in
-                      registry.poll_checks("g", "instance-1", 100, 0)]
-        assert (1, lone) in asked  # within two rounds, not after shard 0's backlog
-    finally:
-        for sh in shards:
-            sh.close()
+def test_one_shard_s_backlog_of_a_group_does_not_starve_its_other_shards(two_shards):
+    clock, shards, registry, checker = two_shards
+    halves(shards[0], "g", 40)  # a backlog: four rounds' worth on shard 0
+    [lone] = halves(shards[1], "g", 1, start=100)
+    clock.advance(TIMEOUT_MS + 1)
+    asked = []
+    for _ in range(2):
+        assert checker.run_round() == {"g": 10}
+        asked += [(r["shard"], r["origin"]) for r in
+                  registry.poll_checks("g", "instance-1", 100, 0)]
+    assert (1, lone) in asked  # within two rounds, not after shard 0's backlog

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from cluster import LocalTransactionState as S
+from cluster import Message, TransactionListener
 from cluster.cli import main
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -39,22 +42,22 @@ def test_cli_errors_are_clear(mq, name, capsys):
         main(["topic"])  # an action is required
 
 
+class Undecided(TransactionListener):
+    """Never decides: its transactions are left to check-backs, which it cannot answer."""
+
+    def execute_local_transaction(self, msg, arg):
+        return S.UNKNOW
+
+    def check_local_transaction(self, msg):
+        return S.UNKNOW
+
+
 def test_half_list_and_operator_rollback(mq, name, capsys):
-    from cluster import LocalTransactionState as S
-    from cluster import Message, TransactionListener
 
-    class Undecided(TransactionListener):
-        def execute_local_transaction(self, msg, arg):
-            return S.UNKNOW
-
-        def check_local_transaction(self, msg):
-            return S.UNKNOW
     mq.create_topic(name, queues=1)
     tp = mq.transaction_producer(f"p{name}", Undecided())
     res = tp.send_in_transaction(Message(name, b"x"), None)
     tp.close()  # nobody left to answer: the half waits, uncounted
-    from tests.conftest import wait_for
-
     def listed():
         assert main(["half", "list"]) == 0
         return [x for x in capsys.readouterr().out.splitlines() if res.msg_id in x]
@@ -72,16 +75,7 @@ def test_half_list_and_operator_rollback(mq, name, capsys):
 
 
 def test_expired_half_listed_and_committed_by_an_operator(mq, name, capsys):
-    from cluster import LocalTransactionState as S
-    from cluster import Message, TransactionListener
-    from tests.conftest import wait_for
 
-    class Undecided(TransactionListener):
-        def execute_local_transaction(self, msg, arg):
-            return S.UNKNOW
-
-        def check_local_transaction(self, msg):
-            return S.UNKNOW
     mq.create_topic(name, queues=1)
     tp = mq.transaction_producer(f"p{name}", Undecided())  # live, never decides
     res = tp.send_in_transaction(Message(name, b"stuck"), None)
