@@ -109,7 +109,8 @@ class TransactionProducer:
         self._registry = mq.registry_handle(group)
         self._stop = threading.Event()
         self._in_flight: set[Future] = set()  # async transactions not finished yet
-        self._in_flight_lock = threading.Lock()
+        self._sync_in_flight = 0  # synchronous ones (a counter: a Future each costs)
+        self._in_flight_lock = threading.Condition()
         self.checks_answered = 0
         from cluster import rpc
         rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
@@ -133,15 +134,18 @@ class TransactionProducer:
         A list of messages (to one or several topics) is one transaction.  The
         local transaction runs in the calling thread.
         """
-        tx = self._begin(msg, timeout_ms)
+        tx = self._begin(msg, timeout_ms, None)
         try:
-            result = self._finish(tx, [(fut, positions, self._wait_part(fut))
-                                       for fut, positions in tx["parts"]], arg)
-        except BaseException as err:
-            tx["token"].set_exception(err)
-            raise
-        tx["token"].set_result(result)
-        return result
+            return self._finish(tx, [(fut, positions, self._wait_part(fut))
+                                     for fut, positions in tx["parts"]], arg)
+        finally:
+            self._sync_done()
+
+    def _sync_done(self) -> None:
+        with self._in_flight_lock:
+            self._sync_in_flight -= 1
+            if not self._sync_in_flight:
+                self._in_flight_lock.notify_all()
 
     def send_in_transaction_async(self, msg: Message | list[Message], arg=None, *,
                                   timeout_ms: int | None = None) -> Future:
@@ -151,8 +155,9 @@ class TransactionProducer:
         (``executor_threads``) once the halves are stored, so one application
         thread can have many transactions in flight.
         """
-        tx = self._begin(msg, timeout_ms)
-        out: Future = tx["token"]  # in flight until it is finished
+        out: Future = Future()
+        out.set_running_or_notify_cancel()  # not cancellable: its end must go out
+        tx = self._begin(msg, timeout_ms, out)  # in flight until it is finished
         remaining = [len(tx["parts"])]
         lock = threading.Lock()
 
@@ -187,7 +192,9 @@ class TransactionProducer:
         except Exception as err:  # this part was not stored
             return err
 
-    def _begin(self, msg, timeout_ms: int | None) -> dict:
+    def _begin(self, msg, timeout_ms: int | None, token: Future | None) -> dict:
+        """Validate, register the transaction as in flight (``token``: its future, or None
+        for a synchronous one) and submit its halves."""
         if self._stop.is_set():
             raise RayMQError("transaction producer is closed")
         batch = isinstance(msg, list)
@@ -207,20 +214,25 @@ class TransactionProducer:
             props[Prop.TXN_TIMEOUT_MS] = str(int(timeout_ms))
         started = time.monotonic()
         # in flight from here to its end: close() waits for it (its end must still go out)
-        token: Future = Future()
-        token.set_running_or_notify_cancel()  # not cancellable: its end must go out
         with self._in_flight_lock:
             if self._stop.is_set():
                 raise RayMQError("transaction producer is closed")
-            self._in_flight.add(token)
-        token.add_done_callback(self._landed)
+            if token is None:
+                self._sync_in_flight += 1
+            else:
+                self._in_flight.add(token)
+        if token is not None:
+            token.add_done_callback(self._landed)
         try:
             parts = self._producer._submit(msgs, system_props=props)
         except BaseException as err:
-            token.set_exception(err)
+            if token is None:
+                self._sync_done()
+            else:
+                token.set_exception(err)
             raise
         return {"txid": txid, "msgs": msgs, "batch": batch, "timeout_ms": timeout_ms,
-                "started": started, "parts": parts, "token": token}
+                "started": started, "parts": parts}
 
     def _finish(self, tx: dict, parts: list, arg) -> TransactionSendResult:
         """Halves stored (or not): run the local transaction and end the transaction."""
@@ -338,8 +350,10 @@ class TransactionProducer:
         with self._idle_cv:
             self._idle_cv.notify_all()
         self._poller.join()
-        with self._in_flight_lock:  # async transactions run to their end before the pools go
+        with self._in_flight_lock:  # transactions run to their end before the pools go
             in_flight = list(self._in_flight)
+            while self._sync_in_flight:
+                self._in_flight_lock.wait()
         wait(in_flight)
         self._exec_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
