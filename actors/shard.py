@@ -127,6 +127,14 @@ class BrokerShard:
         idempotent too): applied after the batch is written, their outcomes
         returned under ``"ends"``.  The reply waits for one fsync covering both.
         """
+        if isinstance(producer_id, int) and producer_id >= INTERNAL_PRODUCER_BASE:
+            # the shard's own writers keep their progress as such producers' sequences
+            raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
+                                      f"(client ids are below 2**62)")
+        return self._store_request(batch, producer_id, sequence, ends)
+
+    def _store_request(self, batch: RecordBatch | None, producer_id: int, sequence: int,
+                       ends: list | None) -> dict:
         if not ends:
             return self._send(batch, producer_id, sequence, wait=True)[0]
         n = len(batch) if batch is not None else 0
@@ -424,10 +432,11 @@ class BrokerShard:
             p = dict(m.properties)
             p.pop(Prop.DLQ_REASON, None)
             props.append(p)
-        sent = self.send(RecordBatch(retry_topic(group), self.index, [m.body for m in msgs],
-                                     keys=[m.key for m in msgs], tags=[m.tags for m in msgs],
-                                     properties=props, born_ms=[m.born_ms for m in msgs]),
-                         pid, sequence)
+        sent = self._store_request(
+            RecordBatch(retry_topic(group), self.index, [m.body for m in msgs],
+                        keys=[m.key for m in msgs], tags=[m.tags for m in msgs],
+                        properties=props, born_ms=[m.born_ms for m in msgs]),
+            pid, sequence, None)
         if sent["status"] != "SEND_OK":
             raise StorageError(f"dead letters of {group!r} resent but not durable "
                                f"({sent['status']}); resend them again")

@@ -178,7 +178,7 @@ class MessageStore:
             if doc.get("format") != CHECKPOINT_FORMAT:
                 raise ValueError("format")
             offset = int(doc["consume_queue_offset"])
-            self._producers = ProducerTable.restore(doc.get("producers", {}))
+            self._producers = ProducerTable.restore(doc["producers"])
             return offset
         except FileNotFoundError:
             return 0
@@ -196,6 +196,13 @@ class MessageStore:
         self._cq.load()
         try:
             self._log.open(ckpt, self._replay_frame)
+            if ckpt > self._log.max_offset:
+                # flushed data the checkpoint covers is gone (a lost tail, pages dropped
+                # after an I/O error): its producer snapshot would claim sequences the log
+                # no longer holds -- the scheduler and resends would skip, resends of
+                # clients be taken for duplicates.  Everything is rebuilt from the log.
+                raise _RebuildNeeded(f"the checkpoint ({ckpt}) is past the end of the "
+                                     f"commit log ({self._log.max_offset})")
             self._cut_open_put()
         except _RebuildNeeded as why:
             log.warning("consume queues disagree with the commit log (%s); rebuilding them", why)
@@ -323,6 +330,8 @@ class MessageStore:
                 if positions:  # part of a put is on disk: stop; recovery cuts the partial put
                     self._fail(err, f"write failed after {len(positions)} of {len(frames)} "
                                     "frames of a put")
+                elif isinstance(err, OSError):  # e.g. the fsync sealing a full segment:
+                    self._fail(err, "commit-log write failed")  # earlier puts may be lost
                 raise
             phys_parts, size_parts = [], []
             try:
@@ -590,6 +599,8 @@ class MessageStore:
     def checkpoint(self) -> int:
         """Make consume-queue entries durable and record up to where; return it."""
         with self._write_lock:
+            if self._failed is not None:  # keep the last good checkpoint: a restart recovers
+                return self._log.flushed_offset
             # fsync first, so that the producer snapshot covers only durable puts
             if self._log.flushed_offset < self._dispatched_end:
                 self._sync_log()
@@ -699,10 +710,11 @@ class MessageStore:
             self._flusher.join()
         with self._write_lock:
             self._closed = True
-            self._log.sync()
-            self._write_checkpoint(min(self._log.flushed_offset, self._dispatched_end),
-                                   sync_queues=True, producers=self._producers.snapshot())
-            self._log.close()
+            if self._failed is None:  # after a failed write the last good checkpoint stays
+                self._log.sync()
+                self._write_checkpoint(min(self._log.flushed_offset, self._dispatched_end),
+                                       sync_queues=True, producers=self._producers.snapshot())
+            self._log.close(sync=self._failed is None)
             self._cq.close()
 
     def __enter__(self) -> "MessageStore":

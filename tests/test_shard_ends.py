@@ -341,16 +341,16 @@ def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
         sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1", b"m2"]))
         for phys in sent["phys"][:2]:
             sh.send_back("g", phys, dead_letter=True)
-        real_send, arrived = sh.send, []
+        real_store, arrived = sh._store_request, []
         go = {"first": threading.Event(), "second": threading.Event()}
 
-        def send(batch, *args):  # each resend's write waits for its own go
+        def store(batch, *args):  # each resend's write waits for its own go
             if batch is not None and batch.topics == retry_topic("g"):
                 me = threading.current_thread().name
                 arrived.append(me)
                 go[me].wait(10)
-            return real_send(batch, *args)
-        sh.send = send
+            return real_store(batch, *args)
+        sh._store_request = store
         first = threading.Thread(target=sh.dlq_resend, args=("g",), name="first")
         first.start()
         deadline = time.monotonic() + 10
@@ -425,3 +425,20 @@ def test_deliver_at_is_refused_by_the_client_before_it_can_fail_a_shared_request
     from storage.errors import InvalidMessageError
     with pytest.raises(InvalidMessageError, match="not supported yet"):
         Message("orders", b"x", deliver_at_ms=1_700_000_000_000).validate(1024, 18)
+
+
+def test_a_client_cannot_write_as_one_of_the_shard_s_own_producers(tmp_path):
+    """The delay scheduler and dead-letter resends keep their progress as the sequences
+    of producer ids from 2**62 up: a client request under such an id could freeze them."""
+    from actors.shard import DLQ_RESEND_PID_BASE, SCHEDULER_PID_BASE
+    from storage.errors import InvalidMessageError
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        for pid in (SCHEDULER_PID_BASE + 1, DLQ_RESEND_PID_BASE + 5):
+            with pytest.raises(InvalidMessageError, match="reserved for the broker"):
+                sh.send(RecordBatch("orders", 0, [b"x"]), pid, 10**12)
+            assert sh.store.last_sequence(pid) == 0
+        assert sh.send(RecordBatch("orders", 0, [b"y"]), (1 << 62) - 1, 1)["status"] == "SEND_OK"
+    finally:
+        sh.close()

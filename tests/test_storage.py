@@ -1,6 +1,7 @@
 """Storage engine: round trips, segments, recovery, corruption, bad input."""
 from __future__ import annotations
 
+import json
 import logging
 import random
 import os
@@ -180,7 +181,8 @@ def test_whole_index_rebuilt_when_it_disagrees_with_the_log(tmp_path, caplog):
         store.put(batch("t", 0, 100, 100))
     os.unlink(tmp_path / "consumequeue" / "t" / "0")
     (tmp_path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
-                                         f'"consume_queue_offset": {10 ** 6}}}')
+                                         f'"consume_queue_offset": {10 ** 6}, '
+                                         '"producers": {}}')
     caplog.set_level(logging.WARNING, logger="raymq.storage")
     with open_store(tmp_path) as store:  # checkpoint past the end: said loudly, then rescanned
         assert [m.body for m in store.read_queue("t", 0, 0, 1000)] == [body(i) for i in range(200)]
@@ -554,6 +556,87 @@ def test_a_failed_fsync_stops_the_store_instead_of_acknowledging_a_resend(tmp_pa
     with pytest.raises(StorageError, match="restart"):
         store.put([Record("T", 0, b"y")], producer_id=9, sequence=2)
     monkeypatch.setattr(commitlog.os, "fsync", real_fsync)
+    store.close()
+
+
+def test_producer_sequences_come_back_as_the_log_holds_them_when_its_tail_is_lost(tmp_path):
+    """A checkpoint past the end of the log (flushed data gone) must not restore its
+    snapshot: the sequences it claims are no longer in the log.  The delay scheduler and
+    dead-letter resends keep their progress as such sequences, and would skip."""
+    internal = (1 << 62) + 1
+    with open_store(tmp_path) as store:
+        for seq in range(1, 4):
+            store.put(batch("t", 0, seq * 10, 2), producer_id=internal, sequence=seq)
+        store.checkpoint()
+        keep = store.max_phys_offset
+        for seq in range(4, 11):
+            store.put(batch("t", 0, seq * 10, 2), producer_id=internal, sequence=seq)
+        store.put(batch("t", 0, 500, 2), producer_id=77, sequence=1)
+    seg = commitlog_files(tmp_path)[-1]
+    os.truncate(seg, keep - int(os.path.basename(seg).split(".")[0]))  # the tail is lost
+    with open_store(tmp_path) as store:
+        assert store.last_sequence(internal) == 3 and store.last_sequence(77) == 0
+        assert store.max_queue_offset("t", 0) == 6
+        again = store.put(batch("t", 0, 40, 2), producer_id=internal, sequence=4)
+        assert not again.duplicate  # stored, not taken for a resend of a lost put
+    # a checkpoint without its producer table is unreadable: rebuilt from the log
+    doc = json.loads((tmp_path / "checkpoint").read_text())
+    del doc["producers"]
+    (tmp_path / "checkpoint").write_text(json.dumps(doc))
+    with open_store(tmp_path) as store:
+        assert store.last_sequence(internal) == 4
+
+
+def _fail_fsyncs_of_the_log(monkeypatch, store, when):
+    import errno
+
+    from storage import commitlog
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if when(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+    monkeypatch.setattr(commitlog.os, "fsync", fsync)
+    return real_fsync
+
+
+def test_no_checkpoint_is_written_after_a_failed_fsync(tmp_path, monkeypatch):
+    """Linux may drop the pages an fsync failed to write and report the next fsync a
+    success: a checkpoint then would claim (and a restart trust) puts not on disk."""
+    from storage.errors import StorageError
+    store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
+    store.put([Record("T", 0, b"first")], producer_id=9, sequence=1)
+    store.checkpoint()
+    before = (tmp_path / "checkpoint").read_bytes()
+    failed = []
+    log_fd = store._log._segments[-1].fd
+    _fail_fsyncs_of_the_log(monkeypatch, store,
+                            lambda fd: fd == log_fd and not failed and not failed.append(fd))
+    with pytest.raises(OSError, match="Input/output"):
+        store.put([Record("T", 0, b"lost?")], producer_id=9, sequence=2)
+    with pytest.raises(StorageError, match="restart"):
+        store.put([Record("T", 0, b"x")], producer_id=9, sequence=3)
+    store.checkpoint()
+    store.close()
+    assert (tmp_path / "checkpoint").read_bytes() == before  # the last good one stays
+
+
+def test_a_failed_fsync_sealing_a_full_segment_stops_the_store(tmp_path, monkeypatch):
+    from storage.errors import StorageError
+    cfg = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
+                      max_frame_bytes=4096 + 128 * 1024, flush_mode="async")
+    store = MessageStore(str(tmp_path), cfg, background=False)
+    armed = []
+    _fail_fsyncs_of_the_log(monkeypatch, store, lambda fd: bool(armed) and armed.pop())
+    seq = 0
+    with pytest.raises(OSError, match="Input/output"):
+        while seq < 100:  # fill the segment; the put that starts the next one seals it
+            seq += 1
+            armed[:] = [True] if store.max_phys_offset + 40_000 > 256 * 1024 else []
+            store.put(batch("t", 0, seq * 30, 30, size=1000), producer_id=9, sequence=seq)
+    with pytest.raises(StorageError, match="restart"):  # not accepted as if all was well
+        store.put(batch("t", 0, 0, 1), producer_id=9, sequence=seq + 1)
     store.close()
 
 
