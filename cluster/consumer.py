@@ -409,22 +409,45 @@ class Consumer:
                 msgs = self._poll(batch, idle_s, handling=True)
                 if not msgs:
                     continue
-                if self.ordered:
-                    by_queue = defaultdict(list)
-                    for m in msgs:
-                        by_queue[(m.source_topic, m.source_queue)].append(m)
-                    list(pool.map(lambda ms: self._run_ordered(handler, ms), by_queue.values()))
-                else:
-                    outcomes = list(pool.map(lambda m: _handle(handler, m), msgs))
-                    for m, (ok, reason) in zip(msgs, outcomes):
-                        if not ok:
-                            self.nack(m, reason)
-                with self._lock:
-                    self._processing.clear()
-                    self._handled.notify_all()
+                try:
+                    if self.ordered:
+                        by_queue = defaultdict(list)
+                        for m in msgs:
+                            by_queue[(m.source_topic, m.source_queue)].append(m)
+                        list(pool.map(lambda ms: self._run_ordered(handler, ms),
+                                      by_queue.values()))
+                    else:
+                        outcomes = list(pool.map(lambda m: _handle(handler, m), msgs))
+                        self._give_back([m for m, (ok, _r) in zip(msgs, outcomes) if not ok],
+                                        [r for ok, r in outcomes if not ok])
+                finally:
+                    with self._lock:
+                        self._processing.clear()
+                        self._handled.notify_all()
                 self.commit()
         finally:
             pool.shutdown(wait=True)
+
+    def _give_back(self, failed: list[MessageExt], reasons: list[str]) -> None:
+        """Send failed messages to the retry topic.  One that cannot be sent back (its
+        shard unavailable) must not be passed by the commit: its queue goes back to it,
+        and it is handled again (with what followed it: at least once)."""
+        again: dict[tuple[str, int], int] = {}
+        for m, reason in zip(failed, reasons):
+            key = (m.source_topic, m.source_queue)
+            if key in again:  # its queue goes back already: so does this one
+                continue
+            try:
+                self.nack(m, reason)
+            except RayMQError as err:
+                log.warning("consumer %s: %s could not be sent back for a retry (%s); "
+                            "it is handled again", self.member_id, m.msg_id, err)
+                again[key] = m.source_offset
+        for (topic, qid), offset in again.items():
+            try:
+                self.seek(topic, qid, offset)
+            except RayMQError:  # released meanwhile: its committed offset is before it
+                pass
 
     def _run_ordered(self, handler, msgs: list[MessageExt]) -> None:
         for m in msgs:
@@ -433,14 +456,26 @@ class Consumer:
                 if ok:
                     break
                 if self._stop.is_set():  # stopping on a failure: this message comes again
-                    self.seek(m.source_topic, m.source_queue, m.source_offset)
+                    self._seek_back(m)
                     return
                 m.reconsume_count += 1
                 time.sleep(min(1.0, 0.05 * (2 ** attempt)))
             else:
-                rpc.call(self._mq.shard_handle(m.shard).send_back, self.group,
-                         m.phys, reason=f"ordered: {reason}", dead_letter=True,
-                         timeout_s=30)
+                try:
+                    rpc.call(self._mq.shard_handle(m.shard).send_back, self.group,
+                             m.phys, reason=f"ordered: {reason}", dead_letter=True,
+                             timeout_s=30)
+                except RayMQError as err:  # not dead-lettered: it must come again
+                    log.warning("consumer %s: %s could not be dead-lettered (%s); it is "
+                                "handled again", self.member_id, m.msg_id, err)
+                    self._seek_back(m)
+                    return
+
+    def _seek_back(self, m: MessageExt) -> None:
+        try:
+            self.seek(m.source_topic, m.source_queue, m.source_offset)
+        except RayMQError:  # released meanwhile: its committed offset is before it
+            pass
 
     def stop(self) -> None:
         self._stop.set()

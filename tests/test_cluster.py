@@ -171,6 +171,44 @@ def test_retry_then_dead_letter_then_resend(mq, name):
     p.close()
 
 
+def test_a_failed_message_that_cannot_be_sent_back_is_handled_again(mq, name):
+    """The retry copy cannot be written (its shard restarting): the message must not be
+    committed past -- it comes again -- and run() goes on."""
+    from storage.errors import BrokerUnavailableError
+    mq.create_topic(name, queues=1)
+    p = mq.producer("p")
+    for i in range(4):
+        p.send(Message(name, f"m{i}".encode()))
+    c = mq.consumer(f"g{name}", [name])
+    real_nack, refused = c.nack, []
+
+    def nack(m, reason=""):  # the fault: the first give-back finds the shard unavailable
+        if not refused:
+            refused.append(m.body)
+            raise BrokerUnavailableError("shard restarting")
+        return real_nack(m, reason)
+    c.nack = nack
+    seen = []
+
+    def handler(m):
+        seen.append(m.body)
+        return not (m.body == b"m1" and seen.count(b"m1") == 1)  # fails the first time
+    runner = threading.Thread(target=c.run, args=(handler,), kwargs={"idle_s": 0.2})
+    runner.start()
+    wait_for(lambda: seen.count(b"m1") >= 2 and b"m3" in seen[seen.index(b"m1") + 1:],
+             what="m1 handled again after its failed give-back")
+    c.stop()
+    runner.join(30)
+    assert not runner.is_alive() and refused == [b"m1"]
+    assert seen.count(b"m1") == 2  # once failed, once handled; no retry copy was made
+    assert mq.admin.dlq_list(f"g{name}") == []
+    c.close()
+    c2 = mq.consumer(f"g{name}", [name])  # everything was committed: nothing comes again
+    assert c2.poll(10, 1.0) == []
+    c2.close()
+    p.close()
+
+
 def test_delay_levels_are_never_early(mq, name):
     mq.create_topic(name, queues=2)
     p = mq.producer("p")
