@@ -37,7 +37,8 @@ from storage.clock import Clock, SystemClock
 from storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
                             StorageError, UnknownTopicError)
 from storage.producers import INTERNAL_PRODUCER_BASE
-from storage.records import MessageBatch, Record, StoredMessage, SysFlag, tags_hash
+from storage.records import (MessageBatch, Record, StoredMessage, SysFlag, check_user_properties,
+                             tags_hash)
 
 log = logging.getLogger("raymq.shard")
 
@@ -87,6 +88,7 @@ class BrokerShard:
         self.max_lateness_ms = 0
         self._tx_lock = threading.RLock()
         self._dlq_lock = threading.Lock()  # one resend of all dead letters at a time
+        self._schedule_lock = threading.Lock()  # one delivery of due messages at a time
         self._pending_halves: dict[int, int] = {}    # unresolved origin -> its latest copy
         self._latest_copy: dict[int, int] = {}       # origin -> queue offset of its latest copy
         self._half_size: dict[int, int] = {}         # pending origin -> its record size
@@ -131,6 +133,9 @@ class BrokerShard:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
                                       f"(client ids are below 2**62)")
+        if batch is not None and batch.properties is not None:
+            for p in batch.properties:
+                check_user_properties(p)
         return self._store_request(batch, producer_id, sequence, ends)
 
     def _store_request(self, batch: RecordBatch | None, producer_id: int, sequence: int,
@@ -213,8 +218,9 @@ class BrokerShard:
         if not _redirects(props):
             return batch
         now = self.clock.now_ms()
-        topics, qids = batch.column("topics"), batch.column("queue_ids")
-        flags, tag_codes = batch.column("flags"), batch.column("tag_codes")
+        # copies: the caller's batch stays as it was (an in-process caller may send it again)
+        topics, qids = list(batch.column("topics")), list(batch.column("queue_ids"))
+        flags, tag_codes = list(batch.column("flags")), list(batch.column("tag_codes"))
         new_props = list(props)
         for i, p in enumerate(props):
             if not p:
@@ -376,7 +382,8 @@ class BrokerShard:
             props.pop(p, None)
         if count > self.config.max_reconsume or dead_letter:
             topic = dlq_topic(group)
-            props[Prop.DLQ_REASON] = reason[:500] or "max reconsume count reached"
+            props[Prop.DLQ_REASON] = reason.encode()[:500].decode(errors="ignore") \
+                or "max reconsume count reached"
             self.metrics.inc("dead_letters", 1, group=group)
         else:
             topic = retry_topic(group)
@@ -385,7 +392,7 @@ class BrokerShard:
             self.metrics.inc("retries", 1, group=group)
         batch = RecordBatch(topic, self.index, [m.body], keys=[m.key], tags=[m.tags],
                             properties=[props], born_ms=m.born_ms, reconsume=count)
-        res = self.send(batch)
+        res = self._store_request(batch, 0, 0, None)
         return {"topic": topic, "reconsume_count": count, "phys": res["phys"][0]}
 
     def dlq_list(self, group: str, offset: int = 0, max_messages: int = 100) -> list[StoredMessage]:
@@ -470,8 +477,19 @@ class BrokerShard:
         """Move every due scheduled message to its real queue; return the wait (ms) to the next.
 
         Progress of a level is the producer sequence of its deliveries, so a
-        delivery repeated after a crash is recognised and not stored twice.
+        delivery repeated after a crash is recognised and not stored twice (and
+        one call at a time: two would overlap).  A message due later than its
+        level's delay from now was stamped before the clock stepped back: it is
+        due now (RocketMQ's correctDeliverTimestamp), or its whole level would
+        wait out the step.
         """
+        with self._schedule_lock:
+            return self._deliver_due()
+
+    #: Most bytes of messages one delivery put carries (a backlog of big messages).
+    DELIVERY_MAX_BYTES = 32 << 20
+
+    def _deliver_due(self) -> int:
         now = self.clock.now_ms()
         next_wait = self.config.schedule_tick_ms
         for lvl in range(len(self._levels_ms)):
@@ -480,22 +498,30 @@ class BrokerShard:
             start = self._schedule_progress(level)
             while start < end:
                 entries = self.store.read_cq(SCHEDULE_TOPIC, lvl, start, 1000)
-                is_due = entries["tag"] <= now  # FIFO per level: stop at the first not due
+                tags = entries["tag"]
+                # FIFO per level: stop at the first not due
+                is_due = (tags <= now) | (tags > now + self._levels_ms[lvl])
                 due = len(is_due) if is_due.all() else int(np.argmin(is_due))
                 if due == 0:
-                    next_wait = min(next_wait, int(entries["tag"][0] - now))
+                    next_wait = min(next_wait, int(tags[0] - now))
                     break
-                msgs = self.store.messages_at(entries[:due]).messages()
+                take = due
+                if take > 1:  # a put of at most DELIVERY_MAX_BYTES (at least one message)
+                    total = np.cumsum(entries["size"][:due])
+                    take = max(1, int(np.searchsorted(total, self.DELIVERY_MAX_BYTES, "right")))
+                msgs = self.store.messages_at(entries[:take]).messages()
                 self.store.put(_restore_real(self.index, msgs),
                                producer_id=SCHEDULER_PID_BASE + level,
-                               sequence=start + due)
-                late = int(now - entries["tag"][:due].min())
+                               sequence=start + take)
+                late = int(now - tags[:take].min())
                 self.max_lateness_ms = max(self.max_lateness_ms, late)
                 self.metrics.observe("delay_lateness_ms", float(late))
                 self._wake_pullers()
-                start += due
+                start += take
+                if take < due:
+                    continue  # more of them due
                 if due < len(entries):
-                    next_wait = min(next_wait, int(entries["tag"][due] - now))
+                    next_wait = min(next_wait, int(tags[due] - now))
                     break
         return max(1, next_wait)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from storage.errors import InvalidMessageError, ReservedNameError
 from storage.records import (MessageBatch, RecordBatch, StoredMessage, SysFlag,
-                             decode_properties, shared_value)
+                             check_user_properties, decode_properties, shared_value)
 
 # --- reserved names --------------------------------------------------------------
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
@@ -126,6 +126,7 @@ class Message:
             clash = sorted(set(self.properties) & SYSTEM_PROPERTIES)
             if clash:
                 raise ReservedNameError(f"properties {clash} are reserved system properties")
+            check_user_properties(self.properties)
         if isinstance(self.delay_level, bool) or not isinstance(self.delay_level, int) \
                 or not 0 <= self.delay_level <= num_levels:
             raise InvalidMessageError(f"delay_level must be 0..{num_levels}, got {self.delay_level!r}")

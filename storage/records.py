@@ -54,6 +54,10 @@ MAX_TOPIC_BYTES = 127
 MAX_KEY_BYTES = 1024
 MAX_TAGS_BYTES = 1024
 MAX_PROPERTIES_BYTES = 32 * 1024
+#: What a producer's own properties may take: the broker adds its own to a message on its
+#: way (transaction, delay, retry and dead-letter properties, a reason of up to 500
+#: bytes), and a message it could not retry or dead-letter would be stuck.
+MAX_USER_PROPERTIES_BYTES = MAX_PROPERTIES_BYTES - 4 * 1024
 PROP_NAME_VALUE_SEP = "\x01"
 PROP_SEP = "\x02"
 
@@ -201,6 +205,24 @@ def _encode_properties_checked(props: dict[str, str]) -> bytes:
         raise InvalidMessageError(
             f"properties take {len(data)} bytes, more than {MAX_PROPERTIES_BYTES}")
     return data
+
+
+def check_user_properties(props: dict | None) -> None:
+    """Refuse a producer's properties over ``MAX_USER_PROPERTIES_BYTES`` (cheap for small
+    ones: the exact size is computed only when the characters could reach it)."""
+    if not props:
+        return
+    try:
+        chars = sum(len(k) + len(v) + 2 for k, v in props.items())
+    except TypeError:  # not str: the encoder says what is wrong
+        return
+    if chars * 4 <= MAX_USER_PROPERTIES_BYTES:
+        return
+    size = len(encode_properties(props))
+    if size > MAX_USER_PROPERTIES_BYTES:
+        raise InvalidMessageError(f"properties take {size} bytes, more than "
+                                  f"{MAX_USER_PROPERTIES_BYTES} (the rest is kept for the "
+                                  "broker's own properties)")
 
 
 def decode_properties(data: bytes) -> dict[str, str]:

@@ -442,3 +442,97 @@ def test_a_client_cannot_write_as_one_of_the_shard_s_own_producers(tmp_path):
         assert sh.send(RecordBatch("orders", 0, [b"y"]), (1 << 62) - 1, 1)["status"] == "SEND_OK"
     finally:
         sh.close()
+
+
+def test_a_message_s_own_properties_leave_room_to_retry_and_dead_letter_it(tmp_path):
+    from cluster.message import Message, dlq_topic, retry_topic
+    from storage.errors import InvalidMessageError
+    from storage.records import MAX_USER_PROPERTIES_BYTES
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    try:
+        sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
+        fits = {"big": "v" * (MAX_USER_PROPERTIES_BYTES - len("big") - 1)}
+        [phys] = sh.send(RecordBatch("orders", 0, [b"x"], properties=[fits]))["phys"]
+        assert sh.send_back("g", phys, reason="é" * 600)["topic"] == retry_topic("g")
+        assert sh.send_back("g", phys, reason="é" * 600,  # a long reason, multibyte
+                            dead_letter=True)["topic"] == dlq_topic("g")
+        too_big = {"big": "v" * MAX_USER_PROPERTIES_BYTES}
+        with pytest.raises(InvalidMessageError, match="broker's own properties"):
+            sh.send(RecordBatch("orders", 0, [b"y"], properties=[too_big]))
+        with pytest.raises(InvalidMessageError, match="broker's own properties"):
+            Message("orders", b"y", properties=too_big).validate(1 << 20, 18)
+    finally:
+        sh.close()
+
+
+def _delayed(sh, body: bytes, level: int = 1) -> None:
+    sh.send(RecordBatch("orders", 0, [body], properties=[{Prop.DELAY: str(level)}]))
+
+
+def test_a_clock_stepped_back_does_not_hold_a_delay_level_for_the_step(tmp_path):
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
+                     background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        _delayed(sh, b"a")  # level 1: one second
+        clock._now -= 3_600_000  # the clock steps back an hour (NTP)
+        _delayed(sh, b"b")
+        clock.advance(1_000)
+        sh.deliver_due()  # both: "a" now looks due in an hour, more than its level's delay
+        assert [m.body for m in sh.store.read_queue("orders", 0, 0, 10)] == [b"a", b"b"]
+    finally:
+        sh.close()
+
+
+def test_two_deliveries_of_due_messages_at_once_deliver_each_once(tmp_path):
+    import threading
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
+                     background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        for i in range(4):
+            _delayed(sh, f"m{i}".encode())
+            clock.advance(10)
+        clock.advance(1000 - 40 + 15)  # m0 and m1 due
+        real = sh.store.messages_at
+        gates = {n: (threading.Event(), threading.Event()) for n in "AB"}
+
+        def read(entries):  # each delivery stops before its put until let go
+            arrived, go = gates[threading.current_thread().name]
+            arrived.set()
+            go.wait(10)
+            return real(entries)
+        sh.store.messages_at = read
+        a = threading.Thread(target=sh.deliver_due, name="A")
+        a.start()
+        assert gates["A"][0].wait(10)
+        clock.advance(100)  # now all four are due
+        b = threading.Thread(target=sh.deliver_due, name="B")
+        b.start()
+        b.join(1.0)  # it must not read while A delivers
+        gates["A"][1].set()
+        a.join(10)
+        gates["B"][1].set()
+        b.join(10)
+        sh.store.messages_at = real
+        assert [m.body for m in sh.store.read_queue("orders", 0, 0, 10)] == \
+            [b"m0", b"m1", b"m2", b"m3"]
+    finally:
+        sh.close()
+
+
+def test_a_send_leaves_the_caller_s_batch_as_it_was(tmp_path):
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    try:
+        sh.set_routes([("orders", 0)])
+        batch = RecordBatch(["orders", "orders"], [0, 0], [b"a", b"b"],
+                            properties=[{Prop.DELAY: "1"}, None])
+        sh.send(batch)
+        assert batch.topics == ["orders", "orders"] and batch.queue_ids == [0, 0]
+        sh.send(batch)  # and can be sent again
+    finally:
+        sh.close()
