@@ -66,8 +66,14 @@ def dlq_topic(group: str) -> str:
     return DLQ_PREFIX + group
 
 
+#: User topic names already checked (every send checks its topic: a set lookup then).
+_USER_TOPICS_OK: set[str] = set()
+
+
 def check_user_topic(topic: Any) -> str:
     """A topic an application may create or produce to."""
+    if type(topic) is str and topic in _USER_TOPICS_OK:
+        return topic
     if not isinstance(topic, str) or not topic:
         raise InvalidMessageError(f"topic must be a non-empty string, got {topic!r}")
     if is_system_topic(topic):
@@ -75,6 +81,8 @@ def check_user_topic(topic: Any) -> str:
     if not TOPIC_NAME_RE.match(topic) or topic in (".", ".."):
         raise InvalidMessageError(
             f"invalid topic name {topic!r}: use 1-127 letters, digits, '_', '-', '.' or '|'")
+    if len(_USER_TOPICS_OK) < 10_000:
+        _USER_TOPICS_OK.add(topic)
     return topic
 
 

@@ -249,9 +249,11 @@ class TransactionProducer:
             self._end(txid, [r for r in results if r is not None],
                       LocalTransactionState.ROLLBACK_MESSAGE)
             raise failure
-        statuses = {r.status for r in results}
-        send_status = SendStatus.SEND_OK if statuses == {SendStatus.SEND_OK} else \
-            next(s for s in statuses if s is not SendStatus.SEND_OK)
+        send_status = SendStatus.SEND_OK
+        for r in results:  # the first status that is not SEND_OK, if any
+            if r[0] is not SendStatus.SEND_OK:
+                send_status = r[0]
+                break
         shown = [_with_transaction_id(m, txid) for m in msgs]
         limit_ms = tx["timeout_ms"] if tx["timeout_ms"] is not None \
             else self._mq.config.txn_timeout_ms
@@ -279,6 +281,11 @@ class TransactionProducer:
             return
         if self._drop_end is not None and self._drop_end(txid):
             log.warning("fault injection: end_transaction of %s dropped", txid)
+            return
+        if len(results) == 1:  # the usual case, without grouping
+            shard, origin = results[0][5], results[0][6]
+            if shard is not None and shard >= 0 and origin is not None and origin >= 0:
+                self._producer.add_ends(shard, [(self.group, txid, [origin], state.value)])
             return
         by_shard: dict[int, list[int]] = defaultdict(list)
         for r in results:
