@@ -55,7 +55,13 @@ def encode_reply(ok: bool, value: Any) -> bytes:
 
 
 class Endpoint:
-    """Serve ``target``'s ``methods`` on a TCP socket, one thread per connection."""
+    """Serve ``target``'s ``methods`` on a TCP socket, one thread per connection.
+
+    A connection idle for ``IDLE_TIMEOUT_S`` is closed (its thread ends): a client that
+    died without closing does not hold a thread for ever, and a live one reconnects.
+    """
+
+    IDLE_TIMEOUT_S = 300.0
 
     def __init__(self, target: object, *, host: str = "127.0.0.1",
                  methods: frozenset[str] = DATA_METHODS, authkey: bytes | None = None):
@@ -92,7 +98,7 @@ class Endpoint:
         try:
             deliver_challenge(conn, self.authkey)
             answer_challenge(conn, self.authkey)
-            receive_timeout(sock, 0)  # requests may be far apart (idle producers)
+            receive_timeout(sock, self.IDLE_TIMEOUT_S)  # between requests
         except Exception as err:  # wrong key, garbage, or a peer that went away
             log.warning("endpoint %s: connection refused: %s", self.address, err)
             conn.close()

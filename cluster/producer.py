@@ -167,7 +167,10 @@ class Producer:
         from cluster.metrics import RayMetrics
         self.metrics = RayMetrics(client="producer", group=group)
         self._active: set[tuple[int, int]] = set()  # lanes with a runner
-        self._runners = ThreadPoolExecutor(max_workers=64, thread_name_prefix="raymq-lane")
+        # a busy lane keeps its runner: one thread per lane, or a lane could wait for one
+        self._runners = ThreadPoolExecutor(
+            max_workers=max(64, int(mq.config.num_shards) * self.lanes),
+            thread_name_prefix="raymq-lane")
         self._thread = threading.Thread(target=self._run, name="raymq-producer", daemon=True)
         self._thread.start()
 
@@ -294,6 +297,8 @@ class Producer:
                                                time.monotonic())))
                 parts.append((fut, idx))
         with self._lock:
+            if self._closed:  # close() may have begun since the check above
+                raise RayMQError("producer is closed")
             for key, pending in pendings:
                 self._pending[key].append(pending)
             for key in {key for key, _ in pendings}:
@@ -317,6 +322,8 @@ class Producer:
         fut = Outcome()
         key = (shard, qid % self.lanes)
         with self._lock:
+            if self._closed:  # close() may have begun since the caller's check
+                raise RayMQError("producer is closed")
             self._pending[key].append(_Pending(row, fut, [(m.topic, qid)], [0],
                                                time.monotonic()))
             self._kick(key)
@@ -367,9 +374,18 @@ class Producer:
         """With ``_cv`` held: give lane ``key`` a runner if it is idle and has work."""
         work = self._claim(key, time.monotonic())
         if work is not None:
-            self._runners.submit(self._drive, key, work)
+            self._start(key, work)
         elif self.config.linger_ms:
             self._cv.notify_all()  # the producer thread times the linger
+
+    def _start(self, key: tuple[int, int], work) -> None:
+        """With ``_cv`` held: a runner for lane ``key``'s claimed work."""
+        try:
+            self._runners.submit(self._drive, key, work)
+        except RuntimeError as err:  # the runners are gone (interpreter exit): fail, not hang
+            self._active.discard(key)
+            items, _sequence, ends = work
+            self._fail(items, RayMQError(f"producer is closed: {err}"), ends)
 
     def _drive(self, key: tuple[int, int], work) -> None:
         """A lane's runner: its requests one after another, while it has any.
@@ -382,16 +398,22 @@ class Producer:
         current = self._send_request(key, work)
         while current is not None:
             (items, _sequence, ends), request, args, call = current
-            result = None
+            result, again = None, None
             try:
                 try:
                     result = call.result()
                 except RayMQError as err:
                     result = self._resend(key, args, err)
             except BaseException as err:  # given up on, or a bug: these callers fail
-                self._fail(items, err, ends)
+                if items and ends:  # the ends were fine: they go again, on their own
+                    again = ends
+                    self._fail(items, err)
+                else:
+                    self._fail(items, err, ends)
             with self._lock:
                 self._active.discard(key)
+                if again:  # ahead of ends queued since (ends are idempotent)
+                    self._ends[key[0]][:0] = again
                 work = self._claim(key, time.monotonic())
                 if work is None and (self._closed or self.config.linger_ms
                                      or self._ends.get(key[0])):
@@ -457,7 +479,7 @@ class Producer:
                 for key in keys:
                     work = self._claim(key, now)
                     if work is not None:
-                        self._runners.submit(self._drive, key, work)
+                        self._start(key, work)
                     elif linger and key not in self._active and self._pending.get(key):
                         lingering.append(self._pending[key][0].queued_at + linger)
                     elif key[0] in self._ends_due and key not in self._active:

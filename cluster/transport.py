@@ -21,7 +21,8 @@ import select
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import (AuthenticationError, Connection, answer_challenge,
+                                       deliver_challenge)
 from typing import Any, Callable
 
 from actors.endpoint import receive_timeout, tune
@@ -261,15 +262,20 @@ class DirectTransport:
                 self._endpoints[shard] = endpoint
         try:
             return connect(endpoint[0], endpoint[1], timeout_s), False
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, AuthenticationError) as err:  # gone, or its port reused
             self._forget(shard)
             raise BrokerUnavailableError(f"shard-{shard} endpoint {endpoint[0]} unreachable: "
                                          f"{type(err).__name__}: {err}") from None
 
+    #: Idle connections kept per shard (a burst of concurrent calls opens more; the
+    #: extras are closed, and their endpoint threads end with them).
+    MAX_IDLE_PER_SHARD = 16
+
     def _checkin(self, shard: int, conn: Connection) -> None:
         with self._lock:
-            if not self._closed:
-                self._idle.setdefault(shard, []).append(conn)
+            idle = self._idle.setdefault(shard, [])
+            if not self._closed and len(idle) < self.MAX_IDLE_PER_SHARD:
+                idle.append(conn)
                 return
         conn.close()
 

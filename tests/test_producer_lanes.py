@@ -199,3 +199,33 @@ def test_an_end_waits_for_the_next_request_to_ride_on_or_goes_alone(cluster, mon
     producer.close()
     assert producer.requests == before + 2
     assert sorted(m.body for m in stored(shards)) == [b"t1", b"t2"]  # both committed
+
+
+def test_an_end_riding_on_a_refused_request_goes_again_on_its_own(cluster):
+    """Ends ride on whatever goes next to their shard: a request refused for its own
+    messages (here a stale route) must not take a committed transaction's end with it."""
+    from cluster.message import Prop
+    producer, shards, transport = cluster({"refuse": lambda k: k == 2})
+    [(fut, _)] = producer._submit([Message(TOPIC, b"t1", key="k")], system_props={
+        Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "lanes", Prop.TRANSACTION_ID: "t1"})
+    r = fut.result(10)[0]
+    producer.add_ends(r[5], [("lanes", "t1", [r[6]], "COMMIT_MESSAGE")])
+    with pytest.raises(InvalidMessageError):  # call 2: the end rode on it, and it is refused
+        producer.send(Message(TOPIC, b"refused", key="k"))
+    producer.close()  # the end goes again before the producer stops
+    assert [m.body for m in stored(shards)] == [b"t1"]  # committed
+    assert not shards[r[5]]._pending_halves
+
+
+def test_a_send_racing_close_fails_instead_of_waiting_forever(cluster):
+    from storage.errors import RayMQError
+    producer, shards, transport = cluster()
+    producer.send(Message(TOPIC, b"a", key="k"))
+    producer.close()
+    # as a send that passed send()'s check just before close() set it would go on:
+    with pytest.raises(RayMQError, match="closed"):
+        producer._submit_one(Message(TOPIC, b"b", key="k"), None)
+    with pytest.raises(RayMQError, match="closed"):
+        producer._submit([Message(TOPIC, b"c", key="k"), Message(TOPIC, b"d", key="j")])
+    assert not producer._active  # no lane left claimed without a runner
+

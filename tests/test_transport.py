@@ -201,6 +201,44 @@ def test_unreachable_endpoint_is_broker_unavailable():
     t.close()
 
 
+def test_an_endpoint_whose_port_went_to_another_shard_is_forgotten(monkeypatch):
+    """A restarted shard's old port taken by another endpoint (another key): the client
+    must not keep failing on the stale address; it asks the actor again."""
+    import socket
+
+    from actors import endpoint as endpoint_mod
+    from cluster import rpc
+    from cluster.transport import DirectTransport
+    first = Endpoint(Target())
+    port = first.address[1]
+    current = {"ep": first}
+    monkeypatch.setattr(rpc, "connected", lambda: True)
+    monkeypatch.setattr(rpc, "call", lambda method, timeout_s=None: method())
+
+    class Handle:
+        def endpoint(self):  # what the shard actor would answer
+            return current["ep"].address, current["ep"].authkey
+    t = DirectTransport(lambda i: Handle())
+    assert t.call(0, "send", 1, timeout_s=5) == {"echo": 1}
+    first.close()
+    for conns in t._idle.values():  # (a pooled connection would end in EOF: that is known)
+        for c in conns:
+            c.close()
+    t._idle.clear()
+    create = socket.create_server
+    monkeypatch.setattr(endpoint_mod.socket, "create_server",
+                        lambda addr, **kw: create((addr[0], port), **kw))  # the port reused
+    second = Endpoint(Target())
+    monkeypatch.setattr(endpoint_mod.socket, "create_server", create)
+    current["ep"] = second
+    with pytest.raises(BrokerUnavailableError):  # retriable, and the address is dropped
+        t.call(0, "send", 2, timeout_s=5)
+    assert 0 not in t._endpoints
+    assert t.call(0, "send", 3, timeout_s=5) == {"echo": 3}  # asked again: served
+    t.close()
+    second.close()
+
+
 def test_outcome_wakes_every_waiter_and_times_out_cleanly():
     from cluster.transport import Outcome
     out = Outcome()
@@ -222,3 +260,29 @@ def test_outcome_wakes_every_waiter_and_times_out_cleanly():
     with pytest.raises(ValueError):
         failed.result(0)
     assert isinstance(failed.exception(0), ValueError)
+
+
+def test_an_idle_connection_is_closed_by_the_endpoint_and_the_client_reconnects(monkeypatch):
+    import time
+
+    from cluster import rpc
+    from cluster.transport import DirectTransport
+    monkeypatch.setattr(Endpoint, "IDLE_TIMEOUT_S", 0.3)
+    ep = Endpoint(Target())
+    monkeypatch.setattr(rpc, "connected", lambda: True)
+    monkeypatch.setattr(rpc, "call", lambda method, timeout_s=None: method())
+
+    class Handle:
+        def endpoint(self):
+            return ep.address, ep.authkey
+    t = DirectTransport(lambda i: Handle())
+    try:
+        assert t.call(0, "send", 1, timeout_s=5) == {"echo": 1}
+        deadline = time.monotonic() + 10
+        while ep._conns and time.monotonic() < deadline:  # the endpoint lets it go
+            time.sleep(0.05)
+        assert not ep._conns
+        assert t.call(0, "send", 2, timeout_s=5) == {"echo": 2}  # the pooled one was stale
+    finally:
+        t.close()
+        ep.close()
