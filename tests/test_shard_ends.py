@@ -184,6 +184,16 @@ def test_every_send_path_observes_its_put_latency(tmp_path):
         sh.close()
 
 
+def orders_shard(tmp_path):
+    """(manual clock, a shard serving orders/0 on it)."""
+    from storage.clock import ManualClock
+    clock = ManualClock()
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
+                     background=False)
+    sh.set_routes([("orders", 0)])
+    return clock, sh
+
+
 def unflushed_shard(tmp_path, routes, clock=None, **config) -> BrokerShard:
     """A shard whose puts stay unflushed until someone flushes (async flush, no background
     flush): what is durable when can be checked."""
@@ -400,12 +410,8 @@ def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
 
 
 def test_a_delayed_message_keeps_the_id_its_producer_was_given(tmp_path):
-    from storage.clock import ManualClock
-    clock = ManualClock()
-    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
-                     background=False)
+    clock, sh = orders_shard(tmp_path)
     try:
-        sh.set_routes([("orders", 0)])
         sent = sh.send(RecordBatch("orders", 0, [b"now", b"later"],
                                    properties=[None, {Prop.DELAY: "1"}]), 77, 1)
         assert sent["queue_offsets"] == [0, -1]  # the delayed one's offset comes on delivery
@@ -470,12 +476,8 @@ def _delayed(sh, body: bytes, level: int = 1) -> None:
 
 
 def test_a_clock_stepped_back_does_not_hold_a_delay_level_for_the_step(tmp_path):
-    from storage.clock import ManualClock
-    clock = ManualClock()
-    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
-                     background=False)
+    clock, sh = orders_shard(tmp_path)
     try:
-        sh.set_routes([("orders", 0)])
         _delayed(sh, b"a")  # level 1: one second
         clock._now -= 3_600_000  # the clock steps back an hour (NTP)
         _delayed(sh, b"b")
@@ -488,12 +490,8 @@ def test_a_clock_stepped_back_does_not_hold_a_delay_level_for_the_step(tmp_path)
 
 def test_two_deliveries_of_due_messages_at_once_deliver_each_once(tmp_path):
     import threading
-    from storage.clock import ManualClock
-    clock = ManualClock()
-    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
-                     background=False)
+    clock, sh = orders_shard(tmp_path)
     try:
-        sh.set_routes([("orders", 0)])
         for i in range(4):
             _delayed(sh, f"m{i}".encode())
             clock.advance(10)
