@@ -37,8 +37,8 @@ from storage.clock import Clock, SystemClock
 from storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
                             StorageError, UnknownTopicError)
 from storage.producers import INTERNAL_PRODUCER_BASE
-from storage.records import (MessageBatch, Record, StoredMessage, SysFlag, check_user_properties,
-                             tags_hash)
+from storage.records import (MAX_USER_PROPERTIES_BYTES, MessageBatch, Record, StoredMessage,
+                             SysFlag, check_user_properties, tags_hash)
 
 log = logging.getLogger("raymq.shard")
 
@@ -134,8 +134,8 @@ class BrokerShard:
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
                                       f"(client ids are below 2**62)")
         if batch is not None and batch.properties is not None:
-            for p in batch.properties:
-                check_user_properties(p)
+            for p in batch.properties:  # (with what a client adds: delay, transaction)
+                check_user_properties(p, MAX_USER_PROPERTIES_BYTES + 1024)
         return self._store_request(batch, producer_id, sequence, ends)
 
     def _store_request(self, batch: RecordBatch | None, producer_id: int, sequence: int,

@@ -404,8 +404,11 @@ class Consumer:
         in order, and a failing message is retried in place.
         """
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raymq-handler")
+        held_back = 0  # batches in a row with a message that could not be sent back
         try:
             while not self._stop.is_set():
+                if held_back:  # its shard may stay unable for a while: do not spin on it
+                    self._stop.wait(min(5.0, 0.1 * 2 ** (held_back - 1)))
                 msgs = self._poll(batch, idle_s, handling=True)
                 if not msgs:
                     continue
@@ -418,8 +421,10 @@ class Consumer:
                                       by_queue.values()))
                     else:
                         outcomes = list(pool.map(lambda m: _handle(handler, m), msgs))
-                        self._give_back([m for m, (ok, _r) in zip(msgs, outcomes) if not ok],
-                                        [r for ok, r in outcomes if not ok])
+                        again = self._give_back(
+                            [m for m, (ok, _r) in zip(msgs, outcomes) if not ok],
+                            [r for ok, r in outcomes if not ok])
+                        held_back = held_back + 1 if again else 0
                 finally:
                     with self._lock:
                         self._processing.clear()
@@ -428,10 +433,11 @@ class Consumer:
         finally:
             pool.shutdown(wait=True)
 
-    def _give_back(self, failed: list[MessageExt], reasons: list[str]) -> None:
+    def _give_back(self, failed: list[MessageExt], reasons: list[str]) -> bool:
         """Send failed messages to the retry topic.  One that cannot be sent back (its
         shard unavailable) must not be passed by the commit: its queue goes back to it,
-        and it is handled again (with what followed it: at least once)."""
+        and it is handled again (with what followed it: at least once), after a pause
+        that grows while it keeps happening.  Whether any queue went back."""
         again: dict[tuple[str, int], int] = {}
         for m, reason in zip(failed, reasons):
             key = (m.source_topic, m.source_queue)
@@ -448,6 +454,7 @@ class Consumer:
                 self.seek(topic, qid, offset)
             except RayMQError:  # released meanwhile: its committed offset is before it
                 pass
+        return bool(again)
 
     def _run_ordered(self, handler, msgs: list[MessageExt]) -> None:
         for m in msgs:

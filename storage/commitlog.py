@@ -30,6 +30,10 @@ _FRAME_MAGIC_BYTES = struct.pack("<I", FRAME_MAGIC)
 _MAX_RESYNC_CANDIDATES = 256
 
 
+class SegmentSealError(OSError):
+    """The fsync (or the next segment's creation) that seals a full segment failed."""
+
+
 def segment_name(base: int) -> str:
     return f"{base:020d}.log"
 
@@ -218,8 +222,12 @@ class CommitLog:
             raise StorageError(f"frame of {size} bytes cannot fit a segment of {self.segment_size}")
         seg = self._segments[-1]
         if seg.size + size > self.segment_size:
-            os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
-            seg = self._new_segment(seg.base + self.segment_size)
+            try:
+                os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
+                seg = self._new_segment(seg.base + self.segment_size)
+            except OSError as err:  # what was written before may be lost: not retriable
+                raise SegmentSealError(err.errno, f"sealing segment {seg.path} failed: "
+                                                  f"{err.strerror}") from err
         written = os.writev(seg.fd, frame.parts)
         if written != size:
             # a short write leaves a torn frame; cut it so the log stays parseable

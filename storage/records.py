@@ -207,19 +207,19 @@ def _encode_properties_checked(props: dict[str, str]) -> bytes:
     return data
 
 
-def check_user_properties(props: dict | None) -> None:
-    """Refuse a producer's properties over ``MAX_USER_PROPERTIES_BYTES`` (cheap for small
-    ones: the exact size is computed only when the characters could reach it)."""
+def check_user_properties(props: dict | None, limit: int = MAX_USER_PROPERTIES_BYTES) -> None:
+    """Refuse a producer's properties over ``limit`` (cheap for small ones: the exact
+    size is computed only when the characters could reach it)."""
     if not props:
         return
     try:
         chars = sum(len(k) + len(v) + 2 for k, v in props.items())
     except TypeError:  # not str: the encoder says what is wrong
         return
-    if chars * 4 <= MAX_USER_PROPERTIES_BYTES:
+    if chars * 4 <= limit:
         return
     size = len(encode_properties(props))
-    if size > MAX_USER_PROPERTIES_BYTES:
+    if size > limit:
         raise InvalidMessageError(f"properties take {size} bytes, more than "
                                   f"{MAX_USER_PROPERTIES_BYTES} (the rest is kept for the "
                                   "broker's own properties)")

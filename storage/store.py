@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from storage.clock import Clock, SystemClock
-from storage.commitlog import CommitLog
+from storage.commitlog import CommitLog, SegmentSealError
 from storage.config import StoreConfig
 from storage.consumequeue import CQ_ENTRY, ConsumeQueue
 from storage.errors import (CorruptLogError, InvalidMessageError, MessageTooLargeError,
@@ -330,8 +330,8 @@ class MessageStore:
                 if positions:  # part of a put is on disk: stop; recovery cuts the partial put
                     self._fail(err, f"write failed after {len(positions)} of {len(frames)} "
                                     "frames of a put")
-                elif isinstance(err, OSError):  # e.g. the fsync sealing a full segment:
-                    self._fail(err, "commit-log write failed")  # earlier puts may be lost
+                elif isinstance(err, SegmentSealError):  # earlier puts may not be on disk
+                    self._fail(err, "sealing a full commit-log segment failed")
                 raise
             phys_parts, size_parts = [], []
             try:

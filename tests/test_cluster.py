@@ -209,6 +209,35 @@ def test_a_failed_message_that_cannot_be_sent_back_is_handled_again(mq, name):
     p.close()
 
 
+def test_a_message_that_keeps_failing_to_be_sent_back_is_retried_with_pauses(mq, name):
+    """Its shard stays unable to write the retry copy for a while: run() must not spin
+    on the message (handling it again and again at full speed)."""
+    import time as _time
+
+    from storage.errors import BrokerUnavailableError
+    mq.create_topic(name, queues=1)
+    p = mq.producer("p")
+    p.send(Message(name, b"bad"))
+    c = mq.consumer(f"g{name}", [name])
+    real_nack, refusals = c.nack, []
+
+    def nack(m, reason=""):  # the first five give-backs find the shard unable
+        if len(refusals) < 5:
+            refusals.append(_time.monotonic())
+            raise BrokerUnavailableError("shard restarting")
+        return real_nack(m, reason)
+    c.nack = nack
+    runner = threading.Thread(target=c.run, args=(lambda m: False,), kwargs={"idle_s": 0.2})
+    runner.start()
+    wait_for(lambda: len(refusals) == 5, what="five refused give-backs")
+    c.stop()
+    runner.join(30)
+    c.close()
+    p.close()
+    # pauses of 0.1, 0.2, 0.4 and 0.8 s between them (growing while it lasts)
+    assert refusals[-1] - refusals[0] >= 1.4
+
+
 def test_delay_levels_are_never_early(mq, name):
     mq.create_topic(name, queues=2)
     p = mq.producer("p")

@@ -464,9 +464,18 @@ def test_a_message_s_own_properties_leave_room_to_retry_and_dead_letter_it(tmp_p
                             dead_letter=True)["topic"] == dlq_topic("g")
         too_big = {"big": "v" * MAX_USER_PROPERTIES_BYTES}
         with pytest.raises(InvalidMessageError, match="broker's own properties"):
-            sh.send(RecordBatch("orders", 0, [b"y"], properties=[too_big]))
-        with pytest.raises(InvalidMessageError, match="broker's own properties"):
             Message("orders", b"y", properties=too_big).validate(1 << 20, 18)
+        # a raw sender past it (the shard allows 1 KiB for what a client adds)
+        with pytest.raises(InvalidMessageError, match="broker's own properties"):
+            sh.send(RecordBatch("orders", 0, [b"y"],
+                                properties=[{"big": "v" * (MAX_USER_PROPERTIES_BYTES + 1024)}]))
+        # at the client's limit, with what the client adds (a delay, a transaction): stored
+        at_limit = {"big": "v" * (MAX_USER_PROPERTIES_BYTES - len("big") - 1)}
+        Message("orders", b"z", properties=at_limit).validate(1 << 20, 18)
+        with_system = {**at_limit, Prop.DELAY: "18", Prop.TRAN_MSG: "true",
+                       Prop.PRODUCER_GROUP: "g" * 100, Prop.TRANSACTION_ID: "t" * 60}
+        assert sh.send(RecordBatch("orders", 0, [b"z"], properties=[with_system]),
+                       5, 1)["status"] == "SEND_OK"
     finally:
         sh.close()
 

@@ -640,6 +640,30 @@ def test_a_failed_fsync_sealing_a_full_segment_stops_the_store(tmp_path, monkeyp
     store.close()
 
 
+def test_a_write_that_left_nothing_on_disk_does_not_stop_the_store(tmp_path, monkeypatch):
+    """A full disk refusing the whole write (nothing written): the put fails, the log is
+    intact, and the store goes on once there is room again."""
+    import errno
+
+    from storage import commitlog
+    store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
+    store.put([Record("T", 0, b"first")], producer_id=9, sequence=1)
+    end, real_writev, refused = store.max_phys_offset, os.writev, []
+
+    def writev(fd, parts):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, parts)
+    monkeypatch.setattr(commitlog.os, "writev", writev)
+    with pytest.raises(OSError, match="No space"):
+        store.put([Record("T", 0, b"second")], producer_id=9, sequence=2)
+    assert store.max_phys_offset == end
+    assert not store.put([Record("T", 0, b"second")], producer_id=9, sequence=2).duplicate
+    assert [m.body for m in store.read_queue("T", 0, 0, 10)] == [b"first", b"second"]
+    store.close()
+
+
 def test_a_resend_no_longer_remembered_is_acknowledged_only_once_durable(tmp_path):
     with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False) as store:
         first = store.put([Record("T", 0, b"x0")], producer_id=9, sequence=1, wait=False)
