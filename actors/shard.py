@@ -888,7 +888,8 @@ class BrokerShard:
                 self.store.save_offsets({self._HALF_PROGRESS: progress})
         more = not stopped and bool(halves) and progress < end
         return ([{"shard": self.index, "group": v.group, "origin": v.origin, "checks": count,
-                  "txid": m.properties.get(Prop.TRANSACTION_ID), "message": _listener_view(m, self.index, v.origin)}
+                  "txid": m.properties.get(Prop.TRANSACTION_ID),
+                  "message": _listener_view(m, self.index, v.origin)}
                  for v, m, count in checks], more, plan)
 
     def uncount_checks(self, checks: list[tuple[int, int]]) -> int:

@@ -438,7 +438,7 @@ class Consumer:
         shard unavailable) must not be passed by the commit: its queue goes back to it,
         and it is handled again (with what followed it: at least once), after a pause
         that grows while it keeps happening.  Whether any queue went back."""
-        again: dict[tuple[str, int], int] = {}
+        again: dict[tuple[str, int], MessageExt] = {}  # queue -> its first message to redo
         for m, reason in zip(failed, reasons):
             key = (m.source_topic, m.source_queue)
             if key in again:  # its queue goes back already: so does this one
@@ -448,12 +448,9 @@ class Consumer:
             except RayMQError as err:
                 log.warning("consumer %s: %s could not be sent back for a retry (%s); "
                             "it is handled again", self.member_id, m.msg_id, err)
-                again[key] = m.source_offset
-        for (topic, qid), offset in again.items():
-            try:
-                self.seek(topic, qid, offset)
-            except RayMQError:  # released meanwhile: its committed offset is before it
-                pass
+                again[key] = m
+        for m in again.values():
+            self._seek_back(m)
         return bool(again)
 
     def _run_ordered(self, handler, msgs: list[MessageExt]) -> None:

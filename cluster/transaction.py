@@ -282,11 +282,6 @@ class TransactionProducer:
         if self._drop_end is not None and self._drop_end(txid):
             log.warning("fault injection: end_transaction of %s dropped", txid)
             return
-        if len(results) == 1:  # the usual case, without grouping
-            shard, origin = results[0][5], results[0][6]
-            if shard is not None and shard >= 0 and origin is not None and origin >= 0:
-                self._producer.add_ends(shard, [(self.group, txid, [origin], state.value)])
-            return
         by_shard: dict[int, list[int]] = defaultdict(list)
         for r in results:
             if r[5] is None or r[5] < 0 or r[6] is None or r[6] < 0:

@@ -220,9 +220,8 @@ def check_user_properties(props: dict | None, limit: int = MAX_USER_PROPERTIES_B
         return
     size = len(encode_properties(props))
     if size > limit:
-        raise InvalidMessageError(f"properties take {size} bytes, more than "
-                                  f"{MAX_USER_PROPERTIES_BYTES} (the rest is kept for the "
-                                  "broker's own properties)")
+        raise InvalidMessageError(f"properties take {size} bytes, more than {limit} (the "
+                                  "rest is kept for the broker's own properties)")
 
 
 def decode_properties(data: bytes) -> dict[str, str]:
