@@ -17,11 +17,11 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from cluster.config import ClusterConfig
-from cluster.message import check_group, check_user_topic, dlq_topic, retry_topic
-from storage.clock import Clock, SystemClock
-from storage.errors import InvalidMessageError, TopicExistsError, UnknownTopicError
-from storage.fileutil import atomic_write
+from raymq.actors.config import ClusterConfig
+from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
+from raymq.storage.clock import Clock, SystemClock
+from raymq.storage.errors import InvalidMessageError, TopicExistsError, UnknownTopicError
+from raymq.storage.fileutil import atomic_write
 
 log = logging.getLogger("raymq.controller")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 log = logging.getLogger("raymq.endpoint")
 
-#: The shard methods callable on the channel (all idempotent or reads, see ``actors.shard``).
+#: The shard methods callable on the channel (all idempotent or reads, see ``raymq.actors.shard``).
 DATA_METHODS = frozenset({"send", "end_transactions", "pull", "commit_offsets", "get_offsets"})
 
 

@@ -17,7 +17,7 @@ import os
 import threading
 from collections import deque
 
-from storage.clock import Clock, SystemClock
+from raymq.storage.clock import Clock, SystemClock
 
 
 class ProducerGroupRegistry:

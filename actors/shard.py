@@ -1,7 +1,7 @@
 """BrokerShard: one shard's broker logic over its MessageStore.
 
 A plain class (no Ray import): the Ray actor is made from it at the edge
-(``cluster.deploy``), and tests can run it in-process.  All public methods are
+(``raymq.deploy``), and tests can run it in-process.  All public methods are
 thread-safe; the actor serves them from a thread pool.
 
 Idempotence of methods (what a retried Ray call may do):
@@ -26,18 +26,18 @@ from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from cluster.config import ClusterConfig
-from actors.transactions import (Action, CheckPolicy, HalfState, HalfView, IllegalTransition,
+from raymq.actors.config import ClusterConfig
+from raymq.actors.transactions import (Action, CheckPolicy, HalfState, HalfView, IllegalTransition,
                                  next_state, op_progress, plan_round)
-from cluster.message import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, Prop,
+from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, Prop,
                              dlq_topic, make_msg_id, retry_topic)
-from storage import MessageStore, RecordBatch
-from storage.store import PutStatus
-from storage.clock import Clock, SystemClock
-from storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
+from raymq.storage import MessageStore, RecordBatch
+from raymq.storage.store import PutStatus
+from raymq.storage.clock import Clock, SystemClock
+from raymq.storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
                             StorageError, UnknownTopicError)
-from storage.producers import INTERNAL_PRODUCER_BASE
-from storage.records import (MAX_USER_PROPERTIES_BYTES, MessageBatch, Record, StoredMessage,
+from raymq.storage.producers import INTERNAL_PRODUCER_BASE
+from raymq.storage.records import (MAX_USER_PROPERTIES_BYTES, MessageBatch, Record, StoredMessage,
                              SysFlag, check_user_properties, tags_hash)
 
 log = logging.getLogger("raymq.shard")

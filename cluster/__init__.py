@@ -1,16 +1,28 @@
-"""RayMQ's client side: ``connect()`` and the public names users rely on."""
-from cluster.config import ClusterConfig
-from cluster.message import Message, MessageExt, SendResult, SendStatus
+"""RayMQ: ``from raymq import connect, Message, ...`` -- the client SDK and its public names.
+
+This package (the card's ``cluster/`` folder) is the client layer; the broker is
+``raymq.actors``, the storage engine ``raymq.storage``, the pipelines ``raymq.jobs``.
+"""
+from raymq.actors.config import ClusterConfig
+from raymq.message import Message, MessageExt, SendResult, SendStatus
+from raymq.storage.errors import (BrokerUnavailableError, ConfigError, CorruptLogError,
+                                  InvalidMessageError, MessageTooLargeError,
+                                  OffsetOutOfRangeError, RayMQError, RequestTimeoutError,
+                                  ReservedNameError, StorageError, TopicExistsError,
+                                  UnknownTopicError)
 
 __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "ClusterConfig",
-           "TransactionListener", "LocalTransactionState"]
+           "TransactionListener", "LocalTransactionState",
+           "RayMQError", "ConfigError", "StorageError", "CorruptLogError", "MessageTooLargeError",
+           "InvalidMessageError", "UnknownTopicError", "TopicExistsError", "ReservedNameError",
+           "OffsetOutOfRangeError", "BrokerUnavailableError", "RequestTimeoutError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use
     if name == "connect":
-        from cluster.client import connect
+        from raymq.client import connect
         return connect
     if name in ("TransactionListener", "LocalTransactionState"):
-        from cluster import transaction
+        from raymq import transaction
         return getattr(transaction, name)
     raise AttributeError(name)

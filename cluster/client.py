@@ -8,13 +8,13 @@ from typing import Any
 
 import ray
 
-from cluster import deploy, rpc
-from cluster.config import ClusterConfig
-from cluster.consumer import Consumer
-from cluster.message import MessageExt, parse_msg_id
-from cluster.producer import Producer
-from cluster.transport import make_transport
-from storage.errors import InvalidMessageError, UnknownTopicError
+from raymq import deploy, rpc
+from raymq.actors.config import ClusterConfig
+from raymq.consumer import Consumer
+from raymq.message import MessageExt, parse_msg_id
+from raymq.producer import Producer
+from raymq.transport import make_transport
+from raymq.storage.errors import InvalidMessageError, UnknownTopicError
 
 log = logging.getLogger("raymq.client")
 
@@ -31,7 +31,7 @@ def connect(address: str | None = None, *, config: dict | None = None,
 
     ``transport`` ("direct" or "ray") picks how this client's producers and
     consumers reach the shards (default: the cluster's ``transport`` setting;
-    see ``cluster.transport``).
+    see ``raymq.transport``).
     """
     cfg = ClusterConfig.from_dict({**(config or {}), **overrides})
     if not ray.is_initialized():
@@ -63,7 +63,7 @@ class RayMQ:
         self.controller = controller
         self._shards = list(shards)
         self.config = ClusterConfig.from_dict(rpc.call(controller.get_config, timeout_s=60))
-        #: how producers and consumers reach the shards (``cluster.transport``)
+        #: how producers and consumers reach the shards (``raymq.transport``)
         self.transport = make_transport(transport or self.config.transport, self.shard_handle)
         self._routes: dict[str, list[int]] = {}
         self._lock = threading.Lock()
@@ -124,14 +124,14 @@ class RayMQ:
         return p
 
     def transaction_producer(self, group: str, listener, **kwargs):
-        """A RocketMQ-style transaction producer (see ``cluster.transaction``)."""
-        from cluster.transaction import TransactionProducer
+        """A RocketMQ-style transaction producer (see ``raymq.transaction``)."""
+        from raymq.transaction import TransactionProducer
         p = TransactionProducer(self, group, listener, **kwargs)
         self._clients.append(p)
         return p
 
     def registry_handle(self, group: str):
-        from actors.checker import registry_for
+        from raymq.actors.checker import registry_for
         return deploy.get_registry(registry_for(group, self.config.num_registries))
 
     def checker_handles(self) -> list:

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster import rpc
-from cluster.message import MessageExt, check_group, messages_ext, retry_topic
-from storage.errors import InvalidMessageError, RayMQError
+from raymq import rpc
+from raymq.message import MessageExt, check_group, messages_ext, retry_topic
+from raymq.storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.consumer")
 
@@ -79,7 +79,7 @@ class Consumer:
         self._lease_from = time.monotonic()  # when the last heartbeat that got through was sent
         self._processing: dict[tuple[str, int], int] = {}  # queue -> first offset in a handler
         self._handled = threading.Condition(self._lock)  # a run() batch is done
-        from cluster.metrics import RayMetrics
+        from raymq.metrics import RayMetrics
         self.metrics = RayMetrics(client="consumer", group=group)
         self.heartbeat()  # own queues before the first poll
         self._hb = threading.Thread(target=self._heartbeat_loop, name="raymq-consumer-hb",

@@ -13,14 +13,14 @@ import logging
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.checker import CheckerWorker
-from actors.endpoint import Endpoint
-from actors.controller import Controller
-from actors.registry import ProducerGroupRegistry
-from actors.shard import BrokerShard
-from cluster import rpc
-from cluster.config import ClusterConfig
-from cluster.metrics import RayMetrics
+from raymq.actors.checker import CheckerWorker
+from raymq.actors.endpoint import Endpoint
+from raymq.actors.controller import Controller
+from raymq.actors.registry import ProducerGroupRegistry
+from raymq.actors.shard import BrokerShard
+from raymq import rpc
+from raymq.actors.config import ClusterConfig
+from raymq.metrics import RayMetrics
 
 log = logging.getLogger("raymq.deploy")
 
@@ -78,7 +78,7 @@ class ShardActor(BrokerShard):
                  self.directory, *self._endpoint.address)
 
     def endpoint(self) -> tuple[tuple[str, int], bytes]:
-        """Address and key of this shard's data channel (``actors.endpoint``)."""
+        """Address and key of this shard's data channel (``raymq.actors.endpoint``)."""
         return self._endpoint.address, self._endpoint.authkey
 
     def close(self) -> None:

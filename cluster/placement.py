@@ -5,7 +5,7 @@ Node j of n (0 = head) gets ``raymq_shard_i`` for every shard i with
 shard then comes back on a node with its resource, i.e. its own node and
 files, even when the node rejoined with a new node id.
 
-``python -m cluster.placement --num-shards 3 --nodes "HEAD W1 W2"`` prints the
+``python -m raymq.placement --num-shards 3 --nodes "HEAD W1 W2"`` prints the
 ``--resources`` JSON for the node it runs on (found by its addresses).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def local_addresses() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.placement", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m raymq.placement", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-shards", type=int, required=True)
     ap.add_argument("--nodes", required=True, help="head address first, then the workers'")

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.transport import Outcome
-from cluster.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
+from raymq.transport import Outcome
+from raymq.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
                              key_queue, record_properties, validate_messages)
-from storage.records import RecordBatch, none_if_empty, shared_value
-from storage.errors import RayMQError
+from raymq.storage.records import RecordBatch, none_if_empty, shared_value
+from raymq.storage.errors import RayMQError
 
 log = logging.getLogger("raymq.producer")
 
@@ -164,7 +164,7 @@ class Producer:
         self._closed = False
         self.retries = 0
         self.requests = 0  # requests sent to shards (attempts), for benchmarks and status
-        from cluster.metrics import RayMetrics
+        from raymq.metrics import RayMetrics
         self.metrics = RayMetrics(client="producer", group=group)
         self._active: set[tuple[int, int]] = set()  # lanes with a runner
         # a busy lane keeps its runner: one thread per lane, or a lane could wait for one

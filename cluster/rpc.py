@@ -11,7 +11,7 @@ from typing import Any
 import ray
 from ray import exceptions as rex
 
-from storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
+from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
 
 _GONE = tuple(e for e in (getattr(rex, "RayActorError", None), getattr(rex, "ActorDiedError", None),
                           getattr(rex, "ActorUnavailableError", None),

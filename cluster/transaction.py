@@ -30,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.message import Message, MessageExt, Prop, SendResult, SendStatus, messages_ext
-from storage.errors import InvalidMessageError, RayMQError
+from raymq.message import Message, MessageExt, Prop, SendResult, SendStatus, messages_ext
+from raymq.storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.transaction")
 
@@ -95,7 +95,7 @@ def _with_transaction_id(m: Message, txid: str) -> Message:
 class TransactionProducer:
     def __init__(self, mq, group: str, listener: TransactionListener, *, check_threads: int = 4,
                  executor_threads: int = 8, drop_end: Callable[[str], bool] | None = None):
-        from cluster.producer import Producer
+        from raymq.producer import Producer
         self._mq = mq
         self.group = group
         self.listener = listener
@@ -112,7 +112,7 @@ class TransactionProducer:
         self._sync_in_flight = 0  # synchronous ones (a counter: a Future each costs)
         self._in_flight_lock = threading.Condition()
         self.checks_answered = 0
-        from cluster import rpc
+        from raymq import rpc
         rpc.call(self._registry.heartbeat, group, self.instance_id, timeout_s=30)
         self._pool = ThreadPoolExecutor(max_workers=check_threads,
                                         thread_name_prefix="raymq-tx-check")
@@ -292,7 +292,7 @@ class TransactionProducer:
 
     # ---------------------------------------------------------------- checks
     def _poll_checks(self) -> None:
-        from cluster import rpc
+        from raymq import rpc
         heartbeat_s = self._mq.config.heartbeat_interval_ms / 1000.0
         while not self._stop.is_set():
             with self._idle_cv:
@@ -346,7 +346,7 @@ class TransactionProducer:
         """Refuse new transactions, let those in flight end (their ends are sent), stop
         answering checks and leave the group.  Not from inside a listener: it would wait
         for its own transaction."""
-        from cluster import rpc
+        from raymq import rpc
         with self._in_flight_lock:  # no transaction begins after this
             self._stop.set()
         with self._idle_cv:

@@ -4,11 +4,11 @@
 
 - ``"direct"`` (default): the hot calls (``send``, ``end_transactions``,
   ``pull``, ``commit_offsets``, ``get_offsets``) go over the shard's socket
-  endpoint (``actors.endpoint``), found through a Ray call to the shard actor
+  endpoint (``raymq.actors.endpoint``), found through a Ray call to the shard actor
   and cached.  A broken connection means the shard is gone or restarting:
   ``BrokerUnavailableError`` (retriable); the next call asks the actor again,
   which answers once the restarted shard has recovered.
-- ``"ray"``: every call is a Ray actor call (``cluster.rpc``).
+- ``"ray"``: every call is a Ray actor call (``raymq.rpc``).
 
 Both give the same results and raise the same ``RayMQError`` kinds.
 """
@@ -25,10 +25,10 @@ from multiprocessing.connection import (AuthenticationError, Connection, answer_
                                        deliver_challenge)
 from typing import Any, Callable
 
-from actors.endpoint import receive_timeout, tune
-from cluster import rpc
-from cluster.config import TRANSPORTS
-from storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
+from raymq.actors.endpoint import receive_timeout, tune
+from raymq import rpc
+from raymq.actors.config import TRANSPORTS
+from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
 
 log = logging.getLogger("raymq.transport")
 

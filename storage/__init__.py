@@ -5,17 +5,17 @@ Commit log (append-only, segmented, CRC-framed record batches), consume queues
 Nothing in this package imports Ray: it is used by the shard actor and tested
 on plain files.
 """
-from storage.clock import Clock, ManualClock, SystemClock
-from storage.config import StoreConfig
-from storage.errors import (
+from raymq.storage.clock import Clock, ManualClock, SystemClock
+from raymq.storage.config import StoreConfig
+from raymq.storage.errors import (
     ConfigError,
     CorruptLogError,
     MessageTooLargeError,
     RayMQError,
     StorageError,
 )
-from storage.records import Record, RecordBatch, StoredMessage, SysFlag
-from storage.store import MessageStore, PutResult, PutStatus
+from raymq.storage.records import Record, RecordBatch, StoredMessage, SysFlag
+from raymq.storage.store import MessageStore, PutResult, PutStatus
 
 __all__ = [
     "Clock", "ManualClock", "SystemClock", "StoreConfig", "ConfigError",

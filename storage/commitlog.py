@@ -17,8 +17,8 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-from storage.errors import CorruptLogError, StorageError
-from storage.records import FRAME_MAGIC, EncodedFrame, FrameError, check_frame
+from raymq.storage.errors import CorruptLogError, StorageError
+from raymq.storage.records import FRAME_MAGIC, EncodedFrame, FrameError, check_frame
 
 log = logging.getLogger("raymq.storage")
 

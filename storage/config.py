@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
-from storage.errors import ConfigError
+from raymq.storage.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -12,8 +12,8 @@ import os
 import threading
 import zlib
 
-from storage.errors import CorruptLogError
-from storage.fileutil import atomic_write
+from raymq.storage.errors import CorruptLogError
+from raymq.storage.fileutil import atomic_write
 
 FORMAT = "raymq-offsets"
 VERSION = 1

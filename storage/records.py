@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from storage.errors import InvalidMessageError
+from raymq.storage.errors import InvalidMessageError
 
 FRAME_MAGIC = 0x31514D52  # b"RMQ1" little-endian
 FRAME_VERSION = 1

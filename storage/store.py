@@ -23,19 +23,19 @@ from typing import Sequence
 
 import numpy as np
 
-from storage.clock import Clock, SystemClock
-from storage.commitlog import CommitLog, SegmentSealError
-from storage.config import StoreConfig
-from storage.consumequeue import CQ_ENTRY, ConsumeQueue
-from storage.errors import (CorruptLogError, InvalidMessageError, MessageTooLargeError,
+from raymq.storage.clock import Clock, SystemClock
+from raymq.storage.commitlog import CommitLog, SegmentSealError
+from raymq.storage.config import StoreConfig
+from raymq.storage.consumequeue import CQ_ENTRY, ConsumeQueue
+from raymq.storage.errors import (CorruptLogError, InvalidMessageError, MessageTooLargeError,
                             StorageError)
-from storage.fileutil import atomic_write, fsync_dir
-from storage.offsets import OffsetStore
-from storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
+from raymq.storage.fileutil import atomic_write, fsync_dir
+from raymq.storage.offsets import OffsetStore
+from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                              StoredMessage, decode_records, encode_frame, frame_headers,
                              frame_producer, record_sizes, FRAME_ATTR_LAST)
-from storage.commitlog import SEGMENT_HEADER_BYTES
-from storage.producers import ProducerTable
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
+from raymq.storage.producers import ProducerTable
 
 log = logging.getLogger("raymq.storage")
 

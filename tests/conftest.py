@@ -21,7 +21,7 @@ TEST_CONFIG = dict(num_shards=2, heartbeat_interval_ms=200, session_timeout_ms=1
 def ray_session():
     import ray
 
-    from cluster.client import worker_priority
+    from raymq.client import worker_priority
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     worker_priority()
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
@@ -32,8 +32,8 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def mq(ray_session, tmp_path_factory):
-    from cluster import connect
-    from cluster.deploy import undeploy
+    from raymq import connect
+    from raymq.deploy import undeploy
     data = tmp_path_factory.mktemp("raymq-data")
     client = connect(data_dir=str(data), **TEST_CONFIG)
     yield client

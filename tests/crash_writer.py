@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 import sys
 
-from storage import MessageStore, RecordBatch, StoreConfig
-from storage.offsets import OffsetStore
+from raymq.storage import MessageStore, RecordBatch, StoreConfig
+from raymq.storage.offsets import OffsetStore
 
 
 def batch_body(b: int, i: int, n: int) -> bytes:

@@ -23,7 +23,7 @@ def main() -> int:
     workers = [cluster.add_node(num_cpus=1, resources={f"raymq_shard_{i}": 1},
                                 object_store_memory=200 * 1024 * 1024) for i in (1, 2)]
     ray.init(address=cluster.address, namespace="raymq", log_to_driver=False)
-    from cluster import Message, connect, rpc
+    from raymq import Message, connect, rpc
     mq = connect(data_dir=data, num_shards=3, heartbeat_interval_ms=200, session_timeout_ms=1500,
                  send_timeout_ms=3000, retry_backoff_ms=50)
     nodes = [rpc.call(mq.shard_handle(i).node_id, timeout_s=60) for i in range(3)]

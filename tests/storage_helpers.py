@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from storage import RecordBatch, StoreConfig
+from raymq.storage import RecordBatch, StoreConfig
 
 SMALL = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
                     max_frame_bytes=4096 + 128 * 1024, flush_interval_ms=50)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.checker import CheckerWorker
-from actors.registry import ProducerGroupRegistry
-from actors.shard import BrokerShard
-from cluster.message import Prop
-from storage import RecordBatch
-from storage.clock import ManualClock
+from raymq.actors.checker import CheckerWorker
+from raymq.actors.registry import ProducerGroupRegistry
+from raymq.actors.shard import BrokerShard
+from raymq.message import Prop
+from raymq.storage import RecordBatch
+from raymq.storage.clock import ManualClock
 
 TIMEOUT_MS = 1000
 
@@ -121,7 +121,7 @@ def test_a_per_message_transaction_timeout_reaches_the_shard(world):
 def test_an_expired_half_with_nothing_else_pending_survives_a_restart(tmp_path):
     """Its op record must hold the op progress even when no half is pending, or a restart
     forgets it: not listed as expired, and an operator's commit does nothing."""
-    from cluster.message import CHECK_EXPIRED_TOPIC
+    from raymq.message import CHECK_EXPIRED_TOPIC
     clock = ManualClock()
     cfg = {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": TIMEOUT_MS,
            "txn_max_checks": 1}
@@ -194,8 +194,8 @@ def test_the_group_limit_holds_across_the_shards_of_a_round(two_shards):
 
 
 def test_an_unreachable_registry_holds_back_only_its_own_groups(tmp_path):
-    from actors.checker import registry_for
-    from storage.errors import BrokerUnavailableError
+    from raymq.actors.checker import registry_for
+    from raymq.storage.errors import BrokerUnavailableError
     clock = ManualClock()
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": TIMEOUT_MS},
                      clock=clock, background=False)
@@ -241,7 +241,7 @@ def test_a_registry_refuses_checks_for_a_group_with_no_lease_and_twice_queued_on
 
 
 def test_a_check_shows_the_listener_the_id_its_producer_was_given(world):
-    from cluster.message import make_msg_id, messages_ext
+    from raymq.message import make_msg_id, messages_ext
     clock, sh, registry, checker = world
     registry.heartbeat("g", "instance-1")
     [origin] = halves(sh, "g", 1)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LocalTransactionState as S
-from cluster import Message, TransactionListener
-from cluster.cli import main
+from raymq import LocalTransactionState as S
+from raymq import Message, TransactionListener
+from raymq.tools.cli import main
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ray
@@ -101,7 +101,7 @@ def test_bench_storage_prints_only_json_lines_on_stdout(tmp_path):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "storage", "--scale",
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "bench", "storage", "--scale",
                            "0.02", "--workdir", str(tmp_path)], cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -118,7 +118,7 @@ def test_bench_machine_cpu_counts_the_work_it_times():
     import sys
     import time
 
-    from cluster.bench import MachineCpu
+    from raymq.tools.bench import MachineCpu
     if not sys.platform.startswith("linux"):
         return  # /proc/stat only; elsewhere the figures are left out
     cpu = MachineCpu()
@@ -144,7 +144,7 @@ def test_bench_txmsg_prints_its_figures(tmp_path):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "txmsg", "--scale",
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "bench", "txmsg", "--scale",
                            "0.02", "--workdir", str(tmp_path)], cwd=root, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]

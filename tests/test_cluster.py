@@ -8,12 +8,12 @@ from collections import defaultdict
 import pytest
 import ray
 
-from cluster import Message, SendStatus
-from cluster import rpc
-from cluster.message import make_msg_id
-from storage.errors import (InvalidMessageError, OffsetOutOfRangeError, ReservedNameError,
+from raymq import Message, SendStatus
+from raymq import rpc
+from raymq.message import make_msg_id
+from raymq.storage.errors import (InvalidMessageError, OffsetOutOfRangeError, ReservedNameError,
                             UnknownTopicError)
-from storage.records import RecordBatch
+from raymq.storage.records import RecordBatch
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ray
@@ -174,7 +174,7 @@ def test_retry_then_dead_letter_then_resend(mq, name):
 def test_a_failed_message_that_cannot_be_sent_back_is_handled_again(mq, name):
     """The retry copy cannot be written (its shard restarting): the message must not be
     committed past -- it comes again -- and run() goes on."""
-    from storage.errors import BrokerUnavailableError
+    from raymq.storage.errors import BrokerUnavailableError
     mq.create_topic(name, queues=1)
     p = mq.producer("p")
     for i in range(4):
@@ -214,7 +214,7 @@ def test_a_message_that_keeps_failing_to_be_sent_back_is_retried_with_pauses(mq,
     on the message (handling it again and again at full speed)."""
     import time as _time
 
-    from storage.errors import BrokerUnavailableError
+    from raymq.storage.errors import BrokerUnavailableError
     mq.create_topic(name, queues=1)
     p = mq.producer("p")
     p.send(Message(name, b"bad"))
@@ -383,7 +383,7 @@ def test_bad_input_is_rejected_clearly(mq, name):
 
 
 def test_connect_again_reuses_the_running_actors(mq):
-    from cluster import connect
+    from raymq import connect
     before = [rpc.call(mq.shard_handle(i).ping) for i in range(mq.num_shards)]
     again = connect(num_shards=5)  # the running cluster's config wins
     assert again.num_shards == mq.num_shards
@@ -460,7 +460,7 @@ class _Unreachable:
     """A controller this consumer cannot reach (a network partition, as it sees it)."""
 
     def heartbeat(self, *_args):
-        from storage.errors import BrokerUnavailableError
+        from raymq.storage.errors import BrokerUnavailableError
         raise BrokerUnavailableError("controller unreachable (injected partition)")
 
     def leave(self, *_args):

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from cluster.config import ClusterConfig, parse_delay_levels
-from cluster.placement import node_resources
-from storage.errors import ConfigError
+from raymq.actors.config import ClusterConfig, parse_delay_levels
+from raymq.placement import node_resources
+from raymq.storage.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,12 +52,12 @@ def test_ray_up_file_is_a_local_provider_cluster_that_installs_the_project():
         cfg = yaml.safe_load(f)
     assert cfg["provider"]["type"] == "local" and cfg["provider"]["worker_ips"]
     assert any(".ci/install.sh" in c for c in cfg["setup_commands"])
-    assert any("cluster.placement" in c for c in cfg["head_start_ray_commands"])
-    assert any("cluster.placement" in c for c in cfg["worker_start_ray_commands"])
+    assert any("raymq.placement" in c for c in cfg["head_start_ray_commands"])
+    assert any("raymq.placement" in c for c in cfg["worker_start_ray_commands"])
 
 
 def test_metrics_never_raise_even_for_values_ray_refuses():
-    from cluster.metrics import RayMetrics
+    from raymq.metrics import RayMetrics
     m = RayMetrics(shard="0")
     m.inc("test_counter", 0)      # ray refuses 0 for counters: skipped
     m.inc("test_counter", 2, group="g")

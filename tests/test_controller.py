@@ -1,8 +1,8 @@
 """The controller's group assignment, in-process (no Ray)."""
 from __future__ import annotations
 
-from actors.controller import Controller
-from storage.clock import ManualClock
+from raymq.actors.controller import Controller
+from raymq.storage.clock import ManualClock
 
 CONFIG = {"num_shards": 1, "heartbeat_interval_ms": 200, "session_timeout_ms": 1500}
 

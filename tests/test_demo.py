@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_raymq_demo_reports_consistent(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "--orders", "40",
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "40",
                            "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
@@ -36,7 +36,7 @@ def test_raymq_demo_reports_consistent(tmp_path):
 def test_raymq_demo_catches_a_sabotaged_check_back(tmp_path):
     """The report is not vacuous: a check-back that answers COMMIT without looking at the
     database credits points for orders that were never paid, and the demo says so."""
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "--orders", "24",
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "24",
                            "--sabotage", "check-always-commits", "--data-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
@@ -48,7 +48,7 @@ def test_raymq_demo_catches_a_sabotaged_check_back(tmp_path):
 
 
 def test_raymq_demo_refuses_too_few_orders(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "--orders", "3",
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "3",
                            "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--orders must be at least" in proc.stderr
@@ -65,7 +65,7 @@ def _what_happened(out: str) -> dict[str, int]:
 
 
 def test_storage_demo_reports_consistent(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "demo", "--storage",
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--storage",
                            "--data-dir", str(tmp_path / "d")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.shard import BrokerShard
-from cluster.config import ClusterConfig
-from cluster.message import Message
-from cluster.producer import Producer
-from storage.errors import BrokerUnavailableError, InvalidMessageError
+from raymq.actors.shard import BrokerShard
+from raymq.actors.config import ClusterConfig
+from raymq.message import Message
+from raymq.producer import Producer
+from raymq.storage.errors import BrokerUnavailableError, InvalidMessageError
 
 TOPIC = "lanes"
 QUEUES = 4
@@ -177,8 +177,8 @@ def test_a_refused_request_fails_its_callers_only_and_the_lane_goes_on(cluster):
 
 
 def test_an_end_waits_for_the_next_request_to_ride_on_or_goes_alone(cluster, monkeypatch):
-    from cluster import producer as producer_mod
-    from cluster.message import Prop
+    from raymq import producer as producer_mod
+    from raymq.message import Prop
     monkeypatch.setattr(producer_mod, "END_LINGER_S", 0.5)  # wide: no race with the send
     producer, shards, transport = cluster()
 
@@ -204,7 +204,7 @@ def test_an_end_waits_for_the_next_request_to_ride_on_or_goes_alone(cluster, mon
 def test_an_end_riding_on_a_refused_request_goes_again_on_its_own(cluster):
     """Ends ride on whatever goes next to their shard: a request refused for its own
     messages (here a stale route) must not take a committed transaction's end with it."""
-    from cluster.message import Prop
+    from raymq.message import Prop
     producer, shards, transport = cluster({"refuse": lambda k: k == 2})
     [(fut, _)] = producer._submit([Message(TOPIC, b"t1", key="k")], system_props={
         Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "lanes", Prop.TRANSACTION_ID: "t1"})
@@ -218,7 +218,7 @@ def test_an_end_riding_on_a_refused_request_goes_again_on_its_own(cluster):
 
 
 def test_a_send_racing_close_fails_instead_of_waiting_forever(cluster):
-    from storage.errors import RayMQError
+    from raymq.storage.errors import RayMQError
     producer, shards, transport = cluster()
     producer.send(Message(TOPIC, b"a", key="k"))
     producer.close()

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from actors import shard as shard_mod
-from actors.shard import BrokerShard
-from cluster.message import Prop, make_msg_id
-from storage import RecordBatch
+from raymq.actors import shard as shard_mod
+from raymq.actors.shard import BrokerShard
+from raymq.message import Prop, make_msg_id
+from raymq.storage import RecordBatch
 
 
 def tx_batch(topic: str, n: int, start: int) -> RecordBatch:
@@ -67,11 +67,11 @@ def test_commit_writes_the_same_real_messages_whether_halves_are_kept_or_read(
 
 def test_checks_the_registry_could_not_take_are_not_counted(tmp_path):
     """RocketMQ counts a check even when no producer was asked; RayMQ takes it back."""
-    from actors.checker import CheckerWorker
-    from actors.registry import ProducerGroupRegistry
-    from cluster.message import CHECK_EXPIRED_TOPIC
-    from storage.clock import ManualClock
-    from storage.errors import BrokerUnavailableError
+    from raymq.actors.checker import CheckerWorker
+    from raymq.actors.registry import ProducerGroupRegistry
+    from raymq.message import CHECK_EXPIRED_TOPIC
+    from raymq.storage.clock import ManualClock
+    from raymq.storage.errors import BrokerUnavailableError
     clock = ManualClock()
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1000,
                          "txn_max_checks": 2, "txn_check_backoff_max_ms": 2000},
@@ -186,7 +186,7 @@ def test_every_send_path_observes_its_put_latency(tmp_path):
 
 def orders_shard(tmp_path):
     """(manual clock, a shard serving orders/0 on it)."""
-    from storage.clock import ManualClock
+    from raymq.storage.clock import ManualClock
     clock = ManualClock()
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, clock=clock,
                      background=False)
@@ -210,7 +210,7 @@ def one_half(start: int) -> RecordBatch:
 
 
 def test_a_resend_after_the_half_was_rolled_back_and_forgotten_does_not_revive_it(tmp_path):
-    from storage.clock import ManualClock
+    from raymq.storage.clock import ManualClock
     clock = ManualClock()
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1000},
                      clock=clock, background=False)
@@ -235,7 +235,7 @@ def test_a_resend_after_the_half_was_rolled_back_and_forgotten_does_not_revive_i
 
 
 def test_check_progress_is_never_durable_ahead_of_the_resolutions_it_passes(tmp_path):
-    from storage.clock import ManualClock
+    from raymq.storage.clock import ManualClock
     clock = ManualClock()
     sh = unflushed_shard(tmp_path, [("orders", 0)], clock=clock, txn_timeout_ms=1000)
     try:
@@ -252,7 +252,7 @@ def test_check_progress_is_never_durable_ahead_of_the_resolutions_it_passes(tmp_
 
 
 def test_a_progress_past_the_end_of_its_queue_is_cut_back_on_start(tmp_path):
-    from storage.clock import ManualClock
+    from raymq.storage.clock import ManualClock
     clock = ManualClock()
     cfg = {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1000}
     sh = BrokerShard(0, cfg, clock=clock, background=False)
@@ -289,7 +289,7 @@ def test_a_committed_consumer_offset_is_never_durable_ahead_of_what_it_passes(tm
 
 
 def test_dlq_resend_makes_its_copies_durable_before_its_progress(tmp_path):
-    from cluster.message import dlq_topic, retry_topic
+    from raymq.message import dlq_topic, retry_topic
     sh = unflushed_shard(tmp_path, [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
     try:
         sent = sh.send(RecordBatch("orders", 0, [b"m0"]))
@@ -306,7 +306,7 @@ def test_dlq_resend_makes_its_copies_durable_before_its_progress(tmp_path):
 def test_dlq_resend_cut_short_before_its_progress_resends_each_dead_letter_once(tmp_path):
     """A crash after the copies are durable and before the progress is written: the
     resend run again after the restart writes nothing twice, and misses nothing new."""
-    from cluster.message import dlq_topic, retry_topic
+    from raymq.message import dlq_topic, retry_topic
     cfg = {"data_dir": str(tmp_path), "num_shards": 1}
     routes = [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)]
     sh = BrokerShard(0, cfg, background=False)
@@ -344,7 +344,7 @@ def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
     """A resend retried while the first is still writing (a client timeout), with a new
     dead letter between them: the two must not both resend the old ones."""
     import threading
-    from cluster.message import dlq_topic, retry_topic
+    from raymq.message import dlq_topic, retry_topic
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
     sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
     try:
@@ -383,7 +383,7 @@ def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
 
 
 def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
-    from cluster.message import dlq_topic, retry_topic
+    from raymq.message import dlq_topic, retry_topic
     cfg = {"data_dir": str(tmp_path), "num_shards": 1}
     routes = [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)]
     sh = BrokerShard(0, cfg, background=False)
@@ -427,8 +427,8 @@ def test_a_delayed_message_keeps_the_id_its_producer_was_given(tmp_path):
 
 
 def test_deliver_at_is_refused_by_the_client_before_it_can_fail_a_shared_request():
-    from cluster.message import Message
-    from storage.errors import InvalidMessageError
+    from raymq.message import Message
+    from raymq.storage.errors import InvalidMessageError
     with pytest.raises(InvalidMessageError, match="not supported yet"):
         Message("orders", b"x", deliver_at_ms=1_700_000_000_000).validate(1024, 18)
 
@@ -436,8 +436,8 @@ def test_deliver_at_is_refused_by_the_client_before_it_can_fail_a_shared_request
 def test_a_client_cannot_write_as_one_of_the_shard_s_own_producers(tmp_path):
     """The delay scheduler and dead-letter resends keep their progress as the sequences
     of producer ids from 2**62 up: a client request under such an id could freeze them."""
-    from actors.shard import DLQ_RESEND_PID_BASE, SCHEDULER_PID_BASE
-    from storage.errors import InvalidMessageError
+    from raymq.actors.shard import DLQ_RESEND_PID_BASE, SCHEDULER_PID_BASE
+    from raymq.storage.errors import InvalidMessageError
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
     try:
         sh.set_routes([("orders", 0)])
@@ -451,9 +451,9 @@ def test_a_client_cannot_write_as_one_of_the_shard_s_own_producers(tmp_path):
 
 
 def test_a_message_s_own_properties_leave_room_to_retry_and_dead_letter_it(tmp_path):
-    from cluster.message import Message, dlq_topic, retry_topic
-    from storage.errors import InvalidMessageError
-    from storage.records import MAX_USER_PROPERTIES_BYTES
+    from raymq.message import Message, dlq_topic, retry_topic
+    from raymq.storage.errors import InvalidMessageError
+    from raymq.storage.records import MAX_USER_PROPERTIES_BYTES
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
     try:
         sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])

@@ -12,12 +12,12 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from storage import (ConfigError, CorruptLogError, ManualClock, MessageStore,
+from raymq.storage import (ConfigError, CorruptLogError, ManualClock, MessageStore,
                      MessageTooLargeError, Record, RecordBatch, StoreConfig, SysFlag)
-from storage.commitlog import segment_name
-from storage.errors import InvalidMessageError
-from storage.offsets import OffsetStore
-from storage.records import FRAME_HEADER_BYTES
+from raymq.storage.commitlog import segment_name
+from raymq.storage.errors import InvalidMessageError
+from raymq.storage.offsets import OffsetStore
+from raymq.storage.records import FRAME_HEADER_BYTES
 from tests.storage_helpers import SMALL, batch, body, commitlog_files
 
 
@@ -102,7 +102,7 @@ def test_puts_over_several_queues_index_what_recovery_rebuilds(tmp_path, n):
 
 
 def test_with_records_is_concat_of_a_batch_of_them():
-    from storage.records import Record
+    from raymq.storage.records import Record
     rng = random.Random(7)
     for _ in range(200):
         k = rng.randint(1, 5)
@@ -449,8 +449,8 @@ def test_small_frame_encoder_writes_the_column_encoders_bytes(monkeypatch):
     """Frames of a few records are encoded with struct; they must be byte-identical."""
     import random
 
-    from storage import records
-    from storage.records import RecordBatch, encode_frame
+    from raymq.storage import records
+    from raymq.storage.records import RecordBatch, encode_frame
     rng = random.Random(7)
 
     def maybe(make, n):
@@ -495,7 +495,7 @@ def test_small_frame_encoder_writes_the_column_encoders_bytes(monkeypatch):
 
 
 def test_wait_durable_gives_a_duplicate_the_status_of_its_first_copy(tmp_path):
-    from storage.store import PutResult, PutStatus
+    from raymq.storage.store import PutResult, PutStatus
     with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync")) as store:
         # a resend's result: its first copy's fsync was waited for, and timed out
         dup = PutResult(PutStatus.FLUSH_DISK_TIMEOUT, [], [], [], duplicate=True)
@@ -509,8 +509,8 @@ def test_a_put_indexed_only_in_part_stops_the_store_and_a_restart_stores_it_once
         tmp_path, monkeypatch):
     import errno
 
-    from storage import consumequeue
-    from storage.errors import StorageError
+    from raymq.storage import consumequeue
+    from raymq.storage.errors import StorageError
     store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
     records = [Record("A", 0, b"a1"), Record("B", 0, b"b1")]
     append = consumequeue.ConsumeQueue.append
@@ -528,7 +528,7 @@ def test_a_put_indexed_only_in_part_stops_the_store_and_a_restart_stores_it_once
     store.close()
     with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False) as store:
         again = store.put(records, producer_id=7, sequence=1)
-        from storage.store import PutStatus
+        from raymq.storage.store import PutStatus
         assert again.duplicate and again.status is PutStatus.PUT_OK
         assert [m.body for m in store.read_queue("A", 0, 0, 10)] == [b"a1"]
         assert [m.body for m in store.read_queue("B", 0, 0, 10)] == [b"b1"]
@@ -537,8 +537,8 @@ def test_a_put_indexed_only_in_part_stops_the_store_and_a_restart_stores_it_once
 def test_a_failed_fsync_stops_the_store_instead_of_acknowledging_a_resend(tmp_path, monkeypatch):
     import errno
 
-    from storage import commitlog
-    from storage.errors import StorageError
+    from raymq.storage import commitlog
+    from raymq.storage.errors import StorageError
     store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
     store.put([Record("T", 0, b"first")])
     log_fd, real_fsync, failed = store._log._segments[-1].fd, os.fsync, []
@@ -590,7 +590,7 @@ def test_producer_sequences_come_back_as_the_log_holds_them_when_its_tail_is_los
 def _fail_fsyncs_of_the_log(monkeypatch, store, when):
     import errno
 
-    from storage import commitlog
+    from raymq.storage import commitlog
     real_fsync = os.fsync
 
     def fsync(fd):
@@ -604,7 +604,7 @@ def _fail_fsyncs_of_the_log(monkeypatch, store, when):
 def test_no_checkpoint_is_written_after_a_failed_fsync(tmp_path, monkeypatch):
     """Linux may drop the pages an fsync failed to write and report the next fsync a
     success: a checkpoint then would claim (and a restart trust) puts not on disk."""
-    from storage.errors import StorageError
+    from raymq.storage.errors import StorageError
     store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
     store.put([Record("T", 0, b"first")], producer_id=9, sequence=1)
     store.checkpoint()
@@ -623,7 +623,7 @@ def test_no_checkpoint_is_written_after_a_failed_fsync(tmp_path, monkeypatch):
 
 
 def test_a_failed_fsync_sealing_a_full_segment_stops_the_store(tmp_path, monkeypatch):
-    from storage.errors import StorageError
+    from raymq.storage.errors import StorageError
     cfg = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
                       max_frame_bytes=4096 + 128 * 1024, flush_mode="async")
     store = MessageStore(str(tmp_path), cfg, background=False)
@@ -645,7 +645,7 @@ def test_a_write_that_left_nothing_on_disk_does_not_stop_the_store(tmp_path, mon
     intact, and the store goes on once there is room again."""
     import errno
 
-    from storage import commitlog
+    from raymq.storage import commitlog
     store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
     store.put([Record("T", 0, b"first")], producer_id=9, sequence=1)
     end, real_writev, refused = store.max_phys_offset, os.writev, []

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from storage import MessageStore, StoreConfig
-from storage.offsets import OffsetStore
+from raymq.storage import MessageStore, StoreConfig
+from raymq.storage.offsets import OffsetStore
 from tests.crash_writer import batch_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

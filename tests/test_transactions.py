@@ -11,10 +11,10 @@ import time
 import pytest
 import ray
 
-from cluster import LocalTransactionState as S
-from cluster import Message, TransactionListener, rpc
-from cluster.message import SendStatus
-from storage.errors import InvalidMessageError, RayMQError
+from raymq import LocalTransactionState as S
+from raymq import Message, TransactionListener, rpc
+from raymq.message import SendStatus
+from raymq.storage.errors import InvalidMessageError, RayMQError
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ray
@@ -214,8 +214,8 @@ def test_check_storm_is_bounded_per_group_and_round(mq, name):
 def test_a_hung_listener_takes_no_more_checks_than_it_can_answer(mq, name):
     """An instance whose check threads are all stuck (a database lock) leaves the other
     checks at the registry, where another instance takes them; nothing expires meanwhile."""
-    from cluster import deploy
-    from actors.checker import registry_for
+    from raymq import deploy
+    from raymq.actors.checker import registry_for
     mq.create_topic(name, queues=1)
     group = f"p{name}"
     release, stuck = threading.Event(), threading.Event()
@@ -370,7 +370,7 @@ def test_checker_and_registry_killed_mid_round(mq, name):
     tp = mq.transaction_producer(group, Listener(check_answer=S.COMMIT_MESSAGE))
     for i in range(30):
         tp.send_in_transaction(Message(name, f"{i}".encode()), S.UNKNOW)
-    from cluster import deploy
+    from raymq import deploy
     checker, registry = deploy.get_checker(0), deploy.get_registry(0)
     pids = rpc.call(checker.ping)["pid"], rpc.call(registry.ping)["pid"]
     before = rpc.call(checker.status)["rounds"]

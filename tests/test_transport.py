@@ -1,4 +1,4 @@
-"""The shards' direct data channel (``actors.endpoint``) and the SDK's transports."""
+"""The shards' direct data channel (``raymq.actors.endpoint``) and the SDK's transports."""
 from __future__ import annotations
 
 import os
@@ -9,9 +9,9 @@ from multiprocessing import AuthenticationError
 
 import pytest
 
-from actors.endpoint import Endpoint
-from cluster.transport import connect
-from storage.errors import BrokerUnavailableError, UnknownTopicError
+from raymq.actors.endpoint import Endpoint
+from raymq.transport import connect
+from raymq.storage.errors import BrokerUnavailableError, UnknownTopicError
 from tests.conftest import wait_for
 
 
@@ -86,8 +86,8 @@ uses_ray = pytest.mark.ray
 
 @uses_ray
 def test_ray_and_direct_transports_give_the_same_results(mq, name):
-    from cluster import Message
-    from cluster.client import RayMQ
+    from raymq import Message
+    from raymq.client import RayMQ
     assert mq.transport.name == "direct"
     via_ray = RayMQ(mq.controller, [mq.shard_handle(i) for i in range(mq.num_shards)],
                     transport="ray")
@@ -120,7 +120,7 @@ def test_ray_and_direct_transports_give_the_same_results(mq, name):
 def test_pooled_connection_to_a_restarted_shard_is_replaced_transparently(mq, name):
     import ray
 
-    from cluster import Message, rpc
+    from raymq import Message, rpc
     mq.create_topic(name, queues=1)
     shard = mq.routes_for({name})[name][0]
     p = mq.producer("p")
@@ -148,7 +148,7 @@ def test_pooled_connection_to_a_restarted_shard_is_replaced_transparently(mq, na
 
 @uses_ray
 def test_wrong_key_is_refused_by_a_shard_and_it_keeps_serving(mq, name):
-    from cluster import rpc
+    from raymq import rpc
     address, key = rpc.call(mq.shard_handle(0).endpoint, timeout_s=30)
     with pytest.raises(AuthenticationError):
         connect(tuple(address), bytes(reversed(key)), 5)
@@ -157,7 +157,7 @@ def test_wrong_key_is_refused_by_a_shard_and_it_keeps_serving(mq, name):
 
 @uses_ray
 def test_concurrent_single_sends_share_a_sticky_queue_and_spread_over_time(mq, name):
-    from cluster import Message
+    from raymq import Message
     mq.create_topic(name, queues=4)
     p = mq.producer("p")
     per_queue = Counter()
@@ -180,7 +180,7 @@ def test_concurrent_single_sends_share_a_sticky_queue_and_spread_over_time(mq, n
 
 
 def test_a_closed_client_fails_calls_instead_of_starting_ray():
-    from cluster.transport import DirectTransport
+    from raymq.transport import DirectTransport
     t = DirectTransport(lambda i: None)
     t.close()
     with pytest.raises(Exception, match="closed"):
@@ -189,7 +189,7 @@ def test_a_closed_client_fails_calls_instead_of_starting_ray():
 
 
 def test_unreachable_endpoint_is_broker_unavailable():
-    from cluster.transport import DirectTransport
+    from raymq.transport import DirectTransport
     ep = Endpoint(Target())
     address, key = ep.address, ep.authkey
     ep.close()
@@ -206,9 +206,9 @@ def test_an_endpoint_whose_port_went_to_another_shard_is_forgotten(monkeypatch):
     must not keep failing on the stale address; it asks the actor again."""
     import socket
 
-    from actors import endpoint as endpoint_mod
-    from cluster import rpc
-    from cluster.transport import DirectTransport
+    from raymq.actors import endpoint as endpoint_mod
+    from raymq import rpc
+    from raymq.transport import DirectTransport
     first = Endpoint(Target())
     port = first.address[1]
     current = {"ep": first}
@@ -240,7 +240,7 @@ def test_an_endpoint_whose_port_went_to_another_shard_is_forgotten(monkeypatch):
 
 
 def test_outcome_wakes_every_waiter_and_times_out_cleanly():
-    from cluster.transport import Outcome
+    from raymq.transport import Outcome
     out = Outcome()
     with pytest.raises(TimeoutError):
         out.result(0)
@@ -265,8 +265,8 @@ def test_outcome_wakes_every_waiter_and_times_out_cleanly():
 def test_an_idle_connection_is_closed_by_the_endpoint_and_the_client_reconnects(monkeypatch):
     import time
 
-    from cluster import rpc
-    from cluster.transport import DirectTransport
+    from raymq import rpc
+    from raymq.transport import DirectTransport
     monkeypatch.setattr(Endpoint, "IDLE_TIMEOUT_S", 0.3)
     ep = Endpoint(Target())
     monkeypatch.setattr(rpc, "connected", lambda: True)

@@ -18,7 +18,7 @@ import ray  # noqa: E402
 def main() -> None:
     address, db, topic, group = sys.argv[1:5]
     ray.init(address=address, namespace="raymq", log_to_driver=False)
-    from cluster import LocalTransactionState, Message, TransactionListener, connect
+    from raymq import LocalTransactionState, Message, TransactionListener, connect
 
     class DiesAfterCommit(TransactionListener):
         def execute_local_transaction(self, msg, arg):

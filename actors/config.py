@@ -10,10 +10,10 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from storage.config import StoreConfig, _positive_int, config_from_dict, describe, doc
-from storage.errors import ConfigError
+from raymq.storage.config import StoreConfig, _positive_int, config_from_dict, describe, doc
+from raymq.storage.errors import ConfigError
 
-#: How the SDK reaches the shards (``cluster.transport``).
+#: How the SDK reaches the shards (``raymq.transport``).
 TRANSPORTS = ("direct", "ray")
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"

@@ -87,8 +87,8 @@ def order_service(address: str, db: str, first: int, n: int, out,
     import ray
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=address, namespace="raymq", log_to_driver=False, logging_level="ERROR")
-    from cluster import LocalTransactionState as S
-    from cluster import Message, TransactionListener, connect
+    from raymq import LocalTransactionState as S
+    from raymq import Message, TransactionListener, connect
     orders = plan(n)
     txids: dict[str, str] = {}  # transaction id -> order id (the lost-end fault needs it)
     print_lock = threading.Lock()  # check-backs answer from other threads
@@ -198,9 +198,9 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from cluster import connect
-    from cluster.client import worker_priority
-    from cluster.deploy import undeploy
+    from raymq import connect
+    from raymq.client import worker_priority
+    from raymq.deploy import undeploy
     work = data_dir or tempfile.mkdtemp(prefix="raymq-demo-")
     os.makedirs(work, exist_ok=True)
     order_db, points_db = os.path.join(work, "order-service.db"), os.path.join(work, "points-service.db")
@@ -226,7 +226,7 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         answered: list[tuple[str, str]] = []  # check-backs answered: (order, answer)
 
         def start_order_service(first: int) -> subprocess.Popen:
-            p = subprocess.Popen([sys.executable, "-m", "cluster.demo", "order-service", address,
+            p = subprocess.Popen([sys.executable, "-m", "raymq.tools.demo", "order-service", address,
                                   order_db, str(first), str(orders), *([sabotage] if sabotage
                                                                         else [])],
                                  stdout=subprocess.PIPE, text=True,
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         address, db, first, n = argv[1], argv[2], int(argv[3]), int(argv[4])
         order_service(address, db, first, n, sys.stdout, argv[5] if len(argv) > 5 else None)
         return 0
-    ap = argparse.ArgumentParser(prog="python -m cluster.demo")
+    ap = argparse.ArgumentParser(prog="python -m raymq.tools.demo")
     ap.add_argument("--data-dir")
     ap.add_argument("--orders", type=int, default=60)
     ap.add_argument("--sabotage", choices=SABOTAGE)

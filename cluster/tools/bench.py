@@ -101,7 +101,7 @@ class MachineCpu:
 
 @suite("storage")
 def bench_storage(b: Bench) -> None:
-    from storage import MessageStore, RecordBatch, StoreConfig
+    from raymq.storage import MessageStore, RecordBatch, StoreConfig
 
     size = 256
     bodies = [os.urandom(size) for _ in range(1000)]
@@ -174,7 +174,7 @@ def _e2e_consumer(address: str, n: int) -> None:
     """Child process of the e2e benchmark: consume and commit ``n`` messages, print the count."""
     import ray
 
-    from cluster.client import connect
+    from raymq.client import connect
     ray.init(address=address, namespace="raymq", log_to_driver=False, logging_level="ERROR")
     mq = connect()
     c = mq.consumer("bench-e2e", ["e2e"])
@@ -206,7 +206,7 @@ class _Sink:
     def __init__(self):
         import ray
 
-        from actors.endpoint import Endpoint
+        from raymq.actors.endpoint import Endpoint
         self.items: list = []
         self._endpoint = Endpoint(self, host=ray.util.get_node_ip_address())
 
@@ -230,7 +230,7 @@ def _bench_cluster(b: Bench, name: str, **overrides):
     """An embedded local Ray with a fresh RayMQ deployment of its own."""
     import ray
 
-    from cluster.client import connect, worker_priority
+    from raymq.client import connect, worker_priority
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
         worker_priority()
@@ -244,7 +244,7 @@ def _bench_cluster(b: Bench, name: str, **overrides):
 def _teardown_cluster(data: str) -> None:
     import ray
 
-    from cluster.deploy import undeploy
+    from raymq.deploy import undeploy
     undeploy()
     ray.shutdown()
     shutil.rmtree(data, ignore_errors=True)
@@ -256,7 +256,7 @@ def bench_produce(b: Bench) -> None:
 
     import ray
 
-    from cluster.message import Message, to_batch
+    from raymq.message import Message, to_batch
     mq, data = _bench_cluster(b, "produce")
     try:
         size = 256
@@ -300,8 +300,8 @@ def bench_produce(b: Bench) -> None:
         # the producer's own transport, and over Ray calls for reference
         from types import SimpleNamespace
 
-        from cluster.producer import Producer
-        from cluster.transport import make_transport
+        from raymq.producer import Producer
+        from raymq.transport import make_transport
         sinks = [ray.remote(_Sink).options(num_cpus=0, max_concurrency=mq.config.shard_max_concurrency)
                  .remote() for _ in range(mq.num_shards)]
         ray.get([s.endpoint.remote() for s in sinks])  # all started before anything is timed
@@ -344,7 +344,7 @@ def bench_produce(b: Bench) -> None:
         msgs = [Message("e2e", body) for _ in range(1000)]
         b.progress(f"e2e: {n} messages produced here, consumed and committed by another process")
         consumer = subprocess.Popen(
-            [sys.executable, "-m", "cluster.bench", "e2e-consumer",
+            [sys.executable, "-m", "raymq.tools.bench", "e2e-consumer",
              _ray.get_runtime_context().gcs_address, str(n)],
             stdout=subprocess.PIPE, text=True,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -369,8 +369,8 @@ def bench_produce(b: Bench) -> None:
 def bench_txmsg(b: Bench) -> None:
     import threading
 
-    from cluster.message import Message
-    from cluster.transaction import LocalTransactionState, TransactionListener
+    from raymq.message import Message
+    from raymq.transaction import LocalTransactionState, TransactionListener
     mq, data = _bench_cluster(b, "txmsg", txn_timeout_ms=1000, txn_check_interval_ms=500)
     size = 256
     body = os.urandom(size)

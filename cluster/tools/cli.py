@@ -31,7 +31,7 @@ def _connect(args, **overrides):
 
     import ray
 
-    from cluster.client import connect
+    from raymq.client import connect
     if not ray.is_initialized():
         address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
         try:
@@ -69,7 +69,7 @@ def _cmd_down(args) -> int:
 
     import ray
 
-    from cluster.deploy import undeploy
+    from raymq.deploy import undeploy
     ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="raymq",
              log_to_driver=False, logging_level=logging.WARNING)
     killed = undeploy()
@@ -124,7 +124,7 @@ def _cmd_topic(args) -> int:
 
 
 def _cmd_send(args) -> int:
-    from cluster.message import Message
+    from raymq.message import Message
     mq = _connect(args)
     bodies = args.body if args.body != ["-"] else [line.rstrip("\n") for line in sys.stdin]
     msgs = [Message(args.topic, b.encode(), key=args.key, tags=args.tags,
@@ -204,9 +204,9 @@ def _cmd_half(args) -> int:
 
 def _cmd_demo(args) -> int:
     if args.storage:
-        from cluster import storage_demo
+        from raymq.tools import storage_demo
         return storage_demo.run(args.data_dir)
-    from cluster import demo
+    from raymq.tools import demo
     if args.orders < demo.MIN_ORDERS:
         print(f"raymq demo: --orders must be at least {demo.MIN_ORDERS} (every failure the "
               "demo injects needs an order of its own)", file=sys.stderr)
@@ -217,7 +217,7 @@ def _cmd_demo(args) -> int:
 def _cmd_bench(args) -> int:
     import os
 
-    from cluster import bench
+    from raymq.tools import bench
     # stdout carries the JSON lines only: anything else written to it (Ray's own
     # messages included) goes to stderr
     sys.stdout.flush()
@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "per line on stdout: metric, value, unit, params. "
                                        "Figures with a baseline come with the baseline "
                                        "measured in the same run and their ratio.")
-    from cluster.bench import SUITES
+    from raymq.tools.bench import SUITES
     bench.add_argument("suites", nargs="*", metavar="SUITE",
                        help=f"suites to run (default: all): {', '.join(SUITES)}")
     bench.add_argument("--scale", type=float, default=1.0,
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from storage.errors import RayMQError
+    from raymq.storage.errors import RayMQError
     try:
         return args.func(args)
     except RayMQError as err:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-from storage import MessageStore, RecordBatch, StoreConfig
+from raymq.storage import MessageStore, RecordBatch, StoreConfig
 
 TOPIC = "orders"
 
@@ -38,7 +38,7 @@ def run(data_dir: str | None = None, *, acks: int = 200, out=sys.stdout) -> int:
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     say(f"RayMQ storage demo (the full broker demo comes with the cluster issues)\n"
         f"data directory: {directory}")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.storage_demo", "child", directory],
+    proc = subprocess.Popen([sys.executable, "-m", "raymq.tools.storage_demo", "child", directory],
                             stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     acked = []
