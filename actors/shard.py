@@ -27,7 +27,7 @@ from typing import Callable, Iterable, NamedTuple
 import numpy as np
 
 from raymq.actors.config import ClusterConfig
-from raymq.actors.transactions import (Action, CheckPolicy, HalfState, HalfView, IllegalTransition,
+from raymq.actors.half_logic import (Action, CheckPolicy, HalfState, HalfView, IllegalTransition,
                                  next_state, op_progress, plan_round)
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, Prop,
                              dlq_topic, make_msg_id, retry_topic)

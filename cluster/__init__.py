@@ -23,6 +23,6 @@ def __getattr__(name):  # Ray-dependent names load on first use
         from raymq.client import connect
         return connect
     if name in ("TransactionListener", "LocalTransactionState"):
-        from raymq import transaction
-        return getattr(transaction, name)
+        from raymq import transaction_producer
+        return getattr(transaction_producer, name)
     raise AttributeError(name)

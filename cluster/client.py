@@ -124,8 +124,8 @@ class RayMQ:
         return p
 
     def transaction_producer(self, group: str, listener, **kwargs):
-        """A RocketMQ-style transaction producer (see ``raymq.transaction``)."""
-        from raymq.transaction import TransactionProducer
+        """A RocketMQ-style transaction producer (see ``raymq.transaction_producer``)."""
+        from raymq.transaction_producer import TransactionProducer
         p = TransactionProducer(self, group, listener, **kwargs)
         self._clients.append(p)
         return p

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from raymq.actors.transactions import (TRANSITIONS, Action, CheckPolicy, HalfState, HalfView,
+from raymq.actors.half_logic import (TRANSITIONS, Action, CheckPolicy, HalfState, HalfView,
                                  IllegalTransition, next_state, op_progress, plan_round)
 
 

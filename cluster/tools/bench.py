@@ -370,7 +370,7 @@ def bench_txmsg(b: Bench) -> None:
     import threading
 
     from raymq.message import Message
-    from raymq.transaction import LocalTransactionState, TransactionListener
+    from raymq.transaction_producer import LocalTransactionState, TransactionListener
     mq, data = _bench_cluster(b, "txmsg", txn_timeout_ms=1000, txn_check_interval_ms=500)
     size = 256
     body = os.urandom(size)
