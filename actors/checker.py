@@ -16,6 +16,8 @@ import threading
 import zlib
 from typing import Callable
 
+from raymq.actors.protocol import CheckRequest
+
 log = logging.getLogger("raymq.checker")
 
 
@@ -72,9 +74,9 @@ class CheckerWorker:
                 log.warning("checker-%d: shard-%d round failed: %s", self.index, shard, err)
                 self.last_error = f"shard-{shard}: {err}"
                 continue
-            by_group: dict[str, list[dict]] = {}
+            by_group: dict[str, list[CheckRequest]] = {}
             for req in requests:
-                by_group.setdefault(req["group"], []).append(req)
+                by_group.setdefault(req.group, []).append(req)
             for group, reqs in by_group.items():
                 try:
                     refused = self._call_registry(registry_for(group, self.num_registries),
@@ -83,7 +85,7 @@ class CheckerWorker:
                     log.warning("checker-%d: registry unavailable for %s: %s; taking back "
                                 "%d checks", self.index, group, err, len(reqs))
                     self.last_error = f"registry: {err}"
-                    refused = [(shard, r["origin"], r["checks"]) for r in reqs]
+                    refused = [(shard, r.origin, r.checks) for r in reqs]
                 sent[group] = sent.get(group, 0) + len(reqs) - len(refused)
                 if refused:
                     self._take_back(shard, [(origin, checks) for _s, origin, checks in refused])

@@ -1,23 +1,43 @@
-"""Cluster configuration: a frozen dataclass, units in the names, validated.
+"""The cluster's configuration: ``ClusterConfig``, every setting with its type, default and doc,
+and the rules that make a configuration valid (the delay-level syntax, the data directory default).
 
-Load from a mapping (``ClusterConfig.from_dict``) or a JSON/YAML-like file;
-unknown keys are an error.  ``describe()`` lists every field with its doc.
+``ClusterConfig`` is a frozen pydantic model: each field carries its constraint
+(``ge``, a ``Literal``, strict types: no bool for an int, no string for a bool)
+and its doc (``description``); the rules across fields are model validators.
+Load from a mapping (``ClusterConfig.from_dict``) or keywords; unknown keys are
+an error.  Every refusal is one ``ConfigError`` line naming the field.
+``describe()`` lists every field with its default and doc (``raymq config
+--describe``).  The config is pickled across Ray and handed to actors as
+``to_dict()``.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args, get_origin
 
-from raymq.storage.config import StoreConfig, _positive_int, config_from_dict, describe, doc
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt,
+                      StrictStr, ValidationError, field_validator, model_validator)
+
+from raymq.storage.config import StoreConfig
 from raymq.storage.errors import ConfigError
 
+Transport = Literal["direct", "ray"]
+FlushMode = Literal["sync", "async"]
+
 #: How the SDK reaches the shards (``raymq.transport``).
-TRANSPORTS = ("direct", "ray")
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+#: The rules across fields (checked by ``ClusterConfig._check_across_fields``), for help texts.
+RULES = (
+    "delay_levels: numbers with a unit (ms, s, m, h, d), at least one, not decreasing",
+    "retry_first_level <= the number of delay levels",
+    "session_timeout_ms > heartbeat_interval_ms",
+    "segment_size_bytes holds one largest frame: max(8 MiB, max_message_bytes + 128 KiB) + 64",
+)
 
 
 def parse_delay_levels(text: str) -> tuple[int, ...]:
@@ -37,94 +57,144 @@ def parse_delay_levels(text: str) -> tuple[int, ...]:
 
 
 def default_data_dir() -> str:
-    return os.environ.get("RAYMQ_DATA_DIR") or os.path.join(os.path.expanduser("~"), ".raymq", "data")
+    return (os.environ.get("RAYMQ_DATA_DIR")
+            or os.path.join(os.path.expanduser("~"), ".raymq", "data"))
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
-    num_shards: int = doc("Number of BrokerShard actors (shard-0 ... shard-N-1).", 2)
-    data_dir: str = doc("Directory (on each node) under which shards keep their files; "
-                        "default $RAYMQ_DATA_DIR or ~/.raymq/data.", "")
-    flush_mode: str = doc("'sync' (fsync, group commit, before SEND_OK) or 'async'.", "sync")
-    segment_size_bytes: int = doc("Commit-log segment size of every shard.", 64 * 1024 * 1024)
-    max_message_bytes: int = doc("Largest message body accepted.", 4 * 1024 * 1024)
-    default_queues: int = doc("Queues of a topic created without a count (and auto-created).", 4)
-    auto_create_topics: bool = doc("Create an unknown topic on first send instead of failing.",
-                                   False)
-    delay_levels: str = doc("Delay levels, level 1 first (RocketMQ's 18 by default).",
-                            DEFAULT_DELAY_LEVELS)
-    retry_first_level: int = doc("Delay level of the first redelivery after a consumer "
-                                 "failure; each further failure uses the next level.", 3)
-    max_reconsume: int = doc("Failures after which a message goes to the group's dead-letter "
-                             "topic.", 16)
-    heartbeat_interval_ms: int = doc("How often consumers and producers heartbeat.", 1000)
-    session_timeout_ms: int = doc("A member silent for this long is dead: its queues are "
-                                  "reassigned.", 6000)
-    send_timeout_ms: int = doc("One attempt of a send waits this long for the shard.", 10_000)
-    send_retries: int = doc("Attempts after the first for a retriable send failure "
-                            "(exponential back-off).", 8)
-    retry_backoff_ms: int = doc("First back-off between send attempts; doubles each time.", 100)
-    retry_backoff_max_ms: int = doc("Longest back-off between send attempts.", 3000)
-    linger_ms: int = doc("How long a producer holds a request that is not full, waiting for "
-                         "more sends to join it (0: send as soon as the shard's lane is free; "
-                         "while a request is in flight, sends gather anyway).", 0)
-    batch_max_messages: int = doc("Most messages in one producer request to a shard.", 2000)
-    producer_lanes: int = doc("Requests a producer may have in flight to one shard (queue i "
-                              "always uses lane i % lanes, so queue order is kept). More lanes overlap requests "
-                              "but make more, smaller ones: measure before raising it.", 1)
-    transport: str = doc("How producers and consumers reach the shards: 'direct' (each shard's "
-                         "socket endpoint, found through its actor; ~0.1 ms a call) or 'ray' "
-                         "(a Ray actor call each, ~1 ms). A client may choose its own "
-                         "(connect(transport=...)).", "direct")
-    pull_batch_messages: int = doc("Most messages a consumer fetches per queue per pull.", 1000)
-    pull_wait_ms: int = doc("How long a pull waits at the shard for new messages (long poll).",
-                            500)
-    schedule_tick_ms: int = doc("Longest wait of the delay scheduler between checks.", 100)
-    shard_max_concurrency: int = doc("Concurrent calls a shard serves (threads).", 32)
-    txn_timeout_ms: int = doc("A half message with no commit/rollback this long after it was "
-                              "stored is checked back (per-message override: "
-                              "TransactionProducer.send_in_transaction(timeout_ms=...)).", 6000)
-    txn_check_interval_ms: int = doc("How often checker workers run a check-back round.", 30_000)
-    txn_max_checks: int = doc("Checks of one half before it moves to the check-expired topic.",
-                              15)
-    txn_check_backoff_max_ms: int = doc("Longest wait between two checks of the same half "
-                                        "(the wait doubles from txn_timeout_ms).", 300_000)
-    txn_max_checks_per_group: int = doc("Most checks one checker sends to a producer group "
-                                        "per round, over all its shards: a check storm stays "
-                                        "bounded.", 1000)
-    num_checkers: int = doc("CheckerWorker actors; checker k covers the shards i with "
-                            "i % num_checkers == k.", 1)
-    num_registries: int = doc("ProducerGroupRegistry actors; a group is served by the "
-                              "registry its name hashes to.", 1)
-    producer_lease_ms: int = doc("A transaction producer that has not heartbeat for this long "
-                                 "is no longer live for check-backs.", 6000)
+class ClusterConfig(BaseModel):
+    """The whole cluster's settings; immutable, hashable, picklable, compared by value."""
 
-    def __post_init__(self) -> None:
-        for name in ("num_shards", "default_queues", "max_reconsume", "heartbeat_interval_ms",
-                     "session_timeout_ms", "send_timeout_ms", "retry_backoff_ms",
-                     "retry_backoff_max_ms", "batch_max_messages", "pull_batch_messages",
-                     "schedule_tick_ms", "shard_max_concurrency", "retry_first_level",
-                     "txn_timeout_ms", "txn_check_interval_ms", "txn_max_checks",
-                     "txn_check_backoff_max_ms", "txn_max_checks_per_group", "num_checkers",
-                     "num_registries", "producer_lease_ms", "producer_lanes"):
-            _positive_int(self, name)
-        for name in ("send_retries", "linger_ms", "pull_wait_ms"):
-            _positive_int(self, name, minimum=0)
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"transport must be one of {TRANSPORTS}, not {self.transport!r}")
-        if not isinstance(self.auto_create_topics, bool):
-            raise ConfigError("auto_create_topics must be true or false")
-        levels = parse_delay_levels(self.delay_levels)
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_shards: StrictInt = Field(
+        2, ge=1, description="Number of BrokerShard actors (shard-0 ... shard-N-1).")
+    data_dir: StrictStr = Field(
+        "", description="Directory (on each node) under which shards keep their files; "
+                        "default $RAYMQ_DATA_DIR or ~/.raymq/data.")
+    flush_mode: FlushMode = Field(
+        "sync", description="'sync' (fsync, group commit, before SEND_OK) or 'async'.")
+    segment_size_bytes: StrictInt = Field(
+        64 * 1024 * 1024, ge=4096, description="Commit-log segment size of every shard.")
+    max_message_bytes: StrictInt = Field(
+        4 * 1024 * 1024, ge=1, description="Largest message body accepted.")
+    default_queues: StrictInt = Field(
+        4, ge=1, description="Queues of a topic created without a count (and auto-created).")
+    auto_create_topics: StrictBool = Field(
+        False, description="Create an unknown topic on first send instead of failing.")
+    delay_levels: StrictStr = Field(
+        DEFAULT_DELAY_LEVELS,
+        description="Delay levels, level 1 first: numbers with a unit (ms, s, m, h, d), not "
+                    "decreasing (RocketMQ's 18 by default).")
+    retry_first_level: StrictInt = Field(
+        3, ge=1, description="Delay level of the first redelivery after a consumer failure; "
+                             "each further failure uses the next level.")
+    max_reconsume: StrictInt = Field(
+        16, ge=1, description="Failures after which a message goes to the group's dead-letter "
+                              "topic.")
+    heartbeat_interval_ms: StrictInt = Field(
+        1000, ge=1, description="How often consumers and producers heartbeat.")
+    session_timeout_ms: StrictInt = Field(
+        6000, ge=1, description="A member silent for this long is dead: its queues are "
+                                "reassigned.")
+    send_timeout_ms: StrictInt = Field(
+        10_000, ge=1, description="One attempt of a send waits this long for the shard.")
+    send_retries: StrictInt = Field(
+        8, ge=0, description="Attempts after the first for a retriable send failure "
+                             "(exponential back-off).")
+    retry_backoff_ms: StrictInt = Field(
+        100, ge=1, description="First back-off between send attempts; doubles each time.")
+    retry_backoff_max_ms: StrictInt = Field(
+        3000, ge=1, description="Longest back-off between send attempts.")
+    linger_ms: StrictInt = Field(
+        0, ge=0, description="How long a producer holds a request that is not full, waiting "
+                             "for more sends to join it (0: send as soon as the shard's lane is "
+                             "free; while a request is in flight, sends gather anyway).")
+    batch_max_messages: StrictInt = Field(
+        2000, ge=1, description="Most messages in one producer request to a shard.")
+    producer_lanes: StrictInt = Field(
+        1, ge=1, description="Requests a producer may have in flight to one shard (queue i "
+                             "always uses lane i % lanes, so queue order is kept). More lanes "
+                             "overlap requests but make more, smaller ones: measure before "
+                             "raising it.")
+    transport: Transport = Field(
+        "direct", description="How producers and consumers reach the shards: 'direct' (each "
+                              "shard's data channel, raymq.actors.channel, found through its "
+                              "actor; ~0.1 ms a call) or 'ray' (a Ray actor call each, ~1 ms). "
+                              "A client may choose its own (connect(transport=...)).")
+    pull_batch_messages: StrictInt = Field(
+        1000, ge=1, description="Most messages a consumer fetches per queue per pull.")
+    pull_wait_ms: StrictInt = Field(
+        500, ge=0, description="How long a pull waits at the shard for new messages "
+                               "(long poll).")
+    schedule_tick_ms: StrictInt = Field(
+        100, ge=1, description="Longest wait of the delay scheduler between checks.")
+    shard_max_concurrency: StrictInt = Field(
+        32, ge=1, description="Concurrent calls a shard serves (threads).")
+    txn_timeout_ms: StrictInt = Field(
+        6000, ge=1, description="A half message with no commit/rollback this long after it "
+                                "was stored is checked back (per-message override: "
+                                "TransactionProducer.send_in_transaction(timeout_ms=...)).")
+    txn_check_interval_ms: StrictInt = Field(
+        30_000, ge=1, description="How often checker workers run a check-back round.")
+    txn_max_checks: StrictInt = Field(
+        15, ge=1, description="Checks of one half before it moves to the check-expired topic.")
+    txn_check_backoff_max_ms: StrictInt = Field(
+        300_000, ge=1, description="Longest wait between two checks of the same half (the "
+                                   "wait doubles from txn_timeout_ms).")
+    txn_max_checks_per_group: StrictInt = Field(
+        1000, ge=1, description="Most checks one checker sends to a producer group per round, "
+                                "over all its shards: a check storm stays bounded.")
+    num_checkers: StrictInt = Field(
+        1, ge=1, description="CheckerWorker actors; checker k covers the shards i with "
+                             "i % num_checkers == k.")
+    num_registries: StrictInt = Field(
+        1, ge=1, description="ProducerGroupRegistry actors; a group is served by the registry "
+                             "its name hashes to.")
+    producer_lease_ms: StrictInt = Field(
+        6000, ge=1, description="A transaction producer that has not heartbeat for this long "
+                                "is no longer live for check-backs.")
+
+    #: ``delay_levels`` parsed once, when the config is validated (pickled with it)
+    _delay_levels_ms: tuple[int, ...] = PrivateAttr(default=())
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise _config_error(type(self), err) from None
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        """A ``pathlib.Path`` is a directory too; kept as text (actors get plain values)."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @model_validator(mode="after")
+    def _check_across_fields(self) -> "ClusterConfig":
+        """The rules of ``RULES``; parses the delay levels (the only time they are parsed)."""
+        try:
+            levels = parse_delay_levels(self.delay_levels)
+        except ConfigError as err:
+            raise ConfigError(f"delay_levels {self.delay_levels!r}: {err}") from None
         if self.retry_first_level > len(levels):
             raise ConfigError(f"retry_first_level {self.retry_first_level} is past the last "
                               f"delay level ({len(levels)})")
         if self.session_timeout_ms <= self.heartbeat_interval_ms:
-            raise ConfigError("session_timeout_ms must be longer than heartbeat_interval_ms")
-        self.store_config()  # validates the storage part
+            raise ConfigError(f"session_timeout_ms ({self.session_timeout_ms}) must be longer "
+                              f"than heartbeat_interval_ms ({self.heartbeat_interval_ms})")
+        try:
+            self.store_config()
+        except ConfigError as err:
+            raise ConfigError(f"segment_size_bytes {self.segment_size_bytes} with "
+                              f"max_message_bytes {self.max_message_bytes}: the storage "
+                              f"refuses them: {err}") from None
+        self._delay_levels_ms = levels
+        return self
 
     @property
     def delay_levels_ms(self) -> tuple[int, ...]:
-        return parse_delay_levels(self.delay_levels)
+        """The delay of level k (from 1) at index k - 1, in ms."""
+        return self._delay_levels_ms
 
     def resolved_data_dir(self) -> str:
         return self.data_dir or default_data_dir()
@@ -136,12 +206,65 @@ class ClusterConfig:
                                                self.max_message_bytes + 128 * 1024))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field by name (plain values): what actors receive and ``from_dict`` takes."""
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "ClusterConfig":
-        return config_from_dict(cls, values)
+        """A config from a mapping; unknown keys and bad values are a ``ConfigError``."""
+        if values is not None and not isinstance(values, Mapping):
+            raise ConfigError(f"a {cls.__name__} is a mapping of settings, "
+                              f"got {type(values).__name__}")
+        return cls(**dict(values or {}))
 
     @classmethod
-    def describe(cls):
-        return describe(cls)
+    def describe(cls) -> list[tuple[str, Any, str]]:
+        """(name, default, doc) of every field, in declaration order."""
+        return [(name, f.default, f.description or "") for name, f in cls.model_fields.items()]
+
+    @classmethod
+    def type_text(cls, name: str) -> str:
+        """The type and constraint of a field, as help texts show it: ``int >= 1``,
+        ``'sync' | 'async'``, ``bool``, ``str``."""
+        field = cls.model_fields[name]
+        if get_origin(field.annotation) is Literal:
+            return " | ".join(repr(a) for a in get_args(field.annotation))
+        text = getattr(field.annotation, "__name__", str(field.annotation))
+        bound = _lower_bound(cls, name)
+        return text if bound is None else f"{text} >= {bound}"
+
+
+def _lower_bound(cls: type[BaseModel], name: str) -> int | None:
+    for meta in cls.model_fields[name].metadata:
+        if getattr(meta, "ge", None) is not None:
+            return meta.ge
+    return None
+
+
+def _config_error(cls: type[BaseModel], err: ValidationError) -> ConfigError:
+    """pydantic's report as one line naming each field at fault."""
+    problems, unknown = [], []
+    for e in err.errors():
+        name = str(e["loc"][0]) if e["loc"] else ""
+        got = e.get("input")
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            unknown.append(name)
+        elif kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
+            problems.append(str(e["ctx"]["error"]))  # a model validator's own words
+        elif kind in ("int_type", "int_parsing", "greater_than_equal"):
+            bound = _lower_bound(cls, name)
+            problems.append(f"{name} must be an integer{'' if bound is None else f' >= {bound}'}"
+                            f", got {got!r}")
+        elif kind in ("bool_type", "bool_parsing"):
+            problems.append(f"{name} must be true or false, got {got!r}")
+        elif kind == "literal_error":
+            problems.append(f"{name} must be one of {e['ctx']['expected']}, got {got!r}")
+        elif kind == "string_type":
+            problems.append(f"{name} must be a string, got {got!r}")
+        else:
+            problems.append(f"{name}: {e['msg']}, got {got!r}")
+    if unknown:
+        problems.insert(0, f"unknown {cls.__name__} key(s): {', '.join(sorted(unknown))}; "
+                           f"known keys: {', '.join(sorted(cls.model_fields))}")
+    return ConfigError("; ".join(problems))

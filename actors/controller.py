@@ -1,13 +1,8 @@
-"""The controller: topics, queue -> shard routing, consumer-group membership.
+"""The controller: topics, queue -> shard routing, the cluster config, group membership.
 
 The name-server role.  A plain class (no Ray import), made an actor at the
 edge.  Topic metadata is durable (an atomically rewritten JSON file);
-membership is soft state rebuilt from heartbeats after a restart.
-
-Queue ownership in a consumer group is leased: a queue moves to its new owner
-only after the old owner released it (reported in its heartbeat that it no
-longer holds it) or its session expired, so two members never consume the
-same queue at the same time -- which is what ordered consumption needs.
+consumer-group membership is ``membership.Membership`` (soft state).
 """
 from __future__ import annotations
 
@@ -15,9 +10,9 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 
 from raymq.actors.config import ClusterConfig
+from raymq.actors.membership import Membership
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import InvalidMessageError, TopicExistsError, UnknownTopicError
@@ -28,36 +23,6 @@ log = logging.getLogger("raymq.controller")
 MAX_QUEUES = 1024
 
 
-@dataclass
-class Member:
-    member_id: str
-    topics: tuple[str, ...]
-    last_seen_ms: int
-    client: str = ""
-
-
-@dataclass
-class Group:
-    members: dict[str, Member] = field(default_factory=dict)
-    owners: dict[tuple[str, int], str] = field(default_factory=dict)
-    generation: int = 0
-    announced: set[tuple[str, int]] = field(default_factory=set)  # held by someone since start
-
-
-def allocate(queues: list[tuple[str, int]], members: list[str]) -> dict[str, list[tuple[str, int]]]:
-    """RocketMQ's averaged allocation: contiguous blocks, the first members get one more."""
-    out: dict[str, list[tuple[str, int]]] = {m: [] for m in members}
-    if not members:
-        return out
-    n, k = len(queues), len(members)
-    start = 0
-    for i, m in enumerate(sorted(members)):
-        size = n // k + (1 if i < n % k else 0)
-        out[m] = queues[start:start + size]
-        start += size
-    return out
-
-
 class Controller:
     def __init__(self, config: dict | ClusterConfig, *, clock: Clock | None = None,
                  restarted: bool = False):
@@ -66,16 +31,15 @@ class Controller:
         handed out: its holder may not have heartbeated yet."""
         self.config = config if isinstance(config, ClusterConfig) else ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
-        self._grace_until = self.clock.now_ms() + self.config.session_timeout_ms \
-            if restarted else 0
         self.directory = os.path.join(self.config.resolved_data_dir(), "controller")
         os.makedirs(self.directory, exist_ok=True)
         self._path = os.path.join(self.directory, "meta.json")
         self._lock = threading.RLock()
         self._topics: dict[str, dict] = {}
         self._shard_nodes: dict[str, str] = {}
-        self._groups: dict[str, Group] = {}
         self._load()
+        self.membership = Membership(self.clock, self.config.session_timeout_ms,
+                                     self._queue_count, restarted=restarted)
 
     # ----------------------------------------------------------- durable
     def _load(self) -> None:
@@ -166,90 +130,19 @@ class Controller:
     # ------------------------------------------------------------ groups
     def heartbeat(self, group: str, member_id: str, topics: list[str],
                   held: list[tuple[str, int]], client: str = "") -> dict:
-        """A consumer's heartbeat: returns the queues it may own now and those to release.
-
-        ``held`` are the queues the member holds right now; a queue it no
-        longer reports is free for its next owner.
-        """
-        check_group(group)
-        now = self.clock.now_ms()
-        with self._lock:
-            g = self._groups.setdefault(group, Group())
-            if member_id not in g.members:
-                g.generation += 1
-            g.members[member_id] = Member(member_id, tuple(sorted(set(topics))), now, client)
-            self._expire(g, now)
-            held_set = {(t, int(q)) for t, q in held}
-            for q, owner in list(g.owners.items()):
-                if owner == member_id and q not in held_set:
-                    del g.owners[q]  # released
-            for q in held_set:  # after a controller restart, holders re-announce
-                g.owners.setdefault(q, member_id)
-            desired = self._desired(group, g)
-            mine = set(desired.get(member_id, []))
-            settling = now < self._grace_until
-            if settling:
-                g.announced |= held_set
-            for q in mine:  # while settling, a queue nobody announced may have a silent holder
-                if g.owners.get(q) == member_id or (
-                        q not in g.owners and (not settling or q in g.announced)):
-                    g.owners[q] = member_id
-            granted = sorted(q for q, o in g.owners.items() if o == member_id and q in mine)
-            # whatever it holds and does not own goes: moved to another member, or owned
-            # by another already (a controller restart, a heartbeat after its expiry)
-            release = sorted(q for q in held_set if q not in granted)
-            return {"granted": granted, "release": release, "generation": g.generation,
-                    "members": sorted(g.members)}
+        """A consumer's heartbeat (``Membership.heartbeat``)."""
+        return self.membership.heartbeat(group, member_id, topics, held, client)
 
     def leave(self, group: str, member_id: str) -> None:
-        with self._lock:
-            g = self._groups.get(group)
-            if g is None:
-                return
-            if g.members.pop(member_id, None) is not None:
-                g.generation += 1
-            for q, owner in list(g.owners.items()):
-                if owner == member_id:
-                    del g.owners[q]
-
-    def _expire(self, g: Group, now: int) -> None:
-        dead = [m for m, info in g.members.items()
-                if now - info.last_seen_ms > self.config.session_timeout_ms]
-        for m in dead:
-            log.info("controller: member %s expired", m)
-            del g.members[m]
-            g.generation += 1
-            for q, owner in list(g.owners.items()):
-                if owner == m:
-                    del g.owners[q]
-
-    def _desired(self, group: str, g: Group) -> dict[str, list[tuple[str, int]]]:
-        by_topic: dict[str, list[str]] = {}
-        for m in g.members.values():
-            for t in m.topics:
-                by_topic.setdefault(t, []).append(m.member_id)
-        out: dict[str, list[tuple[str, int]]] = {}
-        for topic, members in by_topic.items():
-            t = self._topics.get(topic)
-            if t is None:
-                continue
-            queues = [(topic, q) for q in range(len(t["routes"]))]
-            for m, qs in allocate(queues, members).items():
-                out.setdefault(m, []).extend(qs)
-        return out
+        self.membership.leave(group, member_id)
 
     def groups(self) -> dict[str, dict]:
-        now = self.clock.now_ms()
+        return self.membership.groups()
+
+    def _queue_count(self, topic: str) -> int | None:
         with self._lock:
-            out = {}
-            for name, g in self._groups.items():
-                self._expire(g, now)
-                out[name] = {"generation": g.generation,
-                             "members": {m: {"topics": list(i.topics), "client": i.client,
-                                             "queues": sorted(q for q, o in g.owners.items()
-                                                              if o == m)}
-                                         for m, i in g.members.items()}}
-            return out
+            t = self._topics.get(topic)
+            return None if t is None else len(t["routes"])
 
     def ping(self) -> dict:
         return {"controller": True, "pid": os.getpid(), "num_shards": self.config.num_shards}

@@ -1,4 +1,6 @@
-"""RocketMQ-style transactional messages: the pure decision logic (no Ray, no I/O).
+"""The rules of RocketMQ-style half messages: states, check-back planning, op progress.
+
+Pure decision logic: no Ray, no I/O.
 
 Vocabulary (seeds 000/001):
 - a *half* message sits in the half topic, invisible to consumers, with its
@@ -14,8 +16,10 @@ State machine of a half (``HalfState``; the ids go to disk in op records):
     PREPARED --rollback--> ROLLED_BACK
     PREPARED --max checks--> EXPIRED --operator or late producer--> COMMITTED | ROLLED_BACK
 
-COMMITTED and ROLLED_BACK are final; a repeated or late end for a final
-half changes nothing (and is not an error).
+COMMITTED and ROLLED_BACK are final.  A repeated end for a final half
+changes nothing (a duplicate, not an error); an end asking a final half for
+the other final state is a conflict (``EndConflict``): a producer's late end
+is answered NOOP, an operator is told what the half became.
 """
 from __future__ import annotations
 
@@ -24,10 +28,17 @@ from dataclasses import dataclass, field
 
 
 class HalfState(enum.Enum):
+    """A half's state; the value is its stable id, written in op records."""
+
     PREPARED = 0
     COMMITTED = 1
     ROLLED_BACK = 2
     EXPIRED = 3
+
+    @classmethod
+    def from_stored(cls, text: str) -> "HalfState":
+        """A state as an op record stores it: its id (or its name, in older records)."""
+        return cls(int(text)) if text.isdigit() else cls[text]
 
     @property
     def final(self) -> bool:
@@ -47,17 +58,33 @@ class IllegalTransition(Exception):
     pass
 
 
+class EndConflict(IllegalTransition):
+    """A final half asked for the other final state (commit after rollback, or back)."""
+
+    def __init__(self, current: HalfState, wanted: HalfState):
+        super().__init__(f"it was already {current.name}; it cannot become {wanted.name}")
+        self.current = current
+        self.wanted = wanted
+
+
 def next_state(current: HalfState, wanted: HalfState) -> HalfState | None:
     """The state after asking ``current`` to become ``wanted``.
 
-    Returns None when nothing is to be done (the same or an already final
-    state: a duplicate or late end).  Raises for moves the machine forbids.
+    Returns None when nothing is to be done: already that state (a duplicate
+    end), or already final (a late end; ``check_conflict`` tells the two
+    apart for those who must know).  Raises for moves the machine forbids.
     """
     if current == wanted or current.final:
         return None
     if wanted not in TRANSITIONS[current]:
         raise IllegalTransition(f"a half in state {current.name} cannot become {wanted.name}")
     return wanted
+
+
+def check_conflict(current: HalfState, wanted: HalfState) -> None:
+    """Raise ``EndConflict`` when a final half is asked for the other final state."""
+    if current.final and wanted != current:
+        raise EndConflict(current, wanted)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """What broker and client share: reserved topic names, system property keys,
-name checks and the message-id format.
+name checks, the message-id format and the values a shard answers with.
 
 Pure logic, no Ray.  The client (``raymq``) re-exports what users need.
 """
 from __future__ import annotations
 
+import enum
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
@@ -29,7 +31,7 @@ class Prop:
     REAL_TOPIC = "REAL_TOPIC"
     REAL_QID = "REAL_QID"
     REAL_FLAGS = "REAL_FLAGS"
-    ORIGIN_MSG_ID = "ORIGIN_MESSAGE_ID"
+    PRODUCER_MSG_ID = "ORIGIN_MESSAGE_ID"  # the id the producer was given (retry and commit copies)
     RETRY_TOPIC = "RETRY_TOPIC"
     CONSUME_GROUP = "CONSUME_GROUP"
     DLQ_REASON = "DLQ_REASON"
@@ -38,7 +40,7 @@ class Prop:
     TRANSACTION_ID = "__transactionId__"
     CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
     TXN_TIMEOUT_MS = "TRANSACTION_TIMEOUT_MS"
-    ORIGIN_HALF = "ORIGIN_HALF_OFFSET"
+    ORIGIN_HALF = "ORIGIN_HALF_OFFSET"  # a half copy: the physical offset of its first copy
     CHECK_BASE_MS = "CHECK_BASE_MS"
     OP_STATE = "OP_STATE"
 
@@ -97,3 +99,76 @@ def parse_msg_id(msg_id: str) -> tuple[int, int]:
     if not isinstance(msg_id, str) or not re.fullmatch(r"[0-9A-Fa-f]{20}", msg_id):
         raise InvalidMessageError(f"not a RayMQ message id: {msg_id!r} (20 hex digits)")
     return int(msg_id[:4], 16), int(msg_id[4:], 16)
+
+
+# --- values the shard answers with -------------------------------------------------
+class EndOutcome(str, enum.Enum):
+    """What became of one transaction end (a ``str`` enum: it prints as its name)."""
+
+    COMMITTED = "COMMITTED"      # the half's real message is written
+    ROLLED_BACK = "ROLLED_BACK"  # the half is dropped
+    UNKNOW = "UNKNOW"            # RocketMQ's spelling: nothing done, the check-back asks later
+    NOOP = "NOOP"                # already so (a duplicate or late end): nothing done
+    REFUSED = "REFUSED"          # the end does not match its half (group, id, not a half)
+    FAILED = "FAILED"            # the shard could not plan it (an error it logged)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class EndRequest:
+    """One transaction end: the halves (origins) of a producer group's transaction."""
+
+    group: str
+    transaction_id: str
+    origins: tuple[int, ...]
+    state: str  # COMMIT_MESSAGE | ROLLBACK_MESSAGE | UNKNOW (or COMMIT / ROLLBACK)
+
+    @classmethod
+    def of(cls, value: "EndRequest | tuple | list") -> "EndRequest":
+        """An end as the wire may carry it: this class, or (group, txid, origins, state)."""
+        if isinstance(value, cls):
+            return value
+        group, txid, origins, state = value
+        return cls(group, txid, tuple(origins), state)
+
+
+@dataclass(frozen=True, slots=True)
+class EndResult:
+    """The outcome of one end, with why when it was refused or failed."""
+
+    outcome: EndOutcome
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.outcome.value}: {self.detail}" if self.detail else self.outcome.value
+
+
+@dataclass(slots=True)
+class SendReply:
+    """A shard's answer to a producer request.
+
+    ``phys`` and ``queue_offsets`` hold one entry per message of the request
+    (empty for a duplicate whose offsets the shard no longer remembers; a
+    delayed message's queue offset is -1 until it is delivered); ``ends``
+    the outcomes of the transaction ends riding on it, in order.
+    """
+
+    status: str  # a SendStatus value: SEND_OK or FLUSH_DISK_TIMEOUT
+    phys: list[int]
+    queue_offsets: list[int]
+    duplicate: bool = False
+    ends: list[EndResult] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckRequest:
+    """A check-back a round asks of a live producer of ``group``."""
+
+    shard: int
+    group: str
+    origin: int   # the physical offset of the half's first copy (names the half)
+    checks: int   # the check count this check makes
+    transaction_id: str | None
+    message: Any  # the half as the listener sees it (a StoredMessage)

@@ -17,6 +17,7 @@ import os
 import threading
 from collections import deque
 
+from raymq.actors.protocol import CheckRequest
 from raymq.storage.clock import Clock, SystemClock
 
 
@@ -54,7 +55,7 @@ class ProducerGroupRegistry:
             return sorted(g for g, inst in self._instances.items()
                           if any(end > now for end in inst.values()))
 
-    def push_checks(self, group: str, requests: list[dict]) -> list[tuple[int, int, int]]:
+    def push_checks(self, group: str, requests: list[CheckRequest]) -> list[tuple[int, int, int]]:
         """Queue check requests of a group; returns ``(shard, origin, checks)`` of those it
         did not queue, for the checker to take back (a check nobody will be asked must
         not count): all of them when no instance of the group holds a lease any more,
@@ -63,14 +64,14 @@ class ProducerGroupRegistry:
         now = self.clock.now_ms()
         with self._cv:
             if not any(end > now for end in self._instances.get(group, {}).values()):
-                return [(r["shard"], r["origin"], r["checks"]) for r in requests]
+                return [(r.shard, r.origin, r.checks) for r in requests]
             q = self._checks.setdefault(group, deque())
             keys = self._queued_keys.setdefault(group, set())
             refused = []
             for r in requests:
-                key = (r["shard"], r["origin"])
+                key = (r.shard, r.origin)
                 if key in keys or len(q) >= self.max_queued:
-                    refused.append((r["shard"], r["origin"], r["checks"]))
+                    refused.append((r.shard, r.origin, r.checks))
                     continue
                 keys.add(key)
                 q.append(r)
@@ -79,7 +80,7 @@ class ProducerGroupRegistry:
             return refused
 
     def poll_checks(self, group: str, instance: str, max_requests: int = 100,
-                    wait_ms: int = 1000) -> list[dict]:
+                    wait_ms: int = 1000) -> list[CheckRequest]:
         """Take up to ``max_requests`` checks of the group, waiting up to ``wait_ms``.
 
         Also renews the caller's lease.  A taken request that is never answered
@@ -94,7 +95,7 @@ class ProducerGroupRegistry:
                     out = [q.popleft() for _ in range(min(max_requests, len(q)))]
                     keys = self._queued_keys[group]
                     for r in out:
-                        keys.discard((r["shard"], r["origin"]))
+                        keys.discard((r.shard, r.origin))
                     return out
                 remaining = deadline - self.clock.monotonic_ms()
                 if remaining <= 0:

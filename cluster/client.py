@@ -1,26 +1,31 @@
-"""``connect()`` and the ``RayMQ`` handle: topics, producers, consumers, admin."""
+"""``connect()`` and the ``RayMQ`` handle: topics, routes, the clock and transport the
+client's producers and consumers share, and ``Admin`` (look-ups, operator actions).
+
+Every call to an actor goes through ``raymq.rpc``'s clients; the data path
+through ``raymq.transport``.
+"""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
-import ray
-
 from raymq import deploy, rpc
 from raymq.actors.config import ClusterConfig
+from raymq.clock import ClientClock, client_clock
 from raymq.consumer import Consumer
 from raymq.message import MessageExt, parse_msg_id
 from raymq.producer import Producer
 from raymq.transport import make_transport
+from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, UnknownTopicError
 
 log = logging.getLogger("raymq.client")
 
 
 def connect(address: str | None = None, *, config: dict | None = None,
-            transport: str | None = None, **overrides: Any) -> "RayMQ":
+            transport: str | None = None, clock: Clock | None = None,
+            **overrides: Any) -> "RayMQ":
     """Attach to RayMQ on a Ray cluster, deploying it first if needed.
 
     With Ray already initialised in this process, use that.  Otherwise join
@@ -31,38 +36,25 @@ def connect(address: str | None = None, *, config: dict | None = None,
 
     ``transport`` ("direct" or "ray") picks how this client's producers and
     consumers reach the shards (default: the cluster's ``transport`` setting;
-    see ``raymq.transport``).
+    see ``raymq.transport``).  ``clock`` is the time of every producer and
+    consumer made through the handle (default: the system's; ``raymq.clock``).
     """
     cfg = ClusterConfig.from_dict({**(config or {}), **overrides})
-    if not ray.is_initialized():
-        worker_priority()
-        addr = address or os.environ.get("RAY_ADDRESS")
-        kwargs = dict(namespace=deploy.NAMESPACE, log_to_driver=False)
-        if addr:
-            ray.init(address=addr, **kwargs)
-        else:
-            ray.init(**kwargs)
+    rpc.init(address)  # (attached already: stays so)
     controller, shards = deploy.deploy(cfg)
-    return RayMQ(controller, shards, transport=transport)
-
-
-def worker_priority() -> None:
-    """Have a Ray started from this process run its workers at normal priority.
-
-    Ray starts worker processes at nice 15 by default (``RAY_worker_niceness``),
-    so that its own daemons stay responsive.  A shard's actor is RayMQ's
-    broker, not background work: at nice 15 it starves behind a busy client on
-    the same machine (measured: ``txmsg.p8`` 716 -> 1,540 tx/s with 0).  Set
-    before ``ray.init`` starts a local Ray; an explicit setting wins.
-    """
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    return RayMQ(controller, shards, transport=transport, clock=clock)
 
 
 class RayMQ:
-    def __init__(self, controller, shards: list, *, transport: str | None = None):
+    def __init__(self, controller, shards: list, *, transport: str | None = None,
+                 clock: Clock | None = None):
+        #: the controller's Ray handle (``control`` calls it)
         self.controller = controller
+        self.control = rpc.ControllerClient(controller)
         self._shards = list(shards)
-        self.config = ClusterConfig.from_dict(rpc.call(controller.get_config, timeout_s=60))
+        #: the time of this client's producers and consumers
+        self.clock: ClientClock = client_clock(clock)
+        self.config = ClusterConfig.from_dict(self.control.call("get_config", timeout_s=60))
         #: how producers and consumers reach the shards (``raymq.transport``)
         self.transport = make_transport(transport or self.config.transport, self.shard_handle)
         self._routes: dict[str, list[int]] = {}
@@ -72,7 +64,12 @@ class RayMQ:
 
     # ------------------------------------------------------------ routing
     def shard_handle(self, i: int):
+        """Shard ``i``'s Ray handle."""
         return self._shards[i]
+
+    def shard(self, i: int) -> rpc.ShardClient:
+        """Calls to shard ``i`` through Ray (the data path goes through ``transport``)."""
+        return rpc.ShardClient(self._shards[i])
 
     @property
     def num_shards(self) -> int:
@@ -89,7 +86,7 @@ class RayMQ:
         with self._lock:
             missing = [t for t in topics if t not in self._routes]
         if missing:
-            got = rpc.call(self.controller.routes, missing, timeout_s=30)
+            got = self.control.call("routes", missing, timeout_s=30)
             for t in missing:
                 if got[t] is None:
                     if not self.config.auto_create_topics:
@@ -103,44 +100,47 @@ class RayMQ:
 
     # ------------------------------------------------------------- topics
     def create_topic(self, name: str, queues: int | None = None) -> dict:
-        info = rpc.call(self.controller.create_topic, name, queues, timeout_s=30)
+        info = self.control.call("create_topic", name, queues, timeout_s=30)
         with self._lock:
             self._routes[name] = info["routes"]
         return info
 
     def topics(self) -> dict[str, dict]:
-        return rpc.call(self.controller.topics, timeout_s=30)
+        return self.control.call("topics", timeout_s=30)
 
     def describe_topic(self, name: str) -> dict:
-        return rpc.call(self.controller.describe_topic, name, timeout_s=30)
+        return self.control.call("describe_topic", name, timeout_s=30)
 
     def ensure_group_topics(self, group: str) -> None:
-        rpc.call(self.controller.ensure_group_topics, group, timeout_s=30)
+        self.control.call("ensure_group_topics", group, timeout_s=30)
 
     # ------------------------------------------------------------ clients
     def producer(self, group: str = "default") -> Producer:
-        p = Producer(self, group)
+        p = Producer(self, group, clock=self.clock)
         self._clients.append(p)
         return p
 
     def transaction_producer(self, group: str, listener, **kwargs):
         """A RocketMQ-style transaction producer (see ``raymq.transaction_producer``)."""
         from raymq.transaction_producer import TransactionProducer
+        kwargs.setdefault("clock", self.clock)
         p = TransactionProducer(self, group, listener, **kwargs)
         self._clients.append(p)
         return p
 
     def registry_handle(self, group: str):
+        """The Ray handle of the registry of producer group ``group``."""
         from raymq.actors.checker import registry_for
         return deploy.get_registry(registry_for(group, self.config.num_registries))
 
     def checker_handles(self) -> list:
+        """The Ray handles of the check-back workers."""
         return [deploy.get_checker(i) for i in range(self.config.num_checkers)]
 
     def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_uncommitted",
                  tags=None, ordered: bool = False, start_from: str = "earliest") -> Consumer:
         c = Consumer(self, group, topics, isolation=isolation, tags=tags, ordered=ordered,
-                     start_from=start_from)
+                     start_from=start_from, clock=self.clock)
         self._clients.append(c)
         return c
 
@@ -169,14 +169,14 @@ class Admin:
             if shard >= self._mq.num_shards:
                 raise InvalidMessageError(f"message id {msg_id} names shard {shard}, "
                                           f"the cluster has {self._mq.num_shards}")
-            m = rpc.call(self._mq.shard_handle(shard).get_message, phys, timeout_s=30)
+            m = self._mq.shard(shard).call("get_message", phys, timeout_s=30)
             return [MessageExt.from_stored(shard, m)]
         if topic is None or key is None:
             raise InvalidMessageError("find needs a message id, or a topic and a key")
         shards = sorted(set(self._mq.routes_for({topic})[topic]))
-        refs = [self._mq.shard_handle(s).find_by_key.remote(topic, key) for s in shards]
+        calls = [self._mq.shard(s).submit("find_by_key", topic, key) for s in shards]
         out = []
-        for s, found in zip(shards, rpc.wait_all(refs, 60)):
+        for s, found in zip(shards, rpc.wait_all(calls, 60)):
             if isinstance(found, Exception):
                 raise found
             out += [MessageExt.from_stored(s, m) for m in found]
@@ -185,8 +185,8 @@ class Admin:
     def dlq_list(self, group: str, max_per_shard: int = 100) -> list[MessageExt]:
         out = []
         for s in range(self._mq.num_shards):
-            for m in rpc.call(self._mq.shard_handle(s).dlq_list, group, 0, max_per_shard,
-                              timeout_s=30):
+            for m in self._mq.shard(s).call("dlq_list", group, 0, max_per_shard,
+                                            timeout_s=30):
                 out.append(MessageExt.from_stored(s, m))
         return out
 
@@ -196,21 +196,21 @@ class Admin:
         resent = []
         if ids is None:
             for s in range(self._mq.num_shards):
-                resent += rpc.call(self._mq.shard_handle(s).dlq_resend, group, None, timeout_s=60)
+                resent += self._mq.shard(s).call("dlq_resend", group, None, timeout_s=60)
             return resent
         by_shard: dict[int, list[int]] = {}
         for i in ids:
             shard, phys = parse_msg_id(i)
             by_shard.setdefault(shard, []).append(phys)
         for s, phys in by_shard.items():
-            resent += rpc.call(self._mq.shard_handle(s).dlq_resend, group, phys, timeout_s=60)
+            resent += self._mq.shard(s).call("dlq_resend", group, phys, timeout_s=60)
         return resent
 
     def half_list(self, *, expired: bool = False) -> list[dict]:
         """Pending (or expired) half messages of every shard: id, group, age, checks..."""
         out = []
         for s in range(self._mq.num_shards):
-            out += rpc.call(self._mq.shard_handle(s).half_list, expired=expired, timeout_s=60)
+            out += self._mq.shard(s).call("half_list", expired=expired, timeout_s=60)
         return out
 
     def half_resolve(self, half_id: str, state: str) -> str:
@@ -219,21 +219,20 @@ class Admin:
         if wanted is None:
             raise InvalidMessageError("state must be 'commit' or 'rollback'")
         shard, phys = parse_msg_id(half_id)
-        return rpc.call(self._mq.shard_handle(shard).resolve_half, phys, wanted, timeout_s=60)
+        return self._mq.shard(shard).call("resolve_half", phys, wanted, timeout_s=60)
 
     def check_now(self) -> list[dict]:
         """Run a check-back round on every checker now; returns checks sent per group."""
-        return [rpc.call(c.run_round, timeout_s=120) for c in self._mq.checker_handles()]
+        return [rpc.CheckerClient(c).call("run_round", timeout_s=120)
+                for c in self._mq.checker_handles()]
 
     def status(self) -> dict:
         mq = self._mq
-        infos = rpc.wait_all([mq.shard_handle(s).queue_info.remote()
-                              for s in range(mq.num_shards)], 30)
-        nodes = rpc.wait_all([mq.shard_handle(s).node_id.remote()
-                              for s in range(mq.num_shards)], 30)
-        tx = rpc.wait_all([mq.shard_handle(s).transaction_status.remote()
+        infos = rpc.wait_all([mq.shard(s).submit("queue_info") for s in range(mq.num_shards)], 30)
+        nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)], 30)
+        tx = rpc.wait_all([mq.shard(s).submit("transaction_status")
                            for s in range(mq.num_shards)], 30)
-        return {"topics": mq.topics(), "groups": rpc.call(mq.controller.groups, timeout_s=30),
+        return {"topics": mq.topics(), "groups": mq.control.call("groups", timeout_s=30),
                 "transactions": [t if not isinstance(t, Exception) else {"error": str(t)}
                                  for t in tx],
                 "shards": [{"shard": s, "node": n if not isinstance(n, Exception) else None,

@@ -1,4 +1,5 @@
-"""Consumer: group membership, leased queues, pull with prefetch, commit, push with retries.
+"""Consumer: a member's group membership and queue leases, pull with prefetch, commits,
+and push-style handling with retries (``run``); its time comes from an injected clock.
 
 Queues of the subscribed topics (and of the group's retry topic) are shared
 among the live members of the group by the controller; a member owns a queue
@@ -17,7 +18,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from raymq import rpc
+from raymq.clock import client_clock
 from raymq.message import MessageExt, check_group, messages_ext, retry_topic
+from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.consumer")
@@ -44,7 +46,8 @@ class _Queue:
 class Consumer:
     def __init__(self, mq, group: str, topics: list[str], *, isolation: str = "read_uncommitted",
                  tags: dict[str, list[str]] | list[str] | str | None = None,
-                 ordered: bool = False, start_from: str = "earliest"):
+                 ordered: bool = False, start_from: str = "earliest",
+                 clock: Clock | None = None):
         check_group(group)
         if isolation not in ISOLATIONS:
             raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
@@ -52,6 +55,9 @@ class Consumer:
             raise InvalidMessageError("start_from must be 'earliest' or 'latest'")
         self._mq = mq
         self.config = mq.config
+        clock = client_clock(clock)
+        self._monotonic_s = clock.monotonic_s
+        self._sleep_s = clock.sleep_s
         self.group = group
         self.isolation = isolation
         self.ordered = ordered
@@ -76,11 +82,11 @@ class Consumer:
         self._stop = threading.Event()
         self._closed = False
         self.generation = 0
-        self._lease_from = time.monotonic()  # when the last heartbeat that got through was sent
+        self._lease_from_s = self._monotonic_s()  # when the last heartbeat through was sent
         self._processing: dict[tuple[str, int], int] = {}  # queue -> first offset in a handler
         self._handled = threading.Condition(self._lock)  # a run() batch is done
         from raymq.metrics import RayMetrics
-        self.metrics = RayMetrics(client="consumer", group=group)
+        self.metrics = RayMetrics(client="consumer", group=group, clock=clock)
         self.heartbeat()  # own queues before the first poll
         self._hb = threading.Thread(target=self._heartbeat_loop, name="raymq-consumer-hb",
                                     daemon=True)
@@ -105,13 +111,13 @@ class Consumer:
     def heartbeat(self) -> None:
         """One heartbeat: take granted queues, release moved ones (committing first)."""
         self._fence_if_lease_lost()
-        sent = time.monotonic()
+        sent_s = self._monotonic_s()
         with self._lock:
             held = sorted(self._queues)
-        res = rpc.call(self._mq.controller.heartbeat, self.group, self.member_id,
-                       self.topics + [self._retry_topic], held, socket.gethostname(),
-                       timeout_s=30)
-        self._lease_from = sent  # the controller saw this member alive no earlier than this
+        res = self._controller().call("heartbeat", self.group, self.member_id,
+                                      self.topics + [self._retry_topic], held,
+                                      socket.gethostname(), timeout_s=30)
+        self._lease_from_s = sent_s  # the controller saw this member alive no earlier than this
         release = [tuple(q) for q in res["release"]]
         granted = [tuple(q) for q in res["granted"]]
         if release:
@@ -121,6 +127,10 @@ class Consumer:
         if new:
             self._acquire(new)
         self.generation = res["generation"]
+
+    def _controller(self) -> rpc.ControllerClient:
+        """Calls to the controller of the cluster this consumer is on now."""
+        return rpc.ControllerClient(self._mq.controller)
 
     def _acquire(self, queues: list[tuple[str, int]]) -> None:
         by_shard = defaultdict(list)
@@ -172,7 +182,7 @@ class Consumer:
         when it cannot reach its coordinator).  The next heartbeat that gets through
         takes queues again from their committed offsets.
         """
-        silent_s = time.monotonic() - self._lease_from
+        silent_s = self._monotonic_s() - self._lease_from_s
         if silent_s * 1000 <= self.config.session_timeout_ms:
             return False
         with self._lock:
@@ -212,7 +222,7 @@ class Consumer:
     def _poll(self, max_messages: int, timeout_s: float, *, handling: bool) -> list[MessageExt]:
         """``poll``; with ``handling`` (``run``) the messages taken are marked as in a
         handler in the same step, so that no release can pass them in between."""
-        deadline = time.monotonic() + timeout_s
+        deadline_s = self._monotonic_s() + timeout_s
         while True:
             self._fence_if_lease_lost()
             with self._lock:
@@ -241,10 +251,10 @@ class Consumer:
                     self._start_pulls(self.config.pull_wait_ms)
                     self._collect(0)
                 return out
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            remaining_s = deadline_s - self._monotonic_s()
+            if remaining_s <= 0:
                 return []
-            self._fetch(min(remaining, self.config.pull_wait_ms / 1000.0))
+            self._fetch(min(remaining_s, self.config.pull_wait_ms / 1000.0))
 
     def _start_pulls(self, wait_ms: int) -> bool:
         """Start a pull on every shard of the owned queues that has none in flight."""
@@ -285,14 +295,14 @@ class Consumer:
     def _wait_pulls(self, how: Callable, timeout_s: float) -> bool:
         """Wait until ``how`` (``any`` or ``all``) of the pulls in flight are done; whether
         that happened (no pull in flight: only ``all`` holds).  Under ``_pulls_done``."""
-        deadline = time.monotonic() + timeout_s
+        deadline_s = self._monotonic_s() + timeout_s
         while not (self._inflight and how(c.done() for c in self._inflight.values())):
-            remaining = deadline - time.monotonic()
+            remaining_s = deadline_s - self._monotonic_s()
             if not self._inflight:
                 return how is all
-            if remaining <= 0:
+            if remaining_s <= 0:
                 return False
-            self._pulls_done.wait(remaining)
+            self._pulls_done.wait(remaining_s)
         return True
 
     def _pull_finished(self, _call) -> None:
@@ -302,7 +312,7 @@ class Consumer:
     def _fetch(self, wait_s: float) -> None:
         """Start pulls for shards with none in flight; take in the results that are ready."""
         if not self._start_pulls(int(wait_s * 1000)):
-            time.sleep(min(wait_s, 0.05))
+            self._sleep_s(min(wait_s, 0.05))
             return
         self._collect(wait_s + 5.0)
 
@@ -391,8 +401,8 @@ class Consumer:
     # ------------------------------------------------------------- push mode
     def nack(self, msg: MessageExt, reason: str = "") -> dict:
         """Give a message back: redelivered later through the retry topic, or dead-lettered."""
-        return rpc.call(self._mq.shard_handle(msg.shard).send_back, self.group,
-                        msg.phys, reason=reason, timeout_s=30)
+        return self._mq.shard(msg.shard).call("send_back", self.group, msg.phys,
+                                              reason=reason, timeout_s=30)
 
     def run(self, handler: Callable[[MessageExt], object], *, threads: int = 4,
             batch: int = 64, idle_s: float = 0.5) -> None:
@@ -463,12 +473,12 @@ class Consumer:
                     self._seek_back(m)
                     return
                 m.reconsume_count += 1
-                time.sleep(min(1.0, 0.05 * (2 ** attempt)))
+                self._sleep_s(min(1.0, 0.05 * (2 ** attempt)))
             else:
                 try:
-                    rpc.call(self._mq.shard_handle(m.shard).send_back, self.group,
-                             m.phys, reason=f"ordered: {reason}", dead_letter=True,
-                             timeout_s=30)
+                    self._mq.shard(m.shard).call("send_back", self.group, m.phys,
+                                                 reason=f"ordered: {reason}",
+                                                 dead_letter=True, timeout_s=30)
                 except RayMQError as err:  # not dead-lettered: it must come again
                     log.warning("consumer %s: %s could not be dead-lettered (%s); it is "
                                 "handled again", self.member_id, m.msg_id, err)
@@ -496,7 +506,7 @@ class Consumer:
         try:
             self.commit()
         finally:
-            rpc.call(self._mq.controller.leave, self.group, self.member_id, timeout_s=30)
+            self._controller().call("leave", self.group, self.member_id, timeout_s=30)
             self.metrics.flush()
 
     def __enter__(self):

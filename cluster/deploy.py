@@ -1,20 +1,18 @@
-"""Deploying RayMQ's actors into a Ray cluster (idempotent) and finding them.
+"""What RayMQ deploys into a Ray cluster: its actor classes, names and options;
+deploying them (idempotent), finding them by name, stopping them.
 
-Actors live in namespace ``raymq``, detached, named, restartable
-(``max_restarts=-1``).  A shard is pinned so that a restart finds its files:
-by the custom resource ``raymq_shard_<i>`` when the cluster defines it
-(``ray_config.yaml`` does), else by node affinity to the node it was first
-placed on (remembered by the controller).
+Talking to Ray is ``raymq.rpc``'s part.  Actors live in namespace ``raymq``,
+detached, named, restartable (``max_restarts=-1``).  A shard is pinned so that
+a restart finds its files: by the custom resource ``raymq_shard_<i>`` when
+the cluster defines it (``ray_config.yaml`` does), else by node affinity to
+the node it was first placed on (remembered by the controller).
 """
 from __future__ import annotations
 
 import logging
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from raymq.actors.checker import CheckerWorker
-from raymq.actors.endpoint import Endpoint
+from raymq.actors.channel import Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.registry import ProducerGroupRegistry
 from raymq.actors.shard import BrokerShard
@@ -24,7 +22,7 @@ from raymq.metrics import RayMetrics
 
 log = logging.getLogger("raymq.deploy")
 
-NAMESPACE = "raymq"
+NAMESPACE = rpc.NAMESPACE
 CONTROLLER = "controller"
 
 
@@ -65,20 +63,20 @@ class ShardActor(BrokerShard):
 
     def __init__(self, index: int, config: dict):
         _untrace_private_methods(type(self))
-        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        controller = rpc.ControllerClient(get_controller())
         super().__init__(index, config,
-                         fetch_routes=lambda i: rpc.call(controller.shard_routes, i, timeout_s=30),
+                         fetch_routes=lambda i: controller.call("shard_routes", i, timeout_s=30),
                          metrics=RayMetrics(shard=str(index)))
-        self.set_routes(rpc.call(controller.shard_routes, index, timeout_s=30))
-        node = ray.get_runtime_context().get_node_id()
-        rpc.call(controller.set_shard_node, index, node, timeout_s=30)
+        self.set_routes(controller.call("shard_routes", index, timeout_s=30))
+        node = rpc.node_id()
+        controller.call("set_shard_node", index, node, timeout_s=30)
         # the data channel opens last: nothing is served before recovery finished
-        self._endpoint = Endpoint(_Untraced(self), host=ray.util.get_node_ip_address())
+        self._endpoint = Endpoint(_Untraced(self), host=rpc.node_ip())
         log.info("shard-%d up on node %s, data in %s, data channel on %s:%d", index, node,
                  self.directory, *self._endpoint.address)
 
     def endpoint(self) -> tuple[tuple[str, int], bytes]:
-        """Address and key of this shard's data channel (``raymq.actors.endpoint``)."""
+        """Address and key of this shard's data channel (``raymq.actors.channel``)."""
         return self._endpoint.address, self._endpoint.authkey
 
     def close(self) -> None:
@@ -86,7 +84,7 @@ class ShardActor(BrokerShard):
         super().close()
 
     def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+        return rpc.node_id()
 
 
 class RegistryActor(ProducerGroupRegistry):
@@ -100,10 +98,10 @@ class CheckerActor(CheckerWorker):
         cfg = ClusterConfig.from_dict(config)
 
         def call_shard(i, method, *args, **kwargs):
-            return rpc.call(getattr(get_shard(i), method), *args, timeout_s=60, **kwargs)
+            return rpc.ShardClient(get_shard(i)).call(method, *args, timeout_s=60, **kwargs)
 
         def call_registry(i, method, *args):
-            return rpc.call(getattr(get_registry(i), method), *args, timeout_s=30)
+            return rpc.RegistryClient(get_registry(i)).call(method, *args, timeout_s=30)
         shards = [i for i in range(cfg.num_shards) if i % cfg.num_checkers == index]
         super().__init__(index, shards, call_shard=call_shard, call_registry=call_registry,
                          num_registries=cfg.num_registries, interval_ms=cfg.txn_check_interval_ms,
@@ -112,17 +110,10 @@ class CheckerActor(CheckerWorker):
 
 class ControllerActor(Controller):
     def __init__(self, config, **kwargs):
-        super().__init__(config, restarted=ray.get_runtime_context()
-                         .was_current_actor_reconstructed, **kwargs)
+        super().__init__(config, restarted=rpc.actor_restarted(), **kwargs)
 
     def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-
-_ControllerRemote = ray.remote(ControllerActor)
-_ShardRemote = ray.remote(ShardActor)
-_RegistryRemote = ray.remote(RegistryActor)
-_CheckerRemote = ray.remote(CheckerActor)
+        return rpc.node_id()
 
 
 def registry_name(i: int) -> str:
@@ -134,42 +125,42 @@ def checker_name(i: int) -> str:
 
 
 def get_registry(i: int):
-    return ray.get_actor(registry_name(i), namespace=NAMESPACE)
+    """Registry ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
+    return rpc.get_actor(registry_name(i), NAMESPACE)
 
 
 def get_checker(i: int):
-    return ray.get_actor(checker_name(i), namespace=NAMESPACE)
-
-
-def _alive_nodes() -> list[str]:
-    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    """Checker ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
+    return rpc.get_actor(checker_name(i), NAMESPACE)
 
 
 def get_controller():
-    return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    """The controller's Ray handle (``ValueError`` if it is not deployed)."""
+    return rpc.get_actor(CONTROLLER, NAMESPACE)
 
 
 def get_shard(i: int):
-    return ray.get_actor(shard_name(i), namespace=NAMESPACE)
+    """Shard ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
+    return rpc.get_actor(shard_name(i), NAMESPACE)
 
 
 def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
     """Create the controller and shards unless they exist; return their handles."""
     cfg = config.to_dict()
     cfg["data_dir"] = config.resolved_data_dir()
-    here = ray.get_runtime_context().get_node_id()
-    controller = _ControllerRemote.options(
+    here = rpc.node_id()
+    pinned = "raymq_controller" in rpc.cluster_resources()
+    controller = rpc.create_actor(
+        ControllerActor, cfg,
         name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=16,
-        scheduling_strategy=(NodeAffinitySchedulingStrategy(here, soft=False)
-                             if "raymq_controller" not in ray.cluster_resources() else None),
-        resources=({"raymq_controller": 0.001}
-                   if "raymq_controller" in ray.cluster_resources() else None),
-    ).remote(cfg)
-    info = rpc.call(controller.ping, timeout_s=120)
+        scheduling_strategy=rpc.pin_to_node(here) if not pinned else None,
+        resources={"raymq_controller": 0.001} if pinned else None)
+    control = rpc.ControllerClient(controller)
+    info = control.call("ping", timeout_s=120)
     num_shards = info["num_shards"]
-    resources = ray.cluster_resources()
-    nodes = _alive_nodes()
+    resources = rpc.cluster_resources()
+    nodes = rpc.alive_nodes()
     shards = []
     for i in range(num_shards):
         try:
@@ -184,22 +175,26 @@ def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
         if res in resources:
             opts["resources"] = {res: 0.001}
         else:
-            node = rpc.call(controller.shard_node, i, timeout_s=30)
+            node = control.call("shard_node", i, timeout_s=30)
             if node not in nodes:
                 node = nodes[i % len(nodes)]
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        shards.append(_ShardRemote.options(**opts).remote(i, cfg))
+            opts["scheduling_strategy"] = rpc.pin_to_node(node)
+        shards.append(rpc.create_actor(ShardActor, i, cfg, **opts))
     for s in shards:
-        rpc.call(s.ping, timeout_s=120)
-    cluster_cfg = ClusterConfig.from_dict(rpc.call(controller.get_config, timeout_s=60))
+        rpc.ShardClient(s).call("ping", timeout_s=120)
+    cluster_cfg = ClusterConfig.from_dict(control.call("get_config", timeout_s=60))
     common = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
                   max_task_retries=-1, num_cpus=0)
-    registries = [_RegistryRemote.options(name=registry_name(i), max_concurrency=64, **common)
-                  .remote(i, cfg) for i in range(cluster_cfg.num_registries)]
-    checkers = [_CheckerRemote.options(name=checker_name(i), max_concurrency=4, **common)
-                .remote(i, cfg) for i in range(cluster_cfg.num_checkers)]
-    for a in registries + checkers:
-        rpc.call(a.ping, timeout_s=120)
+    registries = [rpc.create_actor(RegistryActor, i, cfg, name=registry_name(i),
+                                   max_concurrency=64, **common)
+                  for i in range(cluster_cfg.num_registries)]
+    checkers = [rpc.create_actor(CheckerActor, i, cfg, name=checker_name(i),
+                                 max_concurrency=4, **common)
+                for i in range(cluster_cfg.num_checkers)]
+    for r in registries:
+        rpc.RegistryClient(r).call("ping", timeout_s=120)
+    for c in checkers:
+        rpc.CheckerClient(c).call("ping", timeout_s=120)
     return controller, shards
 
 
@@ -208,7 +203,8 @@ def undeploy() -> list[str]:
     killed = []
     names = [CONTROLLER]
     try:
-        cfg = ClusterConfig.from_dict(rpc.call(get_controller().get_config, timeout_s=30))
+        cfg = ClusterConfig.from_dict(
+            rpc.ControllerClient(get_controller()).call("get_config", timeout_s=30))
         names += [shard_name(i) for i in range(cfg.num_shards)]
         names += [registry_name(i) for i in range(cfg.num_registries)]
         names += [checker_name(i) for i in range(cfg.num_checkers)]
@@ -216,7 +212,7 @@ def undeploy() -> list[str]:
         names += [f(i) for f in (shard_name, registry_name, checker_name) for i in range(64)]
     for name in names:
         try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            rpc.kill(rpc.get_actor(name, NAMESPACE), no_restart=True)
             killed.append(name)
         except ValueError:
             continue

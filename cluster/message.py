@@ -9,13 +9,13 @@ import enum
 import zlib
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any
 
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
-from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC, OP_TOPIC, RETRY_PREFIX,
-                             SCHEDULE_TOPIC, SYSTEM_PROPERTIES, SYSTEM_TOPICS, Prop,
-                             check_group, check_user_topic, dlq_topic, is_system_topic,
-                             make_msg_id, parse_msg_id, retry_topic)
+# the client's names for what it shares with the broker (users import them from here)
+from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC,  # noqa: F401
+                                   OP_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
+                                   SYSTEM_TOPICS, Prop, check_group, check_user_topic, dlq_topic,
+                                   is_system_topic, make_msg_id, parse_msg_id, retry_topic)
 from raymq.storage.records import (MessageBatch, RecordBatch, StoredMessage, SysFlag,
                              check_user_properties, decode_properties, shared_value)
 
@@ -132,6 +132,9 @@ class SendResult(tuple):
     queue_id = property(itemgetter(2))
     queue_offset = property(itemgetter(3))
     topic = property(itemgetter(4))
+    #: where the shard stored it (None/-1 when not known: a duplicate's lost offsets)
+    shard = property(itemgetter(5))
+    phys_offset = property(itemgetter(6))
 
     @property
     def msg_id(self) -> str:
@@ -200,7 +203,7 @@ class MessageExt:
         """The id the producer was given (retry copies and committed transactional
         messages carry it as a property)."""
         if self._props:
-            origin = self.properties.get(Prop.ORIGIN_MSG_ID)
+            origin = self.properties.get(Prop.PRODUCER_MSG_ID)
             if origin:
                 return origin
         return make_msg_id(self.shard, self.phys)

@@ -1,4 +1,5 @@
-"""Metrics through ``ray.util.metrics``: Ray's Prometheus endpoint and dashboard show them.
+"""RayMetrics: the shards' and clients' counters, gauges and histograms, handed to
+``ray.util.metrics`` (Ray's Prometheus endpoint and dashboard show them).
 
 Names are prefixed ``raymq_``.  Recording never raises: a metric that cannot
 be recorded is logged at debug level and skipped.  Counters are summed in
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+
+from raymq.storage.clock import Clock, SystemClock
 
 log = logging.getLogger("raymq.metrics")
 
@@ -20,14 +22,15 @@ FLUSH_S = 1.0
 class RayMetrics:
     """``ray.util.metrics`` behind the shard's metrics interface (Prometheus / dashboard)."""
 
-    def __init__(self, **default_tags):
+    def __init__(self, *, clock: Clock | None = None, **default_tags):
         from ray.util import metrics
         self._m = metrics
         self._tags = default_tags
+        self._monotonic_ms = (clock or SystemClock()).monotonic_ms
         self._made: dict[str, object] = {}
         self._lock = threading.Lock()
         self._counts: dict[tuple, float] = {}
-        self._next_flush = 0.0  # the first increment goes at once
+        self._next_flush_ms = 0.0  # the first increment goes at once
 
     def _get(self, kind: str, name: str, tag_keys: tuple[str, ...]):
         metric = self._made.get(name)
@@ -62,7 +65,7 @@ class RayMetrics:
         key = (name, tuple(tags.items()))
         with self._lock:
             self._counts[key] = self._counts.get(key, 0.0) + float(value)
-            due = time.monotonic() >= self._next_flush
+            due = self._monotonic_ms() >= self._next_flush_ms
         if due:
             self.flush()
 
@@ -70,7 +73,7 @@ class RayMetrics:
         """Hand the counters summed so far to Ray."""
         with self._lock:
             counts, self._counts = self._counts, {}
-            self._next_flush = time.monotonic() + FLUSH_S
+            self._next_flush_ms = self._monotonic_ms() + FLUSH_S * 1000
         for (name, tags), value in counts.items():
             self._record("counter", name, value, dict(tags))
 

@@ -1,4 +1,5 @@
-"""Producer: queue selection, client-side batching, idempotent retries.
+"""Producer: queue selection, client-side batching into per-lane requests, idempotent
+retries with back-off; its time (linger, back-off, born stamps) from an injected clock.
 
 Concurrent ``send`` calls from many threads are coalesced into one request
 per shard (Kafka-producer style ``linger_ms`` / ``batch_max_messages``); each
@@ -23,7 +24,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from raymq.actors.protocol import EndOutcome, SendReply
+from raymq.clock import client_clock
+from raymq.storage.clock import Clock
 from raymq.transport import Outcome
 from raymq.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
                              key_queue, record_properties, validate_messages)
@@ -39,6 +42,8 @@ from raymq.storage.errors import RayMQError
 
 log = logging.getLogger("raymq.producer")
 
+#: End outcomes that leave the transaction to the check-back.
+_NOT_ENDED = (EndOutcome.REFUSED, EndOutcome.FAILED)
 #: Keyless single sends to a topic before its sticky queue moves on.
 STICKY_MESSAGES = 64
 #: How long transaction ends wait for a request to ride on before they go alone: a
@@ -52,7 +57,7 @@ class _Pending:
     future: Outcome  # -> list[SendResult], one per message
     topic_qids: list[tuple[str, int]]
     positions: list[int]  # where each message stands in its send_batch call
-    queued_at: float = 0.0
+    queued_at_s: float = 0.0  # the producer clock's monotonic seconds
 
 
 def _rows_batch(rows: list[tuple]) -> RecordBatch:
@@ -144,10 +149,14 @@ class SendResults(Sequence):
 
 
 class Producer:
-    def __init__(self, mq, group: str = "default"):
+    def __init__(self, mq, group: str = "default", *, clock: Clock | None = None):
         self._mq = mq
         self.group = group
         self.config = mq.config
+        clock = client_clock(clock)
+        self._now_ms = clock.now_ms  # bound once: these are per message
+        self._monotonic_s = clock.monotonic_s
+        self._sleep_s = clock.sleep_s
         rng = random.SystemRandom()
         self.lanes = max(1, int(mq.config.producer_lanes))
         self._lane_pids = [rng.getrandbits(62) | 1 for _ in range(self.lanes)]
@@ -159,13 +168,13 @@ class Producer:
         self._rr_next: dict[str, int] = {}
         self._sticky_count: dict[str, int] = {}
         self._ends: dict[int, list] = defaultdict(list)
-        self._ends_due: dict[int, float] = {}  # shard -> when its waiting ends go alone
+        self._ends_due_s: dict[int, float] = {}  # shard -> when its waiting ends go alone
         self._num_levels = len(self.config.delay_levels_ms)
         self._closed = False
         self.retries = 0
         self.requests = 0  # requests sent to shards (attempts), for benchmarks and status
         from raymq.metrics import RayMetrics
-        self.metrics = RayMetrics(client="producer", group=group)
+        self.metrics = RayMetrics(client="producer", group=group, clock=clock)
         self._active: set[tuple[int, int]] = set()  # lanes with a runner
         # a busy lane keeps its runner: one thread per lane, or a lane could wait for one
         self._runners = ThreadPoolExecutor(
@@ -213,7 +222,7 @@ class Producer:
             self._ends[shard].extend(ends)
             if (shard, 0) not in self._active and not self._pending.get((shard, 0)):
                 # nothing to ride on yet: wait a moment for the sender's next request
-                self._ends_due.setdefault(shard, time.monotonic() + END_LINGER_S)
+                self._ends_due_s.setdefault(shard, self._monotonic_s() + END_LINGER_S)
                 self._cv.notify_all()
             else:
                 self._kick((shard, 0))
@@ -279,7 +288,7 @@ class Producer:
             cols.properties = [{**(p or {}), **system_props} for p in cols.properties]
         routes = self._mq.routes_for(set(cols.topic))
         qids, shards = self._assign(cols, routes)
-        born = int(time.time() * 1000)
+        born_ms = self._now_ms()
         limit = self.config.batch_max_messages
         parts, pendings = [], []
         lanes = shards * self.lanes + qids % self.lanes
@@ -290,11 +299,11 @@ class Producer:
             for lo in range(0, len(idx_all), limit):
                 idx = idx_all[lo:lo + limit].tolist()
                 q = qids[idx_all[lo:lo + limit]].tolist()
-                batch = columns_to_batch(cols, idx, q, born)
+                batch = columns_to_batch(cols, idx, q, born_ms)
                 fut = Outcome()
                 topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
                 pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx,
-                                               time.monotonic())))
+                                               self._monotonic_s())))
                 parts.append((fut, idx))
         with self._lock:
             if self._closed:  # close() may have begun since the check above
@@ -318,14 +327,14 @@ class Producer:
                                        system_props)]
         body = m.body if type(m.body) is bytes else bytes(m.body)
         row = (m.topic, qid, body, m.key or None, m.tags or None, props and props[0],
-               int(time.time() * 1000))
+               self._now_ms())
         fut = Outcome()
         key = (shard, qid % self.lanes)
         with self._lock:
             if self._closed:  # close() may have begun since the caller's check
                 raise RayMQError("producer is closed")
             self._pending[key].append(_Pending(row, fut, [(m.topic, qid)], [0],
-                                               time.monotonic()))
+                                               self._monotonic_s()))
             self._kick(key)
         return fut, [0]
 
@@ -340,7 +349,7 @@ class Producer:
             items.append(queue.popleft())
         return items
 
-    def _claim(self, key: tuple[int, int], now: float):
+    def _claim(self, key: tuple[int, int], now_s: float):
         """With ``_cv`` held: lane ``key``'s next request, if it should go now.
 
         Returns ``(items, sequence, ends)`` and marks the lane active, or None
@@ -352,17 +361,18 @@ class Producer:
         if not queue:
             if not (key[1] == 0 and self._ends.get(key[0])):
                 return None
-            if now < self._ends_due.get(key[0], 0.0) and not self._closed:
+            if now_s < self._ends_due_s.get(key[0], 0.0) and not self._closed:
                 return None  # ends alone: they wait a moment for a request to ride on
-        linger = self.config.linger_ms / 1000.0
-        if linger and queue and not self._closed and now - queue[0].queued_at < linger and \
+        linger_s = self.config.linger_ms / 1000.0
+        if linger_s and queue and not self._closed and \
+                now_s - queue[0].queued_at_s < linger_s and \
                 sum(len(p.positions) for p in queue) < self.config.batch_max_messages:
             return None  # wait for more to come
         items = self._take(key) if queue else []
         ends = []
         if key[1] == 0:
             ends = self._ends.pop(key[0], [])
-            self._ends_due.pop(key[0], None)
+            self._ends_due_s.pop(key[0], None)
         sequence = 0
         if items:
             self._seq[key] += 1
@@ -372,7 +382,7 @@ class Producer:
 
     def _kick(self, key: tuple[int, int]) -> None:
         """With ``_cv`` held: give lane ``key`` a runner if it is idle and has work."""
-        work = self._claim(key, time.monotonic())
+        work = self._claim(key, self._monotonic_s())
         if work is not None:
             self._start(key, work)
         elif self.config.linger_ms:
@@ -414,7 +424,7 @@ class Producer:
                 self._active.discard(key)
                 if again:  # ahead of ends queued since (ends are idempotent)
                     self._ends[key[0]][:0] = again
-                work = self._claim(key, time.monotonic())
+                work = self._claim(key, self._monotonic_s())
                 if work is None and (self._closed or self.config.linger_ms
                                      or self._ends.get(key[0])):
                     self._cv.notify_all()  # the producer thread starts what lingers
@@ -452,14 +462,14 @@ class Producer:
             if not err.retriable or attempt >= self.config.send_retries or (
                     self._closed and attempt >= 2):
                 raise err
-            backoff = min(self.config.retry_backoff_ms * (2 ** attempt),
-                          self.config.retry_backoff_max_ms) / 1000.0
+            backoff_s = min(self.config.retry_backoff_ms * (2 ** attempt),
+                            self.config.retry_backoff_max_ms) / 1000.0
             attempt += 1
             self.retries += 1
             self.metrics.inc("send_retries")
             log.warning("send to shard-%d failed (%s); retry %d in %.2f s", key[0], err,
-                        attempt, backoff)
-            time.sleep(backoff)
+                        attempt, backoff_s)
+            self._sleep_s(backoff_s)
             self.requests += 1
             try:
                 return self._mq.transport.call(key[0], "send", *args,
@@ -469,25 +479,25 @@ class Producer:
 
     def _run(self) -> None:
         """The producer's own thread: starts lanes whose linger ran out; ends the producer."""
-        linger = self.config.linger_ms / 1000.0
+        linger_s = self.config.linger_ms / 1000.0
         while True:
             with self._lock:
-                now = time.monotonic()
+                now_s = self._monotonic_s()
                 keys = [k for k, q in self._pending.items() if q]
                 keys += [(s, 0) for s, e in self._ends.items() if e]
-                lingering = []
+                due_s = []  # when lingering requests (or ends) go
                 for key in keys:
-                    work = self._claim(key, now)
+                    work = self._claim(key, now_s)
                     if work is not None:
                         self._start(key, work)
-                    elif linger and key not in self._active and self._pending.get(key):
-                        lingering.append(self._pending[key][0].queued_at + linger)
-                    elif key[0] in self._ends_due and key not in self._active:
-                        lingering.append(self._ends_due[key[0]])
+                    elif linger_s and key not in self._active and self._pending.get(key):
+                        due_s.append(self._pending[key][0].queued_at_s + linger_s)
+                    elif key[0] in self._ends_due_s and key not in self._active:
+                        due_s.append(self._ends_due_s[key[0]])
                 if self._closed and not self._active and not any(self._pending.values()) \
                         and not any(self._ends.values()):
                     return
-                self._cv.wait(max(0.0002, min([0.05] + [t - now for t in lingering])))
+                self._cv.wait(max(0.0002, min([0.05] + [t - now_s for t in due_s])))
 
     def _sticky_queue(self, topic: str, queues: int) -> int:
         """The queue of a keyless single send: the topic's sticky queue.
@@ -505,14 +515,14 @@ class Producer:
             self._sticky_count[topic] = count
             return turn % queues
 
-    def _complete(self, shard: int, items: list[_Pending], request, result: dict) -> None:
-        for outcome in result.get("ends") or ():
-            if outcome.startswith(("REFUSED", "FAILED")):
-                log.warning("end_transaction refused by shard-%d: %s", shard, outcome)
-        status = SendStatus(result["status"])
+    def _complete(self, shard: int, items: list[_Pending], request, result: SendReply) -> None:
+        for end in result.ends or ():
+            if end.outcome in _NOT_ENDED:
+                log.warning("end_transaction refused by shard-%d: %s", shard, end)
+        status = SendStatus(result.status)
         if request is not None:
-            self.metrics.inc("messages_sent", len(result["phys"]) or len(request))
-        phys, qoffs = list(result["phys"]), list(result["queue_offsets"])
+            self.metrics.inc("messages_sent", len(result.phys) or len(request))
+        phys, qoffs = result.phys, result.queue_offsets
         i = 0
         known = len(phys)
         for p in items:

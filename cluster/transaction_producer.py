@@ -1,4 +1,5 @@
-"""RocketMQ-style transactional messages, the application's side.
+"""RocketMQ-style transactional messages, the application's side: sending halves, running
+the local transaction, ending it, and answering check-backs (time from an injected clock).
 
 ``send_in_transaction(msg, arg)``:
 
@@ -23,14 +24,16 @@ import enum
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
+from raymq.actors.protocol import CheckRequest, EndRequest
+from raymq.clock import client_clock
 from raymq.message import Message, MessageExt, Prop, SendResult, SendStatus, messages_ext
+from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.transaction")
@@ -92,10 +95,25 @@ def _with_transaction_id(m: Message, txid: str) -> Message:
     return shown
 
 
+@dataclass(slots=True)
+class _Transaction:
+    """One transaction in flight: its halves submitted, its local transaction not yet run."""
+
+    transaction_id: str
+    messages: list[Message]
+    is_batch: bool             # sent as a list (the listener gets the list)
+    timeout_ms: int | None     # its own transaction timeout, if it has one
+    started_s: float           # the clock's monotonic seconds when its halves were submitted
+    parts: list                # [(future, positions)]: one per request its halves rode on
+
+
 class TransactionProducer:
     def __init__(self, mq, group: str, listener: TransactionListener, *, check_threads: int = 4,
-                 executor_threads: int = 8, drop_end: Callable[[str], bool] | None = None):
+                 executor_threads: int = 8, drop_end: Callable[[str], bool] | None = None,
+                 clock: Clock | None = None):
         from raymq.producer import Producer
+        clock = client_clock(clock)
+        self._monotonic_s = clock.monotonic_s
         self._mq = mq
         self.group = group
         self.listener = listener
@@ -104,7 +122,7 @@ class TransactionProducer:
         # transaction is a getrandom call each, ~5% of a sender's time)
         self._txid_prefix = uuid.uuid4().hex
         self._txid_counter = itertools.count(1)
-        self._producer = Producer(mq, group)
+        self._producer = Producer(mq, group, clock=clock)
         self._drop_end = drop_end  # fault injection: lose this transaction's end
         self._registry = mq.registry_handle(group)
         self._stop = threading.Event()
@@ -137,7 +155,7 @@ class TransactionProducer:
         tx = self._begin(msg, timeout_ms, None)
         try:
             return self._finish(tx, [(fut, positions, self._wait_part(fut))
-                                     for fut, positions in tx["parts"]], arg)
+                                     for fut, positions in tx.parts], arg)
         finally:
             self._sync_done()
 
@@ -158,7 +176,7 @@ class TransactionProducer:
         out: Future = Future()
         out.set_running_or_notify_cancel()  # not cancellable: its end must go out
         tx = self._begin(msg, timeout_ms, out)  # in flight until it is finished
-        remaining = [len(tx["parts"])]
+        remaining = [len(tx.parts)]
         lock = threading.Lock()
 
         def part_done(_f):
@@ -170,7 +188,7 @@ class TransactionProducer:
                 self._exec_pool.submit(self._finish_into, out, tx, arg)
             except RuntimeError:  # the pool is shut down: finish here, never leave it hanging
                 self._finish_into(out, tx, arg)
-        for fut, _positions in tx["parts"]:
+        for fut, _positions in tx.parts:
             fut.add_done_callback(part_done)
         return out
 
@@ -178,10 +196,10 @@ class TransactionProducer:
         with self._in_flight_lock:
             self._in_flight.discard(out)
 
-    def _finish_into(self, out: Future, tx: dict, arg) -> None:
+    def _finish_into(self, out: Future, tx: "_Transaction", arg) -> None:
         try:
             out.set_result(self._finish(tx, [(fut, positions, self._wait_part(fut))
-                                             for fut, positions in tx["parts"]], arg))
+                                             for fut, positions in tx.parts], arg))
         except BaseException as err:  # delivered to whoever waits on the future
             out.set_exception(err)
 
@@ -192,7 +210,7 @@ class TransactionProducer:
         except Exception as err:  # this part was not stored
             return err
 
-    def _begin(self, msg, timeout_ms: int | None, token: Future | None) -> dict:
+    def _begin(self, msg, timeout_ms: int | None, token: Future | None) -> "_Transaction":
         """Validate, register the transaction as in flight (``token``: its future, or None
         for a synchronous one) and submit its halves."""
         if self._stop.is_set():
@@ -212,7 +230,7 @@ class TransactionProducer:
                  Prop.TRANSACTION_ID: txid}
         if timeout_ms is not None:
             props[Prop.TXN_TIMEOUT_MS] = str(int(timeout_ms))
-        started = time.monotonic()
+        started_s = self._monotonic_s()
         # in flight from here to its end: close() waits for it (its end must still go out)
         with self._in_flight_lock:
             if self._stop.is_set():
@@ -231,12 +249,11 @@ class TransactionProducer:
             else:
                 token.set_exception(err)
             raise
-        return {"txid": txid, "msgs": msgs, "batch": batch, "timeout_ms": timeout_ms,
-                "started": started, "parts": parts}
+        return _Transaction(txid, msgs, batch, timeout_ms, started_s, parts)
 
-    def _finish(self, tx: dict, parts: list, arg) -> TransactionSendResult:
+    def _finish(self, tx: "_Transaction", parts: list, arg) -> TransactionSendResult:
         """Halves stored (or not): run the local transaction and end the transaction."""
-        txid, msgs = tx["txid"], tx["msgs"]
+        txid, msgs = tx.transaction_id, tx.messages
         results: list = [None] * len(msgs)
         failure = None
         for _fut, positions, part in parts:
@@ -251,13 +268,13 @@ class TransactionProducer:
             raise failure
         send_status = SendStatus.SEND_OK
         for r in results:  # the first status that is not SEND_OK, if any
-            if r[0] is not SendStatus.SEND_OK:
-                send_status = r[0]
+            if r.status is not SendStatus.SEND_OK:
+                send_status = r.status
                 break
         shown = [_with_transaction_id(m, txid) for m in msgs]
-        limit_ms = tx["timeout_ms"] if tx["timeout_ms"] is not None \
+        limit_ms = tx.timeout_ms if tx.timeout_ms is not None \
             else self._mq.config.txn_timeout_ms
-        late = (time.monotonic() - tx["started"]) * 1000 >= limit_ms
+        late = (self._monotonic_s() - tx.started_s) * 1000 >= limit_ms
         if send_status is SendStatus.SEND_OK and late:
             # the halves may already have been checked back (and rolled back): do not run
             # a local transaction whose message could be gone
@@ -268,7 +285,7 @@ class TransactionProducer:
         else:
             try:
                 state = _state(self.listener.execute_local_transaction(
-                    shown if tx["batch"] else shown[0], arg))
+                    shown if tx.is_batch else shown[0], arg))
             except Exception as err:  # the local transaction's failure: outcome unknown
                 log.warning("execute_local_transaction of %s raised %s: %s; state UNKNOW",
                             txid, type(err).__name__, err)
@@ -284,11 +301,12 @@ class TransactionProducer:
             return
         by_shard: dict[int, list[int]] = defaultdict(list)
         for r in results:
-            if r[5] is None or r[5] < 0 or r[6] is None or r[6] < 0:
+            if r.shard is None or r.shard < 0 or r.phys_offset is None or r.phys_offset < 0:
                 continue  # a resend the shard had stored before: check-back settles it
-            by_shard[r[5]].append(r[6])
+            by_shard[r.shard].append(r.phys_offset)
         for shard, origins in by_shard.items():  # one-way: rides on the next request there
-            self._producer.add_ends(shard, [(self.group, txid, origins, state.value)])
+            self._producer.add_ends(shard, [EndRequest(self.group, txid, tuple(origins),
+                                                       state.value)])
 
     # ---------------------------------------------------------------- checks
     def _poll_checks(self) -> None:
@@ -328,18 +346,18 @@ class TransactionProducer:
                 self._idle_checks += 1
                 self._idle_cv.notify()
 
-    def _check(self, req: dict) -> None:
-        [msg] = messages_ext(req["shard"], [req["message"]])
+    def _check(self, req: CheckRequest) -> None:
+        [msg] = messages_ext(req.shard, [req.message])
         try:
             state = _state(self.listener.check_local_transaction(msg))
         except Exception as err:  # unknown: asked again later
-            log.warning("check_local_transaction of %s raised %s", req.get("txid"), err)
+            log.warning("check_local_transaction of %s raised %s", req.transaction_id, err)
             state = LocalTransactionState.UNKNOW
         self.checks_answered += 1
         if state is LocalTransactionState.UNKNOW:
             return
-        self._producer.add_ends(req["shard"], [(self.group, req["txid"], [req["origin"]],
-                                                state.value)])
+        self._producer.add_ends(req.shard, [EndRequest(self.group, req.transaction_id,
+                                                       (req.origin,), state.value)])
 
     # ----------------------------------------------------------------- close
     def close(self) -> None:

@@ -1,13 +1,16 @@
-"""How the SDK's data path reaches a shard: its direct channel, or Ray calls.
+"""How the SDK's data path reaches a shard: the choice between its direct channel and Ray
+calls (``make_transport``), each one's pooling and retries, and ``Outcome``, the SDK's future.
 
 ``ClusterConfig.transport``:
 
 - ``"direct"`` (default): the hot calls (``send``, ``end_transactions``,
-  ``pull``, ``commit_offsets``, ``get_offsets``) go over the shard's socket
-  endpoint (``raymq.actors.endpoint``), found through a Ray call to the shard actor
-  and cached.  A broken connection means the shard is gone or restarting:
-  ``BrokerUnavailableError`` (retriable); the next call asks the actor again,
-  which answers once the restarted shard has recovered.
+  ``pull``, ``commit_offsets``, ``get_offsets``) go over the shard's data
+  channel (``raymq.actors.channel``: wire format, handshake, connections),
+  found through a Ray call to the shard actor and cached.  A broken connection
+  means the shard is gone or restarting: ``BrokerUnavailableError``
+  (retriable); the next call asks the actor again, which answers once the
+  restarted shard has recovered.  An endpoint of another RayMQ release:
+  ``ProtocolVersionError`` (not retriable).
 - ``"ray"``: every call is a Ray actor call (``raymq.rpc``).
 
 Both give the same results and raise the same ``RayMQError`` kinds.
@@ -15,18 +18,14 @@ Both give the same results and raise the same ``RayMQError`` kinds.
 from __future__ import annotations
 
 import logging
-import os
-import pickle
-import select
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import (AuthenticationError, Connection, answer_challenge,
-                                       deliver_challenge)
+from multiprocessing.connection import AuthenticationError, Connection
 from typing import Any, Callable
 
-from raymq.actors.endpoint import receive_timeout, tune
 from raymq import rpc
+from raymq.actors.channel import (ProtocolVersionError, connect, decode_reply, encode_request,
+                                  readable)
 from raymq.actors.config import TRANSPORTS
 from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
 
@@ -131,7 +130,7 @@ class RayTransport:
 
     def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float):
         """Start a call; ``result()`` of what it returns waits for it."""
-        return _RayCall(getattr(self._handle(shard), method).remote(*args), timeout_s)
+        return _RayCall(rpc.ShardClient(self._handle(shard)).submit(method, *args), timeout_s)
 
     def submit(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> Outcome:
         """Start a call; the outcome completes with its result or its ``RayMQError``.
@@ -140,8 +139,8 @@ class RayTransport:
         is left to the caller's own deadline here.)
         """
         out = Outcome()
-        ref = getattr(self._handle(shard), method).remote(*args)
-        ref.future().add_done_callback(lambda _f: out.settle(lambda: rpc.get(ref, 0)))
+        pending = rpc.ShardClient(self._handle(shard)).submit(method, *args)
+        pending.add_done_callback(lambda done: out.settle(lambda: done.result(0)))
         return out
 
     def close(self) -> None:
@@ -149,17 +148,18 @@ class RayTransport:
 
 
 class _RayCall:
-    __slots__ = ("ref", "timeout_s")
+    __slots__ = ("pending", "timeout_s")
 
-    def __init__(self, ref, timeout_s: float):
-        self.ref, self.timeout_s = ref, timeout_s
+    def __init__(self, pending: rpc.Pending, timeout_s: float):
+        self.pending, self.timeout_s = pending, timeout_s
 
     def result(self) -> Any:
-        return rpc.get(self.ref, self.timeout_s)
+        return self.pending.result(self.timeout_s)
 
 
 class DirectTransport:
-    """Calls over the shards' socket endpoints; a pool of connections per shard.
+    """Calls over the shards' data channels (``raymq.actors.channel``); a pool of
+    connections per shard.
 
     A connection carries one call at a time; concurrent calls to a shard use
     more connections.  ``submit`` runs the call in an I/O thread.
@@ -187,7 +187,7 @@ class DirectTransport:
     def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> "_Call":
         """Send a call now; its ``result()`` waits for the answer (``call`` in two halves,
         so the caller can do other work while the shard works)."""
-        c = _Call(self, shard, method, pickle.dumps((method, args), protocol=5), timeout_s)
+        c = _Call(self, shard, method, encode_request(method, args), timeout_s)
         try:
             c.conn, c.reused = self._checkout(shard, timeout_s)
             self._send(c)
@@ -217,10 +217,10 @@ class DirectTransport:
             raise c.error
         while True:
             try:
-                if not _readable(c.conn, c.timeout_s):
+                if not readable(c.conn, c.timeout_s):
                     raise RequestTimeoutError(f"shard-{c.shard} did not answer {c.method} "
                                               f"within {c.timeout_s:.1f} s")
-                ok, value = pickle.loads(c.conn.recv_bytes())
+                ok, value = decode_reply(c.conn.recv_bytes())
                 break
             except (EOFError, OSError) as err:
                 self._replace(c, err)
@@ -266,6 +266,9 @@ class DirectTransport:
             self._forget(shard)
             raise BrokerUnavailableError(f"shard-{shard} endpoint {endpoint[0]} unreachable: "
                                          f"{type(err).__name__}: {err}") from None
+        except ProtocolVersionError:  # not retriable; asked again next time (an upgrade)
+            self._forget(shard)
+            raise
 
     #: Idle connections kept per shard (a burst of concurrent calls opens more; the
     #: extras are closed, and their endpoint threads end with them).
@@ -313,32 +316,6 @@ class _Call:
 
     def result(self) -> Any:
         return self.transport._receive(self)
-
-
-def _readable(conn: Connection, timeout_s: float) -> bool:
-    """Whether the connection has data within ``timeout_s`` (``Connection.poll`` builds a
-    selector each time: ~10x dearer)."""
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    return bool(poller.poll(max(0.0, timeout_s) * 1000))
-
-
-def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
-    """A connection to an endpoint, past its HMAC challenge."""
-    limit = min(timeout_s, 10.0)
-    with socket.create_connection(address, timeout=limit) as sock:
-        tune(sock)
-        sock.settimeout(None)  # blocking: the Connection polls for its own timeouts
-        receive_timeout(sock, limit)  # ... but a silent endpoint must not hang the handshake
-        conn = Connection(os.dup(sock.fileno()))
-        try:
-            answer_challenge(conn, authkey)
-            deliver_challenge(conn, authkey)
-            receive_timeout(sock, 0)
-        except BaseException:
-            conn.close()
-            raise
-    return conn
 
 
 def make_transport(kind: str, shard_handle: Callable[[int], Any]):

@@ -1,4 +1,5 @@
-"""Pure-Python storage engine of a RayMQ shard.
+"""Pure-Python storage engine of a RayMQ shard: the package's public names.
+Owns the re-exports of the store, its config, clock, records and errors.
 
 Commit log (append-only, segmented, CRC-framed record batches), consume queues
 (fixed 20-byte index entries per topic queue), durable offsets and recovery.

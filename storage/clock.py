@@ -1,4 +1,6 @@
-"""Injected time.  Logic never calls ``time.time()`` itself."""
+"""Injected time.  Logic never calls ``time.time()`` itself.
+Owns the ``Clock`` protocol, the system clock and the manual clock of tests.
+"""
 from __future__ import annotations
 
 import threading

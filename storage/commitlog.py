@@ -1,4 +1,5 @@
 """The commit log: one append-only, segmented file set holding every topic.
+Owns segment files: their headers, appends, fsyncs, reads, the scan and torn-tail cut.
 
 Segment files are named by their base physical offset (20 digits) and start
 with a 24-byte header (magic, format version, segment size, base offset).  The

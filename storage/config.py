@@ -1,4 +1,5 @@
 """Storage configuration: a frozen dataclass, units in the names, validated.
+Owns ``StoreConfig``, its defaults, documentation and checks.
 
 ``from_dict`` rejects unknown keys, so a typo in a config file is an error
 rather than a silently ignored setting.

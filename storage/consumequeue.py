@@ -1,4 +1,5 @@
 """Consume queues: one file of fixed 20-byte entries per (topic, queue).
+Owns one queue file: its entry format, appends, reads, truncation and fsync.
 
 Entry i is the message at logical (queue) offset i: commit-log offset (i64),
 record size (i32) and tag hash (i64) -- for scheduled messages the tag hash is

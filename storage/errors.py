@@ -1,4 +1,5 @@
 """The one error hierarchy of RayMQ.
+Owns every error class, with its stable ``code`` and ``retriable`` flag.
 
 Every error has a stable ``code`` and a ``retriable`` flag: the SDK retries
 retriable errors with back-off and surfaces the others at once.  Expected

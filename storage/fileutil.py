@@ -1,4 +1,6 @@
-"""Small file helpers: atomic replace, directory fsync."""
+"""Small file helpers: atomic replace, directory fsync.
+Owns the crash-safe way to replace a whole file.
+"""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Durable offsets: consumer groups, checker and scheduler progress.
+Owns the offsets file (``OffsetStore``): its format, CRC and atomic rewrite.
 
 The whole table is rewritten atomically (temp file, fsync, rename, directory
 fsync), so a crash leaves the previous or the new table, never half of one.

@@ -1,4 +1,5 @@
 """Idempotent producers: the last sequence of every producer id, and recent results.
+Owns the in-memory ``ProducerTable``: duplicate detection, expiry, its snapshot.
 
 A producer numbers its put requests to a shard (1, 2, 3...).  A request whose
 sequence is not above the last one seen from that producer is a duplicate --

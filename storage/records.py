@@ -1,4 +1,5 @@
 """Records and their on-disk encoding.
+Owns the frame format: encoding, checking and decoding frames, and the record types.
 
 A put is written as one or more *frames* (Kafka record batches) with one CRC
 over the whole frame.  Inside a frame the records are laid out in columns, so
@@ -462,6 +463,14 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
                                        producer_id, sequence, last)
         except struct.error:
             pass  # a value out of range: the column path below says which
+    return _encode_column_frame(batch, queue_offsets, store_ms, body_lens, producer_id,
+                                sequence, last)
+
+
+def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_lens,
+                         producer_id: int, sequence: int, last: bool) -> EncodedFrame:
+    """``encode_frame`` in columns: a handful of numpy calls whatever the record count."""
+    n = len(batch.bodies)
     bodies = batch.bodies
     if body_lens is None:
         body_lens = np.array(list(map(len, bodies)), np.int64)
@@ -475,46 +484,14 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
         props_lens = np.fromiter(map(len, props_b), np.int64, n)
 
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
-    shared_topic = isinstance(batch.topics, str)
-    if shared_topic:
-        topic_b = _encode_text(batch.topics, MAX_TOPIC_BYTES, "topic")
-        topic_lens: np.ndarray | int = len(topic_b)
-        topics_b = None
-    else:
-        topics_b = _topic_texts(batch.topics)
-        topic_lens = np.fromiter(map(len, topics_b), np.int64, n)
-
-    if shared_topic and keys_b is None and tags_b is None and props_b is None:
-        meta = topic_b  # every record points at the one copy
-        meta_off: np.ndarray | int = headers_end
-    else:
-        columns = [c for c in ([topic_b] * n if shared_topic else topics_b,
-                               keys_b, tags_b, props_b) if c is not None]
-        meta = b"".join(chain.from_iterable(zip(*columns)))
-        meta_lens = topic_lens + key_lens + tags_lens + props_lens
-        meta_off = np.empty(n, np.int64)
-        meta_off[0] = headers_end
-        np.cumsum(meta_lens[:-1], out=meta_off[1:])
-        meta_off[1:] += headers_end
+    meta, meta_off, topic_lens = _column_meta(batch.topics, n, headers_end,
+                                              (keys_b, tags_b, props_b),
+                                              (key_lens, tags_lens, props_lens))
     body_blob = _join_bodies(bodies)
     bodies_start = headers_end + len(meta)
-    body_off = np.empty(n, np.int64)
-    body_off[0] = bodies_start
-    np.cumsum(body_lens[:-1], out=body_off[1:])
-    body_off[1:] += bodies_start
+    body_off = _starts(body_lens, bodies_start, n)
     rel = np.arange(FRAME_HEADER_BYTES, headers_end, REC_HEADER_BYTES, dtype=np.int64)
-
-    tag_given = batch.tag_codes
-    if tag_given is None:
-        if tags_b is None:
-            tag_codes = np.zeros(n, np.int64)
-        else:
-            tag_codes = np.fromiter(map(tags_hash, batch.tags), np.int64, n)
-    else:
-        tags_list = batch.column("tags")
-        tag_codes = np.fromiter(
-            (t if t is not None else tags_hash(s) for t, s in zip(tag_given, tags_list)),
-            np.int64, n)
+    tag_codes = _column_tag_codes(batch, tags_b, n)
 
     h = np.repeat(_TEMPLATE, n)
     h["queue_offset"] = queue_offsets
@@ -524,6 +501,69 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
     h["topic_len"] = topic_lens
     h["body_off"] = body_off
     h["body_len"] = body_lens
+    _set_optional_columns(h, batch, n, tag_codes, (("key_len", key_lens),
+                                                   ("tags_len", tags_lens),
+                                                   ("props_len", props_lens)))
+    headers = h.tobytes()
+    frame_len = bodies_start + len(body_blob)
+    header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers, meta,
+                           body_blob)
+    rec_lens = body_off + body_lens - rel
+    return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
+
+
+def _column_meta(topics, n: int, headers_end: int, optional: tuple, optional_lens: tuple):
+    """The meta region of a column frame: (bytes, each record's meta offset, topic lengths).
+
+    ``optional`` are the encoded keys, tags and properties (None: absent),
+    ``optional_lens`` their lengths (0 when absent).
+    """
+    shared_topic = isinstance(topics, str)
+    if shared_topic:
+        topic_b = _encode_text(topics, MAX_TOPIC_BYTES, "topic")
+        topic_lens: np.ndarray | int = len(topic_b)
+        topics_b = None
+    else:
+        topics_b = _topic_texts(topics)
+        topic_lens = np.fromiter(map(len, topics_b), np.int64, n)
+
+    keys_b, tags_b, props_b = optional
+    if shared_topic and keys_b is None and tags_b is None and props_b is None:
+        return topic_b, headers_end, topic_lens  # every record points at the one copy
+    columns = [c for c in ([topic_b] * n if shared_topic else topics_b, keys_b, tags_b,
+                           props_b) if c is not None]
+    meta = b"".join(chain.from_iterable(zip(*columns)))
+    key_lens, tags_lens, props_lens = optional_lens
+    meta_lens = topic_lens + key_lens + tags_lens + props_lens
+    return meta, _starts(meta_lens, headers_end, n), topic_lens
+
+
+def _starts(lens: np.ndarray, first: int, n: int) -> np.ndarray:
+    """Where each of ``n`` regions of ``lens`` bytes starts, laid back to back from ``first``."""
+    out = np.empty(n, np.int64)
+    out[0] = first
+    np.cumsum(lens[:-1], out=out[1:])
+    out[1:] += first
+    return out
+
+
+def _column_tag_codes(batch: RecordBatch, tags_b: list | None, n: int) -> np.ndarray:
+    """Each record's tag code: the given one, else the hash of its tags (0: none)."""
+    tag_given = batch.tag_codes
+    if tag_given is None:
+        if tags_b is None:
+            return np.zeros(n, np.int64)
+        return np.fromiter(map(tags_hash, batch.tags), np.int64, n)
+    tags_list = batch.column("tags")
+    return np.fromiter(
+        (t if t is not None else tags_hash(s) for t, s in zip(tag_given, tags_list)),
+        np.int64, n)
+
+
+def _set_optional_columns(h: np.ndarray, batch: RecordBatch, n: int, tag_codes: np.ndarray,
+                          optional_lens: tuple) -> None:
+    """Set the header fields that may keep the template's value: the batch's integer
+    columns where not the default, tag codes where any, lengths of present fields."""
     for field, col, dt in (("queue_id", batch.queue_ids, np.uint32),
                            ("flags", batch.flags, np.uint32),
                            ("born_ms", batch.born_ms, np.int64),
@@ -533,16 +573,9 @@ def encode_frame(batch: RecordBatch, queue_offsets: np.ndarray, store_ms: int,
             h[field] = _int_column(col, n, dt)
     if tag_codes.any():
         h["tag_code"] = tag_codes
-    for field, lens in (("key_len", key_lens), ("tags_len", tags_lens),
-                        ("props_len", props_lens)):
+    for field, lens in optional_lens:
         if not isinstance(lens, int):
             h[field] = lens
-    headers = h.tobytes()
-    frame_len = bodies_start + len(body_blob)
-    header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers, meta,
-                           body_blob)
-    rec_lens = body_off + body_lens - rel
-    return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
 
 
 #: Frames of at most this many records are encoded record by record with ``struct``:

@@ -1,4 +1,5 @@
-"""Session fixtures: one local Ray for the whole run, RayMQ deployed into it once."""
+"""Session fixtures: one local Ray for the whole run (through ``raymq.rpc``), RayMQ
+deployed into it once; and ``wait_for``, the tests' polling helper."""
 from __future__ import annotations
 
 import os
@@ -21,13 +22,12 @@ TEST_CONFIG = dict(num_shards=2, heartbeat_interval_ms=200, session_timeout_ms=1
 def ray_session():
     import ray
 
-    from raymq.client import worker_priority
+    from raymq import rpc
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    worker_priority()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
-             log_to_driver=False, object_store_memory=300 * 1024 * 1024)
+    rpc.init("local", num_cpus=2, include_dashboard=False,
+             object_store_memory=300 * 1024 * 1024)
     yield ray
-    ray.shutdown()
+    rpc.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import pytest
 
 from raymq.actors.checker import CheckerWorker
 from raymq.actors.registry import ProducerGroupRegistry
+from raymq.actors.protocol import CheckRequest
 from raymq.actors.shard import BrokerShard
 from raymq.message import Prop
 from raymq.storage import RecordBatch
@@ -41,11 +42,11 @@ def halves(sh, group: str, n: int, start: int = 0, timeout_ms: int | None = None
         props.append(p)
     batch = RecordBatch("orders", 0, [f"m{i}".encode() for i in range(start, start + n)],
                         properties=props)
-    return sh.send(batch)["phys"]
+    return sh.send(batch).phys
 
 
 def taken(registry, group: str) -> list[int]:
-    return [r["origin"] for r in registry.poll_checks(group, "instance-1", 10_000, 0)]
+    return [r.origin for r in registry.poll_checks(group, "instance-1", 10_000, 0)]
 
 
 def test_a_check_storm_is_cut_to_the_group_limit_and_each_half_waits_its_back_off(world):
@@ -156,7 +157,7 @@ def test_a_round_reads_past_one_window_up_to_where_the_queue_ended(world):
     origins = halves(sh, "g", 25)
     clock.advance(TIMEOUT_MS + 1)
     asked = sh.check_round(["g"], window=10)  # three windows in one round
-    assert sorted(c["origin"] for c in asked) == sorted(origins)
+    assert sorted(c.origin for c in asked) == sorted(origins)
     # its own re-puts wait for the next round, where their back-off holds them
     assert sh.check_round(["g"], window=10) == []
 
@@ -227,17 +228,21 @@ def test_an_unreachable_registry_holds_back_only_its_own_groups(tmp_path):
         sh.close()
 
 
+def check(shard: int, origin: int, checks: int) -> CheckRequest:
+    return CheckRequest(shard, "g", origin, checks, None, None)
+
+
 def test_a_registry_refuses_checks_for_a_group_with_no_lease_and_twice_queued_ones():
     clock = ManualClock()
     registry = ProducerGroupRegistry(lease_ms=1000, clock=clock)
-    reqs = [{"shard": 0, "origin": o, "checks": 1} for o in (10, 20)]
+    reqs = [check(0, o, 1) for o in (10, 20)]
     assert registry.push_checks("g", reqs) == [(0, 10, 1), (0, 20, 1)]  # nobody registered
     registry.heartbeat("g", "a")
     assert registry.push_checks("g", reqs[:1]) == []
-    again = [{"shard": 0, "origin": 10, "checks": 2}, reqs[1]]
+    again = [check(0, 10, 2), reqs[1]]
     assert registry.push_checks("g", again) == [(0, 10, 2)]  # the first is still waiting
     clock.advance(1001)
-    assert registry.push_checks("g", [{"shard": 1, "origin": 5, "checks": 1}]) == [(1, 5, 1)]
+    assert registry.push_checks("g", [check(1, 5, 1)]) == [(1, 5, 1)]
 
 
 def test_a_check_shows_the_listener_the_id_its_producer_was_given(world):
@@ -250,8 +255,8 @@ def test_a_check_shows_the_listener_the_id_its_producer_was_given(world):
         registry.heartbeat("g", "instance-1")
         assert checker.run_round() == {"g": 1}
         [req] = registry.poll_checks("g", "instance-1", 10, 0)
-        [msg] = messages_ext(req["shard"], [req["message"]])
-        assert req["checks"] == checks and msg.msg_id == make_msg_id(0, origin)
+        [msg] = messages_ext(req.shard, [req.message])
+        assert req.checks == checks and msg.msg_id == make_msg_id(0, origin)
         assert (msg.topic, msg.transaction_id) == ("orders", "tx0")
 
 
@@ -263,6 +268,6 @@ def test_one_shard_s_backlog_of_a_group_does_not_starve_its_other_shards(two_sha
     asked = []
     for _ in range(2):
         assert checker.run_round() == {"g": 10}
-        asked += [(r["shard"], r["origin"]) for r in
+        asked += [(r.shard, r.origin) for r in
                   registry.poll_checks("g", "instance-1", 100, 0)]
     assert (1, lone) in asked  # within two rounds, not after shard 0's backlog

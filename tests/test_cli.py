@@ -74,6 +74,21 @@ def test_half_list_and_operator_rollback(mq, name, capsys):
     assert "not a RayMQ message id" in capsys.readouterr().err
 
 
+def test_an_operator_end_that_conflicts_is_refused_saying_what_the_half_became(mq, name, capsys):
+    """Rolling back a half already committed is not a silent NOOP like a duplicate."""
+    mq.create_topic(name, queues=1)
+    tp = mq.transaction_producer(f"p{name}", Undecided())
+    res = tp.send_in_transaction(Message(name, b"x"), None)
+    tp.close()
+    assert main(["half", "commit", res.msg_id]) == 0
+    assert capsys.readouterr().out.strip() == "COMMITTED"
+    assert main(["half", "commit", res.msg_id]) == 0  # a duplicate: nothing happens
+    assert capsys.readouterr().out.strip() == "NOOP"
+    assert main(["half", "rollback", res.msg_id]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "already COMMITTED" in err and res.msg_id in err and len(err.splitlines()) == 1
+
+
 def test_expired_half_listed_and_committed_by_an_operator(mq, name, capsys):
 
     mq.create_topic(name, queues=1)

@@ -262,8 +262,8 @@ def test_idempotent_resend_is_stored_once(mq, name):
     batch = RecordBatch(name, 0, [b"a", b"b"])
     first = rpc.call(handle.send, batch, 987654321, 1)
     second = rpc.call(handle.send, batch, 987654321, 1)  # the "timeout" resend
-    assert not first["duplicate"] and second["duplicate"]
-    assert second["queue_offsets"] == first["queue_offsets"]
+    assert not first.duplicate and second.duplicate
+    assert second.queue_offsets == first.queue_offsets
     got = rpc.call(handle.pull, [(name, 0, 0, 10)], 0)
     assert [m.body for m in got[0][2].messages()] == [b"a", b"b"]
 

@@ -214,7 +214,7 @@ def test_an_end_riding_on_a_refused_request_goes_again_on_its_own(cluster):
         producer.send(Message(TOPIC, b"refused", key="k"))
     producer.close()  # the end goes again before the producer stops
     assert [m.body for m in stored(shards)] == [b"t1"]  # committed
-    assert not shards[r[5]]._pending_halves
+    assert not shards[r[5]].halves.pending
 
 
 def test_a_send_racing_close_fails_instead_of_waiting_forever(cluster):

@@ -5,10 +5,17 @@ import time
 
 import pytest
 
+from raymq.actors import halves as halves_mod
 from raymq.actors import shard as shard_mod
+from raymq.actors.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.actors.shard import BrokerShard
 from raymq.message import Prop, make_msg_id
 from raymq.storage import RecordBatch
+
+
+def outcomes(results) -> list[str]:
+    """The outcomes of transaction ends (``EndResult``), as their names."""
+    return [r.outcome.value for r in results]
 
 
 def tx_batch(topic: str, n: int, start: int) -> RecordBatch:
@@ -23,30 +30,30 @@ def tx_batch(topic: str, n: int, start: int) -> RecordBatch:
 @pytest.mark.parametrize("kept", [0, 2, 100])
 def test_commit_writes_the_same_real_messages_whether_halves_are_kept_or_read(
         tmp_path, monkeypatch, kept):
-    monkeypatch.setattr(shard_mod, "HALF_CACHE_MAX", kept)
+    monkeypatch.setattr(halves_mod, "HALF_CACHE_MAX", kept)
     sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
     try:
         sh.set_routes([("orders", 0), ("orders", 1)])
         sent = sh.send(tx_batch("orders", 5, 0), 77, 1)
-        assert len(sh._half_cache) == min(kept, 5)
-        ends = [("g", f"tx{i}", [phys], "COMMIT_MESSAGE") for i, phys in enumerate(sent["phys"])]
-        ends[4] = ("g", "tx4", [sent["phys"][4]], "ROLLBACK_MESSAGE")
-        ends.append(("other-group", "tx0", [sent["phys"][0]], "COMMIT_MESSAGE"))
+        assert len(sh.halves.cache) == min(kept, 5)
+        ends = [("g", f"tx{i}", [phys], "COMMIT_MESSAGE") for i, phys in enumerate(sent.phys)]
+        ends[4] = ("g", "tx4", [sent.phys[4]], "ROLLBACK_MESSAGE")
+        ends.append(("other-group", "tx0", [sent.phys[0]], "COMMIT_MESSAGE"))
         # the ends ride on the producer's next request (one put with its new halves)
         more = sh.send(tx_batch("orders", 3, 100), 77, 2, ends)
-        assert more["ends"][:5] == ["COMMITTED"] * 4 + ["ROLLED_BACK"]
-        assert more["ends"][5].startswith("REFUSED")  # wrong group: refused, nothing written
-        assert more["status"] == "SEND_OK" and len(more["phys"]) == len(more["queue_offsets"]) == 3
+        assert outcomes(more.ends[:5]) == ["COMMITTED"] * 4 + ["ROLLED_BACK"]
+        assert str(more.ends[5]).startswith("REFUSED")  # wrong group: refused, nothing written
+        assert more.status == "SEND_OK" and len(more.phys) == len(more.queue_offsets) == 3
         # resolved halves are not kept; the new ones are, as far as the bound allows
-        assert set(sh._half_cache) == set(more["phys"][:min(kept, 3)])
+        assert set(sh.halves.cache) == set(more.phys[:min(kept, 3)])
         # a resend of that request (a timeout) stores nothing again and ends nothing again
         again = sh.send(tx_batch("orders", 3, 100), 77, 2, ends)
-        assert again["duplicate"] and again["phys"] == more["phys"]
+        assert again.duplicate and again.phys == more.phys
         # ends alone (nothing else to send): the rest of the transactions
         alone = sh.send(None, 0, 0, [("g", f"tx{100 + i}", [p], "ROLLBACK_MESSAGE")
-                                     for i, p in enumerate(more["phys"])])
-        assert alone["ends"] == ["ROLLED_BACK"] * 3 and alone["phys"] == []
-        assert sh._half_cache == {}
+                                     for i, p in enumerate(more.phys)])
+        assert outcomes(alone.ends) == ["ROLLED_BACK"] * 3 and alone.phys == []
+        assert sh.halves.cache == {}
         got = []
         for q in (0, 1):
             [(_t, _q, batch, _next, _end)] = sh.pull([("orders", q, 0, 100)])
@@ -56,11 +63,11 @@ def test_commit_writes_the_same_real_messages_whether_halves_are_kept_or_read(
             i = int(m.properties["user"])
             assert (m.key, m.tags, m.queue_id, m.born_ms) == \
                 (f"k{i}", "t" if i % 2 else None, i % 2, 1_700_000_000_000)
-            assert m.properties[Prop.ORIGIN_MSG_ID] == make_msg_id(0, sent["phys"][i])
+            assert m.properties[Prop.PRODUCER_MSG_ID] == make_msg_id(0, sent.phys[i])
             assert m.properties[Prop.TRANSACTION_ID] == f"tx{i}"
             assert not {Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID} & set(m.properties)
         # a late duplicate end changes nothing
-        assert sh.send(None, 0, 0, ends[:1])["ends"] == ["NOOP"]
+        assert outcomes(sh.send(None, 0, 0, ends[:1]).ends) == ["NOOP"]
     finally:
         sh.close()
 
@@ -89,7 +96,7 @@ def test_checks_the_registry_could_not_take_are_not_counted(tmp_path):
                             max_checks_per_group=100, background=False)
     try:
         sh.set_routes([("orders", 0), ("orders", 1)])
-        [origin] = sh.send(tx_batch("orders", 1, 0), 5, 1)["phys"]
+        [origin] = sh.send(tx_batch("orders", 1, 0), 5, 1).phys
         for _ in range(6):  # far more rounds than max checks, every push failing
             clock.advance(5000)
             assert checker.run_round() == {}
@@ -100,7 +107,7 @@ def test_checks_the_registry_could_not_take_are_not_counted(tmp_path):
         clock.advance(5000)
         assert checker.run_round() == {"g": 1}
         [req] = registry.poll_checks("g", "instance-1", 10, 0)
-        assert (req["origin"], req["checks"]) == (origin, 1)
+        assert (req.origin, req.checks) == (origin, 1)
         assert sh.half_list()[0]["checks"] == 1
         # taking back is idempotent and ignores checks that moved on
         assert sh.uncount_checks([(origin, 5)]) == 0
@@ -129,32 +136,32 @@ def test_one_op_record_per_call_is_what_a_restart_and_the_op_progress_read(tmp_p
     cfg = {"data_dir": str(tmp_path), "num_shards": 1, "txn_timeout_ms": 1}
     sh = BrokerShard(0, cfg, background=False)
     sh.set_routes([("orders", 0), ("orders", 1)])
-    sent = sh.send(tx_batch("orders", 6, 0), 77, 1)["phys"]
+    sent = sh.send(tx_batch("orders", 6, 0), 77, 1).phys
     states = ["COMMIT_MESSAGE", "ROLLBACK_MESSAGE", "COMMIT_MESSAGE"]
     ends = [("g", f"tx{i}", [sent[i]], states[i]) for i in range(3)]
-    assert sh.send(tx_batch("orders", 1, 50), 77, 2, ends)["ends"] == \
+    assert outcomes(sh.send(tx_batch("orders", 1, 50), 77, 2, ends).ends) == \
         ["COMMITTED", "ROLLED_BACK", "COMMITTED"]
-    assert sh.end_transactions([("g", "tx3", [sent[3]], "ROLLBACK_MESSAGE"),
-                                ("g", "tx4", [sent[4]], "COMMIT_MESSAGE")]) == \
+    assert outcomes(sh.end_transactions([("g", "tx3", [sent[3]], "ROLLBACK_MESSAGE"),
+                                         ("g", "tx4", [sent[4]], "COMMIT_MESSAGE")])) == \
         ["ROLLED_BACK", "COMMITTED"]
     ops = sh.store.read_queue(shard_mod.OP_TOPIC, 0, 0, 100)
     assert [m.properties[Prop.ORIGIN_HALF] for m in ops] == \
         [",".join(map(str, sent[:3])), ",".join(map(str, sent[3:5]))]  # one per call
     want = {sent[0]: "COMMITTED", sent[1]: "ROLLED_BACK", sent[2]: "COMMITTED",
             sent[3]: "ROLLED_BACK", sent[4]: "COMMITTED"}
-    assert {o: st.name for o, st in sh._resolved.items()} == want
+    assert {o: st.name for o, st in sh.halves.resolved.items()} == want
     sh.close()
 
     sh = BrokerShard(0, cfg, background=False)  # a restart rebuilds the resolutions from them
     try:
-        assert {o: st.name for o, st in sh._resolved.items() if o in want} == want
+        assert {o: st.name for o, st in sh.halves.resolved.items() if o in want} == want
         pending = {h["origin"] for h in sh.half_list()}
         assert sent[5] in pending and not pending & set(want) and len(pending) == 2
         # both op records cover only halves older than the oldest pending one (tx5):
         # a round passes them (and no further: nothing else is resolved)
-        assert sh.store.offsets.get(sh._OP_PROGRESS, 0) == 0
+        assert sh.store.offsets.get(OP_PROGRESS, 0) == 0
         sh.check_round(["g"], now_ms=sh.clock.now_ms() + 60_000)
-        assert sh.store.offsets.get(sh._OP_PROGRESS, 0) == 2
+        assert sh.store.offsets.get(OP_PROGRESS, 0) == 2
         sh.end_transactions([("g", "tx5", [sent[5]], "ROLLBACK_MESSAGE")])
         assert sent[5] not in {h["origin"] for h in sh.half_list()}
     finally:
@@ -176,7 +183,7 @@ def test_every_send_path_observes_its_put_latency(tmp_path):
     try:
         sh.set_routes([("orders", 0), ("orders", 1)])
         sent = sh.send(tx_batch("orders", 2, 0), 77, 1)  # a plain put
-        ends = [("g", f"tx{i}", [phys], "COMMIT_MESSAGE") for i, phys in enumerate(sent["phys"])]
+        ends = [("g", f"tx{i}", [phys], "COMMIT_MESSAGE") for i, phys in enumerate(sent.phys)]
         sh.send(tx_batch("orders", 2, 10), 77, 2, ends)  # halves and ends in one put
         latencies = [v for name, v in metrics.observed if name == "put_latency_ms"]
         assert len(latencies) == 2 and all(v >= 0 for v in latencies)
@@ -216,18 +223,18 @@ def test_a_resend_after_the_half_was_rolled_back_and_forgotten_does_not_revive_i
                      clock=clock, background=False)
     try:
         sh.set_routes([("orders", 0)])
-        half = sh.send(one_half(0), 77, 1)["phys"][0]  # stored; the producer never hears so
+        half = sh.send(one_half(0), 77, 1).phys[0]  # stored; the producer never hears so
         clock.advance(5000)
-        assert [c["origin"] for c in sh.check_round(["g"])] == [half]
+        assert [c.origin for c in sh.check_round(["g"])] == [half]
         assert sh.end_transaction("g", "tx0", [half], "ROLLBACK_MESSAGE") == "ROLLED_BACK"
         clock.advance(5000)
         sh.check_round(["g"])  # passes the resolved half: nothing of it is kept any more
-        assert half not in sh._resolved and half not in sh._pending_halves
+        assert half not in sh.halves.resolved and half not in sh.halves.pending
         again = sh.send(one_half(0), 77, 1)  # the producer's resend, at last
-        assert again["duplicate"] and again["phys"] == [half]
+        assert again.duplicate and again.phys == [half]
         assert sh.transaction_status()["pending_halves"] == 0  # not pending again ...
         late = sh.send(None, 0, 0, [("g", "tx0", [half], "COMMIT_MESSAGE")])
-        assert late["ends"] == ["NOOP"]  # ... so a late commit cannot deliver it
+        assert outcomes(late.ends) == ["NOOP"]  # ... so a late commit cannot deliver it
         [(_t, _q, batch, _next, _end)] = sh.pull([("orders", 0, 0, 10)])
         assert len(batch) == 0
     finally:
@@ -239,13 +246,13 @@ def test_check_progress_is_never_durable_ahead_of_the_resolutions_it_passes(tmp_
     clock = ManualClock()
     sh = unflushed_shard(tmp_path, [("orders", 0)], clock=clock, txn_timeout_ms=1000)
     try:
-        half = sh.send(one_half(0), 77, 1)["phys"][0]
+        half = sh.send(one_half(0), 77, 1).phys[0]
         sh.send(one_half(1), 77, 2, [("g", "tx0", [half], "COMMIT_MESSAGE")])
         written = sh.store._log.max_offset
         assert sh.store._log.flushed_offset < written  # the commit is not durable yet
         clock.advance(500)  # the second half is not due: the round only passes the first
         sh.check_round(["g"])
-        assert sh.store.offsets.get(sh._HALF_PROGRESS, 0) == 1
+        assert sh.store.offsets.get(HALF_PROGRESS, 0) == 1
         assert sh.store._log.flushed_offset >= written  # flushed before the progress
     finally:
         sh.close()
@@ -259,16 +266,16 @@ def test_a_progress_past_the_end_of_its_queue_is_cut_back_on_start(tmp_path):
     sh.set_routes([("orders", 0)])
     sh.send(one_half(0), 77, 1)
     # as an older version could leave it after a power loss: progress past the queues' ends
-    sh.store.offsets.update({sh._HALF_PROGRESS: 50, sh._OP_PROGRESS: 50})
+    sh.store.offsets.update({HALF_PROGRESS: 50, OP_PROGRESS: 50})
     sh.close()
     sh = BrokerShard(0, cfg, clock=clock, background=False)
     try:
         sh.set_routes([("orders", 0)])
-        assert sh.store.offsets.get(sh._HALF_PROGRESS) == 1
-        assert sh.store.offsets.get(sh._OP_PROGRESS) == 0
-        later = sh.send(one_half(1), 78, 1)["phys"][0]  # a new half is checked, not skipped
+        assert sh.store.offsets.get(HALF_PROGRESS) == 1
+        assert sh.store.offsets.get(OP_PROGRESS) == 0
+        later = sh.send(one_half(1), 78, 1).phys[0]  # a new half is checked, not skipped
         clock.advance(5000)
-        assert [c["origin"] for c in sh.check_round(["g"])] == [later]
+        assert [c.origin for c in sh.check_round(["g"])] == [later]
     finally:
         sh.close()
 
@@ -293,7 +300,7 @@ def test_dlq_resend_makes_its_copies_durable_before_its_progress(tmp_path):
     sh = unflushed_shard(tmp_path, [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
     try:
         sent = sh.send(RecordBatch("orders", 0, [b"m0"]))
-        sh.send_back("g", sent["phys"][0], dead_letter=True)
+        sh.send_back("g", sent.phys[0], dead_letter=True)
         sh.store.flush()
         assert len(sh.dlq_resend("g")) == 1
         assert sh.store._log.flushed_offset >= sh.store._log.max_offset  # before the progress
@@ -312,7 +319,7 @@ def test_dlq_resend_cut_short_before_its_progress_resends_each_dead_letter_once(
     sh = BrokerShard(0, cfg, background=False)
     sh.set_routes(routes)
     sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1", b"m2"]))
-    for phys in sent["phys"][:2]:
+    for phys in sent.phys[:2]:
         sh.send_back("g", phys, dead_letter=True)
 
     def crash(_offsets):
@@ -325,7 +332,7 @@ def test_dlq_resend_cut_short_before_its_progress_resends_each_dead_letter_once(
     try:
         sh.set_routes(routes)
         assert sh.store.offsets.get("dlq-resend@g@0", 0) == 0  # the progress was lost
-        sh.send_back("g", sent["phys"][2], dead_letter=True)  # and a new dead letter came
+        sh.send_back("g", sent.phys[2], dead_letter=True)  # and a new dead letter came
         assert len(sh.dlq_resend("g")) == 1  # only the new one is resent now
         assert sh.dlq_resend("g") == []
         [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
@@ -349,7 +356,7 @@ def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
     sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
     try:
         sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1", b"m2"]))
-        for phys in sent["phys"][:2]:
+        for phys in sent.phys[:2]:
             sh.send_back("g", phys, dead_letter=True)
         real_store, arrived = sh._store_request, []
         go = {"first": threading.Event(), "second": threading.Event()}
@@ -367,7 +374,7 @@ def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
         while not arrived and time.monotonic() < deadline:
             time.sleep(0.01)
         assert arrived == ["first"]
-        sh.send_back("g", sent["phys"][2], dead_letter=True)
+        sh.send_back("g", sent.phys[2], dead_letter=True)
         second = threading.Thread(target=sh.dlq_resend, args=("g",), name="second")
         second.start()
         second.join(1.0)  # it must not read the progress while the first one is writing
@@ -389,7 +396,7 @@ def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
     sh = BrokerShard(0, cfg, background=False)
     sh.set_routes(routes)
     sent = sh.send(RecordBatch("orders", 0, [b"m0", b"m1"]))
-    sh.send_back("g", sent["phys"][0], dead_letter=True)
+    sh.send_back("g", sent.phys[0], dead_letter=True)
     sh.commit_offsets("g", {("orders", 0): 2})
     # as a power loss could leave them before offsets waited for their data: past the ends
     sh.store.offsets.update({"g@orders@0": 9, "dlq-resend@g@0": 7, "h@nowhere@0": 5})
@@ -402,8 +409,8 @@ def test_offsets_past_the_end_of_their_queues_are_cut_back_on_start(tmp_path):
         assert sh.store.offsets.get("h@nowhere@0") == 5  # a queue this shard does not have
         nxt = sh.send(RecordBatch("orders", 0, [b"m2"]))  # what comes next is not skipped
         [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 2, 10)])
-        assert [m.body for m in batch.messages()] == [b"m2"] and nxt["queue_offsets"] == [2]
-        sh.send_back("g", nxt["phys"][0], dead_letter=True)
+        assert [m.body for m in batch.messages()] == [b"m2"] and nxt.queue_offsets == [2]
+        sh.send_back("g", nxt.phys[0], dead_letter=True)
         assert len(sh.dlq_resend("g")) == 1
     finally:
         sh.close()
@@ -414,13 +421,13 @@ def test_a_delayed_message_keeps_the_id_its_producer_was_given(tmp_path):
     try:
         sent = sh.send(RecordBatch("orders", 0, [b"now", b"later"],
                                    properties=[None, {Prop.DELAY: "1"}]), 77, 1)
-        assert sent["queue_offsets"] == [0, -1]  # the delayed one's offset comes on delivery
+        assert sent.queue_offsets == [0, -1]  # the delayed one's offset comes on delivery
         clock.advance(60_000)
         sh.deliver_due()
         [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 0, 10)])
         got = batch.messages()
         assert [m.body for m in got] == [b"now", b"later"]
-        assert got[1].properties[Prop.ORIGIN_MSG_ID] == make_msg_id(0, sent["phys"][1])
+        assert got[1].properties[Prop.PRODUCER_MSG_ID] == make_msg_id(0, sent.phys[1])
         assert Prop.DELAY not in got[1].properties
     finally:
         sh.close()
@@ -445,7 +452,7 @@ def test_a_client_cannot_write_as_one_of_the_shard_s_own_producers(tmp_path):
             with pytest.raises(InvalidMessageError, match="reserved for the broker"):
                 sh.send(RecordBatch("orders", 0, [b"x"]), pid, 10**12)
             assert sh.store.last_sequence(pid) == 0
-        assert sh.send(RecordBatch("orders", 0, [b"y"]), (1 << 62) - 1, 1)["status"] == "SEND_OK"
+        assert sh.send(RecordBatch("orders", 0, [b"y"]), (1 << 62) - 1, 1).status == "SEND_OK"
     finally:
         sh.close()
 
@@ -458,7 +465,7 @@ def test_a_message_s_own_properties_leave_room_to_retry_and_dead_letter_it(tmp_p
     try:
         sh.set_routes([("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)])
         fits = {"big": "v" * (MAX_USER_PROPERTIES_BYTES - len("big") - 1)}
-        [phys] = sh.send(RecordBatch("orders", 0, [b"x"], properties=[fits]))["phys"]
+        [phys] = sh.send(RecordBatch("orders", 0, [b"x"], properties=[fits])).phys
         assert sh.send_back("g", phys, reason="é" * 600)["topic"] == retry_topic("g")
         assert sh.send_back("g", phys, reason="é" * 600,  # a long reason, multibyte
                             dead_letter=True)["topic"] == dlq_topic("g")
@@ -475,7 +482,7 @@ def test_a_message_s_own_properties_leave_room_to_retry_and_dead_letter_it(tmp_p
         with_system = {**at_limit, Prop.DELAY: "18", Prop.TRAN_MSG: "true",
                        Prop.PRODUCER_GROUP: "g" * 100, Prop.TRANSACTION_ID: "t" * 60}
         assert sh.send(RecordBatch("orders", 0, [b"z"], properties=[with_system]),
-                       5, 1)["status"] == "SEND_OK"
+                       5, 1).status == "SEND_OK"
     finally:
         sh.close()
 
@@ -543,3 +550,32 @@ def test_a_send_leaves_the_caller_s_batch_as_it_was(tmp_path):
         sh.send(batch)  # and can be sent again
     finally:
         sh.close()
+
+
+def test_an_operator_end_that_conflicts_raises_and_changes_nothing(tmp_path):
+    """A producer's late conflicting end is a NOOP; an operator's says what the half became."""
+    from raymq.storage.errors import InvalidMessageError
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    sh.set_routes([("orders", 0)])
+    try:
+        [half] = sh.send(tx_batch("orders", 1, 0), 77, 1).phys
+        assert sh.resolve_half(half, "ROLLBACK") == "ROLLED_BACK"
+        assert sh.resolve_half(half, "ROLLBACK") == "NOOP"  # a duplicate
+        with pytest.raises(InvalidMessageError, match="already ROLLED_BACK; it cannot become "
+                                                      "COMMITTED"):
+            sh.resolve_half(half, "COMMIT")
+        assert outcomes(sh.end_transactions([("g", "tx0", [half], "COMMIT_MESSAGE")])) == ["NOOP"]
+        [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 0, 10)])
+        assert len(batch) == 0  # nothing was committed
+    finally:
+        sh.close()
+
+
+def test_op_records_store_state_ids_and_read_older_names():
+    from raymq.actors.half_logic import HalfState
+    from raymq.actors.half_records import op_entries, ops_record
+    record = ops_record([(5, HalfState.COMMITTED), (9, HalfState.EXPIRED)])
+    assert record.properties[Prop.OP_STATE] == "1,3"
+    assert op_entries(record.properties) == [(5, HalfState.COMMITTED), (9, HalfState.EXPIRED)]
+    older = {Prop.ORIGIN_HALF: "5,9", Prop.OP_STATE: "ROLLED_BACK,EXPIRED"}
+    assert op_entries(older) == [(5, HalfState.ROLLED_BACK), (9, HalfState.EXPIRED)]

@@ -178,7 +178,10 @@ def test_max_checks_move_to_expired_and_operator_resolves(mq, name):
     assert not pending(mq, group)
     assert expired[0]["id"] == res.msg_id
     assert mq.admin.half_resolve(expired[0]["id"], "commit") == "COMMITTED"
-    assert mq.admin.half_resolve(expired[0]["id"], "rollback") == "NOOP"
+    assert mq.admin.half_resolve(expired[0]["id"], "commit") == "NOOP"  # a duplicate
+    # a conflicting end is no silent NOOP (issue 11): the operator is told what it became
+    with pytest.raises(InvalidMessageError, match="already COMMITTED"):
+        mq.admin.half_resolve(expired[0]["id"], "rollback")
     assert not [h for h in mq.admin.half_list(expired=True) if h["group"] == group]
     got = consume_all(mq, f"g{name}", [name], 1)
     assert [m.body for m in got] == [b"undecided"]

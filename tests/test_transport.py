@@ -1,4 +1,5 @@
-"""The shards' direct data channel (``raymq.actors.endpoint``) and the SDK's transports."""
+"""Tests of the shards' data channel (``raymq.actors.channel``: framing, versioned handshake,
+allow-list, endpoint, client connection) and of the SDK's transports (``raymq.transport``)."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,7 @@ from multiprocessing import AuthenticationError
 
 import pytest
 
-from raymq.actors.endpoint import Endpoint
-from raymq.transport import connect
+from raymq.actors.channel import Endpoint, connect
 from raymq.storage.errors import BrokerUnavailableError, UnknownTopicError
 from tests.conftest import wait_for
 
@@ -206,7 +206,7 @@ def test_an_endpoint_whose_port_went_to_another_shard_is_forgotten(monkeypatch):
     must not keep failing on the stale address; it asks the actor again."""
     import socket
 
-    from raymq.actors import endpoint as endpoint_mod
+    from raymq.actors import channel as endpoint_mod
     from raymq import rpc
     from raymq.transport import DirectTransport
     first = Endpoint(Target())
@@ -283,6 +283,111 @@ def test_an_idle_connection_is_closed_by_the_endpoint_and_the_client_reconnects(
             time.sleep(0.05)
         assert not ep._conns
         assert t.call(0, "send", 2, timeout_s=5) == {"echo": 2}  # the pooled one was stale
+    finally:
+        t.close()
+        ep.close()
+
+
+# ------------------------------------------------------------ protocol version
+def test_a_client_of_another_protocol_version_gets_one_clear_error_and_is_not_served():
+    from raymq.actors.channel import PROTOCOL_VERSION, ProtocolVersionError
+    target = Target()
+    ep = Endpoint(target)
+    try:
+        newer = PROTOCOL_VERSION + 1
+        with pytest.raises(ProtocolVersionError) as client_newer:
+            connect(ep.address, ep.authkey, 5, version=newer)
+        ep.protocol_version = newer  # now the endpoint is the other release
+        with pytest.raises(ProtocolVersionError) as endpoint_newer:
+            connect(ep.address, ep.authkey, 5)
+        for err, mine, theirs in ((client_newer.value, newer, PROTOCOL_VERSION),
+                                  (endpoint_newer.value, PROTOCOL_VERSION, newer)):
+            text = str(err)
+            assert f"this client speaks version {mine}, the endpoint version {theirs}" in text
+            assert "\n" not in text and f"{ep.address[1]}" in text
+            assert err.retriable is False and err.code == "PROTOCOL_VERSION_MISMATCH"
+        assert not ep._conns and target.calls == 0  # neither was kept nor served
+
+        ep.protocol_version = PROTOCOL_VERSION  # the same release again: served
+        conn = connect(ep.address, ep.authkey, 5)
+        assert call(conn, "send", 1) == {"echo": 1}
+        assert len(ep._conns) == 1 and target.calls == 1
+    finally:
+        ep.close()
+
+
+def test_a_client_from_before_versions_gets_the_mismatch_as_the_reply_to_its_request():
+    """A client of a release without the HELLO (HMAC, then a request at once)."""
+    import socket
+    from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+    from raymq.storage.errors import RayMQError
+    target = Target()
+    ep = Endpoint(target)
+    try:
+        with socket.create_connection(ep.address, timeout=5) as sock:
+            sock.settimeout(None)
+            old = Connection(os.dup(sock.fileno()))
+        answer_challenge(old, ep.authkey)
+        deliver_challenge(old, ep.authkey)
+        with pytest.raises(RayMQError, match="this client speaks no version .*the endpoint "
+                                             "version 1") as err:
+            call(old, "send", 1)
+        assert type(err.value) is RayMQError  # a class every release can unpickle
+        with pytest.raises((EOFError, OSError)):  # and the endpoint hung up
+            call(old, "send", 2)
+        assert target.calls == 0
+        old.close()
+    finally:
+        ep.close()
+
+
+def test_an_endpoint_from_before_versions_is_a_clear_error_for_the_client(monkeypatch):
+    """An endpoint of a release without the HELLO reads it as a (broken) request."""
+    from multiprocessing.connection import answer_challenge, deliver_challenge
+
+    from raymq.actors.channel import ProtocolVersionError
+
+    def old_handshake(self, conn):
+        deliver_challenge(conn, self.authkey)
+        answer_challenge(conn, self.authkey)
+        return True
+    monkeypatch.setattr(Endpoint, "_handshake", old_handshake)
+    ep = Endpoint(Target())
+    try:
+        with pytest.raises(ProtocolVersionError, match="this client speaks version 1, the "
+                                                       "endpoint no version"):
+            connect(ep.address, ep.authkey, 5)
+    finally:
+        ep.close()
+
+
+def test_direct_transport_raises_a_version_mismatch_at_once_and_asks_again_next_time(
+        monkeypatch):
+    from raymq import rpc
+    from raymq.actors.channel import PROTOCOL_VERSION, ProtocolVersionError
+    from raymq.transport import DirectTransport
+    ep = Endpoint(Target())
+    ep.protocol_version = PROTOCOL_VERSION + 1  # a shard of another release
+    monkeypatch.setattr(rpc, "connected", lambda: True)
+    monkeypatch.setattr(rpc, "call", lambda method, timeout_s=None: method())
+    asked = []
+
+    class Handle:
+        def endpoint(self):
+            asked.append(1)
+            return ep.address, ep.authkey
+    t = DirectTransport(lambda i: Handle())
+    try:
+        with pytest.raises(ProtocolVersionError, match="version") as err:
+            t.call(0, "send", 1, timeout_s=5)
+        assert not err.value.retriable  # the producer's retry loop stops on it
+        assert len(asked) == 1 and 0 not in t._endpoints  # one try; asked again next time
+        assert isinstance(t.submit(0, "send", (2,), timeout_s=5).exception(10),
+                          ProtocolVersionError)
+        ep.protocol_version = PROTOCOL_VERSION  # the shard upgraded
+        assert t.call(0, "send", 3, timeout_s=5) == {"echo": 3}
+        assert len(asked) == 3
     finally:
         t.close()
         ep.close()

@@ -1,4 +1,5 @@
-"""``raymq bench``: benchmark suites printing one JSON object per line on stdout.
+"""``raymq bench``: the benchmark suites (storage, produce, consume, txmsg, ...) and their
+reporting, one JSON object per line on stdout; Ray is reached through ``raymq.rpc``.
 
 Every figure with a baseline is printed with that baseline measured in the
 same run and their ratio, because absolute figures drift on shared machines.
@@ -13,6 +14,8 @@ import sys
 import tempfile
 import time
 from typing import Callable
+
+from raymq.actors.protocol import SendReply
 
 SUITES: dict[str, Callable[["Bench"], None]] = {}
 
@@ -172,10 +175,9 @@ def bench_storage(b: Bench) -> None:
 
 def _e2e_consumer(address: str, n: int) -> None:
     """Child process of the e2e benchmark: consume and commit ``n`` messages, print the count."""
-    import ray
-
+    from raymq import rpc
     from raymq.client import connect
-    ray.init(address=address, namespace="raymq", log_to_driver=False, logging_level="ERROR")
+    rpc.init(address, logging_level="ERROR")
     mq = connect()
     c = mq.consumer("bench-e2e", ["e2e"])
     print("ready", flush=True)
@@ -204,11 +206,10 @@ class _Sink:
     """The bare-actor ceiling: receives the same requests and only appends them to a list."""
 
     def __init__(self):
-        import ray
-
-        from raymq.actors.endpoint import Endpoint
+        from raymq import rpc
+        from raymq.actors.channel import Endpoint
         self.items: list = []
-        self._endpoint = Endpoint(self, host=ray.util.get_node_ip_address())
+        self._endpoint = Endpoint(self, host=rpc.node_ip())
 
     def endpoint(self):
         return self._endpoint.address, self._endpoint.authkey
@@ -219,8 +220,7 @@ class _Sink:
         if len(self.items) > 1_000_000:
             self.items.clear()
         offsets = list(range(start, start + len(batch)))
-        return {"status": "SEND_OK", "phys": offsets, "queue_offsets": offsets,
-                "duplicate": False}
+        return SendReply("SEND_OK", offsets, offsets)
 
     def put(self, batch, *_args):
         return len(batch)
@@ -228,25 +228,20 @@ class _Sink:
 
 def _bench_cluster(b: Bench, name: str, **overrides):
     """An embedded local Ray with a fresh RayMQ deployment of its own."""
-    import ray
-
-    from raymq.client import connect, worker_priority
+    from raymq import rpc
+    from raymq.client import connect
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if not ray.is_initialized():
-        worker_priority()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
-                 log_to_driver=False, logging_level="ERROR")
+    rpc.init("local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     data = b.tempdir(name)
     b.progress(f"{name}: RayMQ with 2 shards, sync flush, data in {data}")
     return connect(data_dir=data, num_shards=2, **{"flush_mode": "sync", **overrides}), data
 
 
 def _teardown_cluster(data: str) -> None:
-    import ray
-
+    from raymq import rpc
     from raymq.deploy import undeploy
     undeploy()
-    ray.shutdown()
+    rpc.shutdown()
     shutil.rmtree(data, ignore_errors=True)
 
 
@@ -254,8 +249,7 @@ def _teardown_cluster(data: str) -> None:
 def bench_produce(b: Bench) -> None:
     import threading
 
-    import ray
-
+    from raymq import rpc
     from raymq.message import Message, to_batch
     mq, data = _bench_cluster(b, "produce")
     try:
@@ -302,9 +296,12 @@ def bench_produce(b: Bench) -> None:
 
         from raymq.producer import Producer
         from raymq.transport import make_transport
-        sinks = [ray.remote(_Sink).options(num_cpus=0, max_concurrency=mq.config.shard_max_concurrency)
-                 .remote() for _ in range(mq.num_shards)]
-        ray.get([s.endpoint.remote() for s in sinks])  # all started before anything is timed
+        sinks = [rpc.create_actor(_Sink, num_cpus=0,
+                                  max_concurrency=mq.config.shard_max_concurrency)
+                 for _ in range(mq.num_shards)]
+        sink_calls = [rpc.ActorClient(s) for s in sinks]
+        for started in [s.submit("endpoint") for s in sink_calls]:
+            started.result()  # all started before anything is timed
         for kind, metric in ((mq.transport.name, "produce.ceiling_b1000"),
                              ("ray", "produce.ceiling_ray_b1000")):
             bare = SimpleNamespace(config=mq.config, routes_for=mq.routes_for,
@@ -322,30 +319,30 @@ def bench_produce(b: Bench) -> None:
                    what="same producer, bare actors")
         # and the bare transport: prebuilt request batches, one call at a time
         request = to_batch(batch, [0] * 1000, 0)
-        ray.get([s.put.remote(request) for s in sinks])
+        for warmed in [s.submit("put", request) for s in sink_calls]:
+            warmed.result()
 
         def transport():
             for r in range(rounds):
-                ray.get(sinks[r % len(sinks)].put.remote(request, 1, r + 1))
+                sink_calls[r % len(sinks)].call("put", request, 1, r + 1)
         dt = timed(transport)
         b.emit("produce.transport_b1000", rounds * 1000 / dt, "msgs/s", size=size,
                n=rounds * 1000, batch=1000, what="prebuilt batches, bare ray calls")
         b.ratio("produce.ceiling_ratio", "produce.sync_b1000", "produce.ceiling_b1000")
-        for s in sinks:
-            ray.kill(s)
+        for s in sink_calls:
+            s.kill()
 
         # end to end: a producer (this process) and a consumer that commits (its own
         # process, as applications run them) at the same time
         import subprocess
 
-        import ray as _ray
         n = b.n(200_000, 10_000)
         mq.create_topic("e2e", queues=8)
         msgs = [Message("e2e", body) for _ in range(1000)]
         b.progress(f"e2e: {n} messages produced here, consumed and committed by another process")
         consumer = subprocess.Popen(
             [sys.executable, "-m", "raymq.tools.bench", "e2e-consumer",
-             _ray.get_runtime_context().gcs_address, str(n)],
+             rpc.gcs_address(), str(n)],
             stdout=subprocess.PIPE, text=True,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             env={**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")})

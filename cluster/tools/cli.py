@@ -1,4 +1,5 @@
-"""The ``raymq`` command line."""
+"""The ``raymq`` command line: argument parsing and one function per command; attaching
+to Ray goes through ``raymq.rpc.init``, everything else through the SDK."""
 from __future__ import annotations
 
 import argparse
@@ -23,20 +24,19 @@ the cluster started on this machine with `ray start --head` / `ray up`).
   half list|commit|rollback  pending transactional half messages (and expired ones)
   demo               the main demonstration on an embedded local cluster
   bench              benchmark suites: JSON lines on stdout, progress on stderr
+  config             every cluster setting (--describe), or the settings of --config
 """
 
 
 def _connect(args, **overrides):
     import os
 
-    import ray
-
+    from raymq import rpc
     from raymq.client import connect
-    if not ray.is_initialized():
+    if not rpc.connected():
         address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
         try:
-            ray.init(address=address, namespace="raymq", log_to_driver=False,
-                     logging_level=logging.WARNING)
+            rpc.init(address, logging_level=logging.WARNING)
         except ConnectionError as err:
             raise SystemExit(f"raymq: no Ray cluster to attach to ({err}).\n"
                              "Start one with `ray start --head` (or `ray up ray_config.yaml`), "
@@ -67,11 +67,10 @@ def _cmd_up(args) -> int:
 def _cmd_down(args) -> int:
     import os
 
-    import ray
-
+    from raymq import rpc
     from raymq.deploy import undeploy
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="raymq",
-             log_to_driver=False, logging_level=logging.WARNING)
+    rpc.init(args.address or os.environ.get("RAY_ADDRESS") or "auto",
+             logging_level=logging.WARNING)
     killed = undeploy()
     print(f"stopped: {', '.join(killed) or 'nothing was running'} (data kept on disk)")
     return 0
@@ -230,6 +229,27 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_config(args) -> int:
+    import textwrap
+
+    from raymq.actors.config import RULES, ClusterConfig
+    if not args.describe:  # the settings --config gives, validated, defaults filled in
+        values = {}
+        if args.config:
+            with open(args.config) as f:
+                values = json.load(f)
+        _print_json(ClusterConfig.from_dict(values).to_dict())
+        return 0
+    for name, default, doc in ClusterConfig.describe():
+        print(f"{name}  ({ClusterConfig.type_text(name)})  default: {json.dumps(default)}")
+        print(textwrap.fill(doc, width=92, initial_indent="    ", subsequent_indent="    ",
+                            break_on_hyphens=False))
+    print("\nrules across settings:")
+    for rule in RULES:
+        print(f"  - {rule}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raymq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -333,6 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="multiply the message counts (e.g. 0.1 for a quick run)")
     bench.add_argument("--workdir", help="directory for benchmark data (default: system temp)")
     bench.set_defaults(func=_cmd_bench)
+
+    config = sub.add_parser(
+        "config", help="describe the cluster settings, or check a settings file",
+        description="The cluster's settings (raymq.actors.config.ClusterConfig) are the keys "
+                    "of a JSON object: `raymq --config FILE up`, or connect(config={...}). "
+                    "--describe prints every setting: its type and constraint (e.g. int >= 1), "
+                    "its default (as JSON) and what it does, then the rules across settings. "
+                    "Without --describe: the settings of --config FILE (defaults filled in) as "
+                    "JSON, after checking them (what a first deploy would use); an unknown key or "
+                    "a bad value is one CONFIG_INVALID line naming the setting (exit status 1). "
+                    "Needs no Ray cluster.")
+    config.add_argument("--describe", action="store_true",
+                        help="every setting with its type/constraint, default and doc")
+    config.set_defaults(func=_cmd_config)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""``raymq demo``: the seeds' shopping scenario on an embedded local cluster.
+"""``raymq demo``: the seeds' shopping scenario on an embedded local cluster -- its order
+and points services, the failures it injects, and the consistency report that judges it.
 
 The order service debits the buyer's account and inserts the order in one
 SQLite transaction inside ``execute_local_transaction``, and publishes an
@@ -84,9 +85,9 @@ MIN_ORDERS = 12
 def order_service(address: str, db: str, first: int, n: int, out,
                   sabotage: str | None = None) -> None:
     """Runs in a child process; prints one JSON line per order, and per check-back answered."""
-    import ray
+    from raymq import rpc
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=address, namespace="raymq", log_to_driver=False, logging_level="ERROR")
+    rpc.init(address, logging_level="ERROR")
     from raymq import LocalTransactionState as S
     from raymq import Message, TransactionListener, connect
     orders = plan(n)
@@ -196,10 +197,7 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         timeout_s: float = 240.0, sabotage: str | None = None) -> int:
     say = lambda text: print(f"[demo] {text}", file=out, flush=True)  # noqa: E731
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    from raymq import connect
-    from raymq.client import worker_priority
+    from raymq import connect, rpc
     from raymq.deploy import undeploy
     work = data_dir or tempfile.mkdtemp(prefix="raymq-demo-")
     os.makedirs(work, exist_ok=True)
@@ -207,10 +205,8 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
     init_order_db(order_db)
     say(f"RayMQ demo: {orders} orders, data in {work}")
     say("starting an embedded local Ray cluster and RayMQ (2 shards, checker, registry)")
-    worker_priority()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="raymq",
-             log_to_driver=False, logging_level="ERROR")
-    address = ray.get_runtime_context().gcs_address
+    rpc.init("local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    address = rpc.gcs_address()
     procs: list[subprocess.Popen] = []
     try:
         mq = connect(data_dir=os.path.join(work, "broker"), **DEMO_CONFIG)
@@ -348,7 +344,7 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         try:
             undeploy()
         finally:
-            ray.shutdown()
+            rpc.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

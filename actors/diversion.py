@@ -1,0 +1,88 @@
+"""Records that do not go to their own queue yet: delayed ones to the schedule topic,
+transactional ones (halves) to the half topic, their real topic and queue kept in properties.
+
+Pure: a function of the batch, the delay levels and the time.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, Prop
+from raymq.storage import RecordBatch
+from raymq.storage.errors import InvalidMessageError
+from raymq.storage.records import SysFlag
+
+#: Properties that make ``divert_to_system_topics`` move a record (any of them).
+_DIVERTING = frozenset((Prop.DELAY, Prop.DELIVER_AT, Prop.TRAN_MSG))
+_NO_DELIVER_AT = ("deliver_at_ms is not supported yet; use delay_level "
+                  "(arbitrary deliver-at times come with the timer issue)")
+
+
+def diverts(properties: Iterable[dict | None]) -> bool:
+    """Whether ``divert_to_system_topics`` moves any of these records (given their
+    properties)."""
+    return any(p and not _DIVERTING.isdisjoint(p) for p in properties)
+
+
+def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
+                            now_ms: int) -> RecordBatch:
+    """The batch with its delayed records moved to the schedule topic (queue = level - 1,
+    due time as tag code) and its transactional ones to the half topic.
+
+    A transactional message keeps its delay level as a property: the delay
+    is applied when it is committed, never while it is a half (RocketMQ 4.x
+    loops between the half and schedule topics here -- seed 000).  The
+    caller's batch stays as it was (an in-process caller may send it again).
+    """
+    props = batch.properties
+    if not diverts(props):
+        return batch
+    topics, qids = list(batch.column("topics")), list(batch.column("queue_ids"))
+    flags, tag_codes = list(batch.column("flags")), list(batch.column("tag_codes"))
+    new_props = list(props)
+    for i, p in enumerate(props):
+        if not p:
+            continue
+        if p.get(Prop.TRAN_MSG) == "true":
+            _check_half(p, levels_ms)
+            new_props[i] = _with_real(p, topics[i], qids[i])
+            topics[i], qids[i], flags[i] = HALF_TOPIC, 0, int(SysFlag.TRANSACTION_PREPARED)
+            continue
+        if Prop.DELIVER_AT in p:
+            raise InvalidMessageError(_NO_DELIVER_AT)
+        if Prop.DELAY not in p:
+            continue
+        level = _level(p, levels_ms)
+        new_props[i] = _with_real(p, topics[i], qids[i], flags[i])
+        topics[i], qids[i], flags[i] = SCHEDULE_TOPIC, level - 1, int(SysFlag.SCHEDULED)
+        tag_codes[i] = now_ms + levels_ms[level - 1]
+    return RecordBatch(topics, qids, batch.bodies, keys=batch.keys, tags=batch.tags,
+                       properties=new_props, flags=flags, born_ms=batch.born_ms,
+                       reconsume=batch.reconsume, prepared_offsets=batch.prepared_offsets,
+                       tag_codes=tag_codes)
+
+
+def _check_half(p: dict, levels_ms: tuple[int, ...]) -> None:
+    if Prop.DELIVER_AT in p:
+        raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level")
+    if Prop.DELAY in p:
+        _level(p, levels_ms)
+    if not p.get(Prop.PRODUCER_GROUP) or not p.get(Prop.TRANSACTION_ID):
+        raise InvalidMessageError("a transactional message needs its producer group "
+                                  "and transaction id")
+
+
+def _level(p: dict, levels_ms: tuple[int, ...]) -> int:
+    level = int(p[Prop.DELAY])
+    if not 1 <= level <= len(levels_ms):
+        raise InvalidMessageError(f"delay level {p[Prop.DELAY]} is not 1..{len(levels_ms)}")
+    return level
+
+
+def _with_real(p: dict, topic: str, qid: int, flags: int | None = None) -> dict:
+    q = dict(p)
+    q[Prop.REAL_TOPIC] = topic
+    q[Prop.REAL_QID] = str(qid)
+    if flags is not None:
+        q[Prop.REAL_FLAGS] = str(flags)
+    return q

@@ -1,0 +1,81 @@
+"""Consumer groups' committed offsets on one shard, their lag, and offsets cut back at start.
+
+Offsets are ``group@topic@queue`` keys in the store's durable offset table.
+"""
+from __future__ import annotations
+
+import logging
+
+from raymq.actors.halves import HALF_PROGRESS, OP_PROGRESS
+from raymq.actors.protocol import HALF_TOPIC, OP_TOPIC, dlq_topic
+from raymq.storage import MessageStore
+from raymq.storage.errors import OffsetOutOfRangeError
+
+log = logging.getLogger("raymq.shard")
+
+
+def offset_key(group: str, topic: str, queue_id: int) -> str:
+    return f"{group}@{topic}@{queue_id}"
+
+
+class GroupOffsets:
+    """Committed offsets of the consumer groups reading a shard's queues."""
+
+    def __init__(self, shard: int, store: MessageStore):
+        self.shard = shard
+        self.store = store
+
+    def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
+        """Set committed offsets of a group (next offset to consume).  Idempotent."""
+        values = {}
+        for (topic, qid), off in offsets.items():
+            end = self.store.max_queue_offset(topic, qid)
+            if not isinstance(off, int) or off < 0 or off > end:
+                raise OffsetOutOfRangeError(
+                    f"cannot commit offset {off!r} for {topic}/{qid} of group {group!r}: "
+                    f"the queue holds offsets 0..{end}")
+            values[offset_key(group, topic, qid)] = off
+        if values:
+            self.store.save_offsets(values)
+
+    def get(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """Committed offsets (-1: none yet)."""
+        return {(t, q): self.store.offsets.get(offset_key(group, t, q)) for t, q in queues}
+
+    def lag(self) -> dict[str, dict[str, int]]:
+        """group -> {"topic/queue": messages not consumed yet}."""
+        groups: dict[str, dict[str, int]] = {}
+        for key, off in self.store.offsets.snapshot().items():
+            parts = key.split("@")
+            if len(parts) == 3:
+                group, topic, qid = parts
+                end = self.store.max_queue_offset(topic, int(qid))
+                groups.setdefault(group, {})[f"{topic}/{qid}"] = end - off
+        return groups
+
+    def cut_back(self) -> None:
+        """Offsets past the end of their queue would skip the records written next: cut
+        back to the end.  (Possible with data written before offsets waited for what they
+        pass, then lost to a power loss.)  Consumer offsets and dead-letter progress of a
+        queue this shard does not have are left alone; its own transaction progress is
+        always checked."""
+        own = {HALF_PROGRESS: (HALF_TOPIC, 0), OP_PROGRESS: (OP_TOPIC, 0)}
+        known = set(self.store.queues())
+        cut = {}
+        for key, value in self.store.offsets.snapshot().items():
+            queue = own.get(key)
+            if queue is None:
+                parts = key.split("@")  # group@topic@queue, or dlq-resend@group@shard
+                if len(parts) != 3 or not parts[2].isdigit():
+                    continue
+                topic = dlq_topic(parts[1]) if parts[0] == "dlq-resend" else parts[1]
+                queue = (topic, int(parts[2]))
+                if queue not in known:
+                    continue
+            end = self.store.max_queue_offset(*queue)
+            if value > end:
+                cut[key] = end
+        if cut:
+            log.warning("shard-%d: offsets past the end of their queues cut back: %s",
+                        self.shard, cut)
+            self.store.offsets.update(cut)

@@ -1,0 +1,100 @@
+"""Reads of one shard's queues: long-polling pulls with tag filters, lookups by key.
+
+Sends bump a data version (``wake``); a pull that found nothing waits for it.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from raymq.storage import MessageStore
+from raymq.storage.clock import Clock
+from raymq.storage.errors import OffsetOutOfRangeError
+from raymq.storage.records import MessageBatch, StoredMessage, tags_hash
+
+
+class QueueReads:
+    """Pulls and lookups over a shard's store."""
+
+    def __init__(self, store: MessageStore, clock: Clock, metrics):
+        self.store = store
+        self.clock = clock
+        self.metrics = metrics
+        self._new_data = threading.Condition()
+        self._data_version = 0
+
+    def wake(self) -> None:
+        """New data is stored: waiting pulls look again."""
+        with self._new_data:
+            self._data_version += 1
+            self._new_data.notify_all()
+
+    def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int,
+             tags: dict[str, list[str]] | None) -> list[tuple]:
+        """Read several queues: [(topic, qid, offset, max)] -> [(topic, qid, batch, next, max)].
+
+        Waits up to ``wait_ms`` for new data when every queue is empty (long
+        polling).  ``tags`` filters by topic: only messages whose tag is listed.
+        An offset past the end is answered with the end as next offset.
+        """
+        deadline_ms = self.clock.monotonic_ms() + wait_ms
+        while True:
+            with self._new_data:
+                version = self._data_version
+            out, total = self._pull_once(requests, tags)
+            remaining_ms = deadline_ms - self.clock.monotonic_ms()
+            if total or remaining_ms <= 0:
+                return out
+            with self._new_data:
+                if self._data_version == version:
+                    self._new_data.wait(remaining_ms / 1000.0)
+
+    def _pull_once(self, requests, tags):
+        out, total = [], 0
+        codes_of = {t: np.array([tags_hash(x) for x in wanted], np.int64)
+                    for t, wanted in (tags or {}).items() if wanted}
+        for topic, qid, offset, max_n in requests:
+            if offset < 0:
+                raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
+            end = self.store.max_queue_offset(topic, qid)
+            if offset >= end:
+                out.append((topic, qid, MessageBatch.empty(), min(offset, end), end))
+                continue
+            entries = self.store.read_cq(topic, qid, offset, max_n)
+            next_offset = offset + len(entries)
+            wanted = tags.get(topic) if tags else None
+            if wanted:
+                entries = entries[np.isin(entries["tag"], codes_of[topic])]
+            batch = self.store.messages_at(entries)
+            if wanted and len(batch):
+                keep = [i for i, t in enumerate(batch.tags or [None] * len(batch)) if t in wanted]
+                if len(keep) != len(batch):
+                    batch = _select(batch, keep)
+            total += len(batch)
+            out.append((topic, qid, batch, next_offset, end))
+        if total:
+            self.metrics.inc("messages_out", total)
+            self.metrics.inc("bytes_out", float(sum(sum(map(len, batch.bodies))
+                                                    for _t, _q, batch, _n, _e in out)))
+        return out, total
+
+    def find_by_key(self, topic: str, key: str, max_scan: int) -> list[StoredMessage]:
+        """Messages of ``topic`` with ``key``, scanning the newest ``max_scan`` of each queue."""
+        found = []
+        for t, qid in self.store.queues():
+            if t != topic:
+                continue
+            end = self.store.max_queue_offset(t, qid)
+            for off in range(max(0, end - max_scan), end, 1000):
+                batch = self.store.read_batch(t, qid, off, 1000)
+                if batch.keys:
+                    found += [batch[i] for i, k in enumerate(batch.keys) if k == key]
+        return found
+
+
+def _select(batch: MessageBatch, keep: list[int]) -> MessageBatch:
+    pick = lambda col: None if col is None else [col[i] for i in keep]  # noqa: E731
+    return MessageBatch(batch.headers[keep], pick(batch.phys_offsets), pick(batch.topics),
+                        pick(batch.keys), pick(batch.tags), pick(batch.properties),
+                        pick(batch.bodies))

@@ -1,0 +1,188 @@
+"""Opening a store after a stop or a crash: from the last checkpoint to a consistent state.
+Owns reading the checkpoint, the log scan from it, cutting an open put, re-indexing, rebuilds.
+
+The commit log is scanned from the checkpoint offset (``CommitLog.open`` cuts a
+torn tail).  Every record the consume queues miss is re-indexed and the
+producer table brought up to date; the frames of a put whose LAST frame never
+reached the disk are cut off, so a put is all or nothing.  When the consume
+queues disagree with the log, or the checkpoint is past its end, the queues
+and the producer table are rebuilt from the start of the log.  Recovery ends
+with a fresh checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+
+from raymq.storage.commitlog import CommitLog
+from raymq.storage.consumequeue import CQ_ENTRY, ConsumeQueue
+from raymq.storage.durability import CHECKPOINT_FORMAT, write_checkpoint
+from raymq.storage.producers import ProducerTable
+from raymq.storage.queueindex import QueueIndex
+from raymq.storage.records import FRAME_ATTR_LAST, frame_headers, frame_producer, record_sizes
+
+log = logging.getLogger("raymq.storage")
+
+
+class _RebuildNeeded(Exception):
+    pass
+
+
+@dataclass
+class Recovered:
+    """What an opened store continues from."""
+
+    commit_log: CommitLog  # the one given to ``recover``, or a new one after a rebuild
+    queues: QueueIndex     # likewise
+    producers: ProducerTable
+    recovered_records: int  # records re-indexed past the checkpoint
+
+
+def read_checkpoint(path: str) -> tuple[int, ProducerTable]:
+    """The checkpoint's offset and producer table; (0, empty) if missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        if doc.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("format")
+        offset = int(doc["consume_queue_offset"])
+        return offset, ProducerTable.restore(doc["producers"])
+    except FileNotFoundError:
+        return 0, ProducerTable()
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("checkpoint %s is unreadable (%s); rebuilding consume queues and "
+                    "producer state from the start of the log", path, err)
+        return 0, ProducerTable()
+
+
+def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
+            checkpoint_path: str, segment_size_bytes: int) -> Recovered:
+    """Open ``commit_log`` and ``queues`` (both not opened yet) consistently; checkpoint.
+
+    Raises ``CorruptLogError`` for a bad frame that is not a torn tail.
+    """
+    ckpt, producers = read_checkpoint(checkpoint_path)
+    queues.load()
+    replay = _Replay(queues, producers)
+    try:
+        commit_log.open(ckpt, replay.frame)
+        if ckpt > commit_log.max_offset:
+            # flushed data the checkpoint covers is gone (a lost tail, pages dropped
+            # after an I/O error): its producer snapshot would claim sequences the log
+            # no longer holds -- the scheduler and resends would skip, resends of
+            # clients be taken for duplicates.  Everything is rebuilt from the log.
+            raise _RebuildNeeded(f"the checkpoint ({ckpt}) is past the end of the "
+                                 f"commit log ({commit_log.max_offset})")
+        replay.cut_open_put(commit_log, directory)
+    except _RebuildNeeded as why:
+        commit_log, replay = _rebuild(directory, commit_log, queues, why, segment_size_bytes)
+    _drop_entries_past_end(replay.queues, commit_log.max_offset)
+    if replay.recovered_records:
+        log.info("store %s: re-indexed %d records past checkpoint %d",
+                 directory, replay.recovered_records, ckpt)
+    commit_log.sync()  # the snapshot below must cover only what is on disk
+    write_checkpoint(checkpoint_path, commit_log.max_offset, replay.queues.queues.values(),
+                     replay.producers.snapshot())
+    return Recovered(commit_log, replay.queues, replay.producers, replay.recovered_records)
+
+
+def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: _RebuildNeeded,
+             segment_size_bytes: int) -> tuple[CommitLog, "_Replay"]:
+    """Drop the consume queues and producer state; re-index the whole log into new ones."""
+    log.warning("consume queues disagree with the commit log (%s); rebuilding them", why)
+    commit_log.close()
+    queues.close()
+    shutil.rmtree(queues.root)
+    queues = QueueIndex(queues.root)
+    commit_log = CommitLog(commit_log.directory, segment_size_bytes)
+    replay = _Replay(queues, ProducerTable())
+    commit_log.open(0, replay.frame)
+    replay.cut_open_put(commit_log, directory)
+    return commit_log, replay
+
+
+def _drop_entries_past_end(queues: QueueIndex, end: int) -> None:
+    for cq in queues.queues.values():
+        dropped = cq.truncate_past(end)
+        if dropped:
+            log.warning("consume queue %s: dropped %d entries past the commit log end %d",
+                        cq.path, dropped, end)
+
+
+class _Replay:
+    """Re-indexes the frames found past the checkpoint, one put at a time.
+
+    The frames of one put are applied together when its LAST frame is seen;
+    frames of a put whose LAST frame never made it to disk are cut off after
+    the scan (``cut_open_put``), so a put is all or nothing.
+    """
+
+    def __init__(self, queues: QueueIndex, producers: ProducerTable):
+        self.queues = queues
+        self.producers = producers
+        self.recovered_records = 0
+        self._open_entries: dict[ConsumeQueue, list] = {}
+        self._open_frames: list = []
+
+    def frame(self, frame_phys: int, buf, pos: int, frame_len: int, count: int) -> None:
+        """``CommitLog.open``'s ``on_frame``: note one frame, apply its put if it is LAST."""
+        h = frame_headers(buf, pos, count)
+        phys = frame_phys + h["frame_delta"].astype(np.int64)
+        sizes = record_sizes(h)
+        producer_id, sequence, store_ms, attrs = frame_producer(buf, pos)
+        self._note_entries(buf, pos, h, phys, sizes)
+        self._open_frames.append((frame_phys, producer_id, sequence, phys,
+                                  h["queue_offset"].copy(), sizes, frame_phys + frame_len,
+                                  store_ms))
+        if attrs & FRAME_ATTR_LAST:
+            self._apply_open_put()
+
+    def _note_entries(self, buf, pos: int, h: np.ndarray, phys: np.ndarray,
+                      sizes: np.ndarray) -> None:
+        """Queue the index entries of the frame's records the consume queues miss."""
+        topic_at: dict[tuple[int, int], str] = {}
+        pending = self._open_entries
+        for i, (meta_off, topic_len, qid, qoff) in enumerate(zip(
+                h["meta_off"].tolist(), h["topic_len"].tolist(), h["queue_id"].tolist(),
+                h["queue_offset"].tolist())):
+            topic = topic_at.get((meta_off, topic_len))
+            if topic is None:
+                topic = topic_at[(meta_off, topic_len)] = bytes(
+                    buf[pos + meta_off:pos + meta_off + topic_len]).decode()
+            cq = self.queues.get_or_create(topic, qid)
+            if phys[i] <= cq.last_phys:
+                continue
+            waiting = pending.setdefault(cq, [])
+            expected = cq.count + len(waiting)
+            if qoff != expected:
+                raise _RebuildNeeded(f"{topic}/{qid}: record at {phys[i]} has queue offset "
+                                     f"{qoff}, the index expects {expected}")
+            waiting.append((int(phys[i]), int(sizes[i]), int(h["tag_code"][i])))
+
+    def _apply_open_put(self) -> None:
+        """The put's LAST frame is on disk: index its entries, note it for its producer."""
+        for cq, entries in self._open_entries.items():
+            if entries:
+                cq.append(np.array(entries, CQ_ENTRY).tobytes(), entries[-1][0])
+                self.recovered_records += len(entries)
+        for (_fp, pid, seq, ph, qo, sz, end, ms) in self._open_frames:
+            if pid:
+                self.producers.record(pid, seq, ph, qo, sz, end, ms)
+        self._open_entries = {}
+        self._open_frames = []
+
+    def cut_open_put(self, commit_log: CommitLog, directory: str) -> None:
+        """A put whose last frame is missing at the end of the log: cut its frames."""
+        if not self._open_frames:
+            return
+        start = self._open_frames[0][0]
+        log.warning("store %s: the last put was cut short (%d of its frames on disk, its last "
+                    "frame missing); removing it from physical offset %d", directory,
+                    len(self._open_frames), start)
+        commit_log.truncate_to(start)
+        self._open_frames = []
+        self._open_entries = {}
