@@ -66,16 +66,17 @@ def _check_half(p: dict, levels_ms: tuple[int, ...]) -> None:
     if Prop.DELIVER_AT in p:
         raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level")
     if Prop.DELAY in p:
-        _level(p, levels_ms)
+        _level(p, levels_ms, show_raw=True)
     if not p.get(Prop.PRODUCER_GROUP) or not p.get(Prop.TRANSACTION_ID):
         raise InvalidMessageError("a transactional message needs its producer group "
                                   "and transaction id")
 
 
-def _level(p: dict, levels_ms: tuple[int, ...]) -> int:
+def _level(p: dict, levels_ms: tuple[int, ...], *, show_raw: bool = False) -> int:
     level = int(p[Prop.DELAY])
     if not 1 <= level <= len(levels_ms):
-        raise InvalidMessageError(f"delay level {p[Prop.DELAY]} is not 1..{len(levels_ms)}")
+        shown = p[Prop.DELAY] if show_raw else level  # (as the messages always read)
+        raise InvalidMessageError(f"delay level {shown} is not 1..{len(levels_ms)}")
     return level
 
 

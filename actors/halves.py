@@ -61,6 +61,13 @@ class EndPlan:
     resolved: dict[int, HalfState] = field(default_factory=dict)
 
 
+def carries_halves(batch: RecordBatch, res) -> bool:
+    """Whether a put stored halves (a duplicate stored nothing)."""
+    return not res.duplicate and batch.properties is not None and (
+        batch.topics == HALF_TOPIC or (isinstance(batch.topics, list)
+                                       and HALF_TOPIC in batch.topics))
+
+
 class HalfIndex:
     """Which halves are pending, which resolved, and where their latest copies are."""
 
@@ -98,8 +105,7 @@ class HalfIndex:
         first copy was, and may be resolved and forgotten since -- tracking them
         again would make a rolled-back half pending, and committable, again.
         """
-        if res.duplicate or batch.properties is None or not (batch.topics == HALF_TOPIC or (
-                isinstance(batch.topics, list) and HALF_TOPIC in batch.topics)):
+        if not carries_halves(batch, res):
             return
         props, bodies = batch.column("properties"), batch.bodies
         keys, tags, born = batch.column("keys"), batch.column("tags"), batch.column("born_ms")
@@ -169,7 +175,9 @@ class HalfIndex:
         for origin in end.origins:
             half = (halves or {}).get(origin) or self.store.get_message(origin)
             self._check_end_matches(end, origin, half, operator=operator)
-            current = (also_done or {}).get(origin) or self.state_of(origin)
+            # (an origin named twice in one end is resolved once)
+            current = done.get(origin) or (also_done or {}).get(origin) \
+                or self.state_of(origin)
             if current is None:
                 continue
             if operator:
@@ -265,7 +273,7 @@ class HalfIndex:
     def list_halves(self, now_ms: int, *, expired: bool, limit: int) -> list[dict]:
         """Pending halves (or expired ones): id, group, transaction, age, checks, topic."""
         out = []
-        for origin, m in self._listed(expired, limit):
+        for origin, m in self._listed(expired=expired, limit=limit):
             p = m.properties
             first = self.store.get_message(origin)
             out.append({"id": make_msg_id(self.shard, origin), "shard": self.shard,
@@ -278,7 +286,7 @@ class HalfIndex:
                         "waiting_for_producer": p.get(Prop.PRODUCER_GROUP) in self.waiting_groups})
         return out
 
-    def _listed(self, expired: bool, limit: int) -> list[tuple[int, StoredMessage]]:
+    def _listed(self, *, expired: bool, limit: int) -> list[tuple[int, StoredMessage]]:
         """(origin, latest copy) of the pending halves, or of the expired ones."""
         store = self.store
         if not expired:

@@ -38,7 +38,7 @@ from raymq.actors.faults import faults_named
 from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
 from raymq.actors.group_offsets import GroupOffsets
-from raymq.actors.halves import HalfIndex
+from raymq.actors.halves import HalfIndex, carries_halves
 from raymq.actors.protocol import (OP_TOPIC, SCHEDULE_TOPIC, CheckRequest, EndOutcome,
                                    EndRequest, EndResult, SendReply)
 from raymq.actors.reads import QueueReads
@@ -138,7 +138,7 @@ class BrokerShard:
         t0 = self.clock.monotonic_ms()
         res = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
-        if res.duplicate is False and batch.properties is not None:
+        if carries_halves(batch, res):  # only then the lock: other sends do not wait on it
             with self._tx_lock:
                 self.halves.note_new(batch, res)
         return self._sent(batch, res, res.status), res

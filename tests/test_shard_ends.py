@@ -579,3 +579,33 @@ def test_op_records_store_state_ids_and_read_older_names():
     assert op_entries(record.properties) == [(5, HalfState.COMMITTED), (9, HalfState.EXPIRED)]
     older = {Prop.ORIGIN_HALF: "5,9", Prop.OP_STATE: "ROLLED_BACK,EXPIRED"}
     assert op_entries(older) == [(5, HalfState.ROLLED_BACK), (9, HalfState.EXPIRED)]
+
+
+def test_an_origin_named_twice_in_one_end_commits_once(tmp_path):
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    sh.set_routes([("orders", 0)])
+    try:
+        [half] = sh.send(tx_batch("orders", 1, 0), 77, 1).phys
+        assert outcomes(sh.end_transactions([("g", "tx0", [half, half], "COMMIT_MESSAGE")])) \
+            == ["COMMITTED"]
+        [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 0, 10)])
+        assert [m.body for m in batch.messages()] == [b"body-0"]
+    finally:
+        sh.close()
+
+
+def test_a_send_without_halves_does_not_wait_for_the_transaction_lock(tmp_path):
+    """Check rounds and ends hold the transaction lock; other sends must not queue behind."""
+    import threading
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    sh.set_routes([("orders", 0)])
+    done = threading.Event()
+    try:
+        with sh._tx_lock:
+            sender = threading.Thread(target=lambda: (sh.send(RecordBatch(
+                "orders", 0, [b"x"], properties=[{"user": "1"}])), done.set()))
+            sender.start()
+            assert done.wait(10), "a send with properties waited for the transaction lock"
+        sender.join(10)
+    finally:
+        sh.close()
