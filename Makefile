@@ -2,7 +2,7 @@
 VENV := .venv
 STAMP := $(VENV)/.raymq-installed
 
-.PHONY: demo test bench install
+.PHONY: demo test bench install lint
 
 $(STAMP): pyproject.toml .ci/install.sh
 	bash .ci/install.sh
@@ -17,3 +17,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/raymq bench
+
+# the layout's rules (tests/test_layout.py), printing the largest functions and classes
+lint: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -s tests/test_layout.py -k "over or way or root"

@@ -133,6 +133,9 @@ class EndRequest:
         group, txid, origins, state = value
         return cls(group, txid, tuple(origins), state)
 
+    def __reduce__(self):  # as a plain tuple on the wire
+        return (EndRequest, (self.group, self.transaction_id, self.origins, self.state))
+
 
 @dataclass(frozen=True, slots=True)
 class EndResult:
@@ -143,6 +146,9 @@ class EndResult:
 
     def __str__(self) -> str:
         return f"{self.outcome.value}: {self.detail}" if self.detail else self.outcome.value
+
+    def __reduce__(self):  # as a plain tuple on the wire (the channel pickles every reply)
+        return (_end_result, (self.outcome.value, self.detail))
 
 
 @dataclass(slots=True)
@@ -160,6 +166,17 @@ class SendReply:
     queue_offsets: list[int]
     duplicate: bool = False
     ends: list[EndResult] | None = None
+
+    def __reduce__(self):  # as a plain tuple on the wire (the channel pickles every reply)
+        return (SendReply, (self.status, self.phys, self.queue_offsets, self.duplicate,
+                            self.ends))
+
+
+_OUTCOMES = {o.value: o for o in EndOutcome}
+
+
+def _end_result(outcome: str, detail: str) -> EndResult:
+    return EndResult(_OUTCOMES[outcome], detail)
 
 
 @dataclass(frozen=True, slots=True)
