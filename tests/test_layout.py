@@ -130,3 +130,17 @@ def test_no_class_over_400_lines_in_broker_and_storage():
 def test_every_module_says_what_it_owns(module):
     doc = ast.get_docstring(ast.parse(open(modules()[module]).read()))
     assert doc and doc.strip(), f"{module} has no docstring saying what it owns"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_package(tmp_path):
+    """Nothing but ``raymq`` (and its metadata) lands at the top of site-packages."""
+    import subprocess
+    import zipfile
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
+                    str(tmp_path), ROOT], check=True, capture_output=True, timeout=600)
+    [wheel] = list(tmp_path.glob("raymq-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"raymq", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert {"raymq/__init__.py", "raymq/actors/shard.py", "raymq/storage/store.py",
+            "raymq/tools/cli.py", "raymq/jobs/__init__.py"} <= set(names)
