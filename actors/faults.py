@@ -17,6 +17,9 @@ class Faults:
     """No fault: every hook lets the shard go on as it would."""
 
     name: str | None = None
+    #: whether a send's riding transaction ends go in a put of their own after the
+    #: batch's (so that a fault can strike between the two)
+    splits_ends = False
 
     def before_resolution_write(self, real: list[Record],
                                 write_real: Callable[[list[Record]], object]) -> None:
@@ -31,6 +34,7 @@ class CrashBetweenRealAndOp(Faults):
     """Exit the process after a commit's real messages, before its op records."""
 
     name = "crash_between_real_and_op"
+    splits_ends = True
 
     def before_resolution_write(self, real, write_real) -> None:
         if real:
@@ -43,6 +47,7 @@ class FlushDiskTimeout(Faults):
     for ``flush_timeout_ms`` does."""
 
     name = "flush_disk_timeout"
+    splits_ends = True
 
     def send_status(self, status: PutStatus) -> PutStatus:
         return PutStatus.FLUSH_DISK_TIMEOUT

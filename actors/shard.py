@@ -3,8 +3,10 @@
 It owns the store and the transaction lock and delegates: routes (``routes``),
 where records go (``diversion``), halves and ends (``halves``), check rounds
 (``checkback``), delays (``delay``), retries and dead letters (``dead_letters``),
-reads (``reads``) and group offsets (``group_offsets``).  Components return the
-records to write; the shard writes them in one put and then tells them.
+reads (``reads``) and group offsets (``group_offsets``).  Transaction ends are
+prepared by ``halves`` (records to write), written by the shard in one put,
+then applied; check rounds and deliveries write through the shard's store.
+Test faults are an object handed in (``faults``), asked at fixed points.
 
 A plain class (no Ray import): the Ray actor is made from it at the edge
 (``raymq.deploy``), and tests can run it in-process.  All public methods are
@@ -34,7 +36,7 @@ from raymq.actors.config import ClusterConfig
 from raymq.actors.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
 from raymq.actors.delay import SCHEDULER_PID_BASE, DelayScheduler  # noqa: F401 (tests)
 from raymq.actors.diversion import divert_to_system_topics, diverts
-from raymq.actors.faults import faults_named
+from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
 from raymq.actors.group_offsets import GroupOffsets
@@ -57,7 +59,8 @@ log = logging.getLogger("raymq.shard")
 class BrokerShard:
     def __init__(self, index: int, config: dict | ClusterConfig, *,
                  fetch_routes: Callable[[int], list] | None = None,
-                 clock: Clock | None = None, metrics=None, background: bool = True):
+                 clock: Clock | None = None, metrics=None, background: bool = True,
+                 faults: Faults = NO_FAULTS):
         self.index = index
         self.config = config if isinstance(config, ClusterConfig) else ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
@@ -67,7 +70,7 @@ class BrokerShard:
                                   background=background)
         self._levels_ms = self.config.delay_levels_ms
         self._tx_lock = threading.RLock()
-        self.faults = faults_named(None)
+        self.faults = faults  # test faults (``set_fault`` swaps them at run time)
         self.routes = RouteTable(index, fetch_routes)
         self.reads = QueueReads(self.store, self.clock, self.metrics)
         self.offsets = GroupOffsets(index, self.store)
@@ -111,7 +114,7 @@ class BrokerShard:
         if not ends:
             return self._send(batch, producer_id, sequence, wait=True)[0]
         n = len(batch) if batch is not None else 0
-        if not n or self.faults.name is not None:
+        if not n or self.faults.splits_ends:
             out, written = self._send(batch, producer_id, sequence, wait=False)
             out.ends = self.end_transactions(ends)  # its fsync covers the batch too
             if written is not None and self.store.wait_durable(written) is not PutStatus.PUT_OK:
