@@ -11,7 +11,7 @@ from typing import Callable
 
 from raymq.actors.half_logic import Action, CheckPolicy, HalfState, HalfView, plan_round
 from raymq.actors.half_records import check_copy, listener_view, op_record
-from raymq.actors.halves import HALF_PROGRESS, HalfIndex
+from raymq.actors.halves import HALF_PROGRESS, HalfIndex, parsed
 from raymq.actors.protocol import CHECK_EXPIRED_TOPIC, HALF_TOPIC, CheckRequest, Prop
 from raymq.storage import MessageStore
 from raymq.storage.records import Record, StoredMessage
@@ -77,19 +77,27 @@ class CheckRounds:
         self.metrics.inc("transaction_checks", len(out))
         return out
 
-    def _views(self, halves: list[StoredMessage]) -> list[HalfView]:
-        views = []
+    def _views(self, halves: list[StoredMessage]) -> tuple[list[HalfView], set[int]]:
+        """The planner's view of each half, and the origins of those it cannot parse
+        (skipped, like resolved ones: logged, never stopping the round)."""
+        views, unparsable = [], set()
         for m in halves:
             if m.phys_offset in self.halves.resolved:  # a first copy, resolved: skip undecoded
                 views.append(HalfView(m.queue_offset, m.phys_offset, "", 0, 0, 0))
                 continue
-            p = m.properties
-            views.append(HalfView(m.queue_offset, int(p.get(Prop.ORIGIN_HALF, m.phys_offset)),
-                                  p.get(Prop.PRODUCER_GROUP, ""),
-                                  int(p.get(Prop.CHECK_BASE_MS, m.store_ms)),
-                                  int(p.get(Prop.CHECK_TIMES, 0)),
-                                  int(p.get(Prop.TXN_TIMEOUT_MS, self.config.txn_timeout_ms))))
-        return views
+            view = parsed(self.shard, m, self._view, None, whole=True)
+            if view is None:
+                view = HalfView(m.queue_offset, m.phys_offset, "", 0, 0, 0)
+                unparsable.add(m.phys_offset)
+            views.append(view)
+        return views, unparsable
+
+    def _view(self, m: StoredMessage) -> HalfView:
+        p = m.properties
+        return HalfView(m.queue_offset, int(p.get(Prop.ORIGIN_HALF, m.phys_offset)),
+                        p.get(Prop.PRODUCER_GROUP, ""), int(p.get(Prop.CHECK_BASE_MS, m.store_ms)),
+                        int(p.get(Prop.CHECK_TIMES, 0)),
+                        int(p.get(Prop.TXN_TIMEOUT_MS, self.config.txn_timeout_ms)))
 
     def _window(self, live_groups: list[str], policy: CheckPolicy, now: int, window: int,
                 end: int, used: dict[str, int]):
@@ -97,8 +105,10 @@ class CheckRounds:
         with self._lock:
             start = max(0, self.store.offsets.get(HALF_PROGRESS, 0))
             halves = self.store.read_queue(HALF_TOPIC, 0, start, max(0, min(window, end - start)))
-            plan = plan_round(self._views(halves), self.halves.resolved, set(live_groups), now,
-                              policy, used)
+            views, unparsable = self._views(halves)
+            skipped = _Either(self.halves.resolved, unparsable) if unparsable \
+                else self.halves.resolved
+            plan = plan_round(views, skipped, set(live_groups), now, policy, used)
             writes, checks, progress, stopped = self._act(plan, halves, now, start)
             if writes:
                 res = self._append([w[2] for w in writes])
@@ -165,14 +175,24 @@ class CheckRounds:
                 if not copies:
                     continue
                 m = copies[0]
-                p = m.properties
-                if int(p.get(Prop.CHECK_TIMES, 0)) != count or count <= 0:
+                view = parsed(self.shard, m, self._view, None, whole=True)
+                if view is None or view.checks != count or count <= 0:
                     continue
                 writes.append((origin, check_copy(m, origin, count - 1, HALF_TOPIC,
-                                                  int(p.get(Prop.CHECK_BASE_MS, m.store_ms)))))
+                                                  view.store_ms)))
             if writes:
                 res = self._append([w for _o, w in writes])
                 for (origin, _w), qoff in zip(writes, res.queue_offsets):
                     self.halves.moved(origin, qoff)
         self.metrics.inc("transaction_checks_taken_back", len(writes))
         return len(writes)
+
+
+class _Either:
+    """``x in`` either of two containers (resolved origins, or ones that cannot be parsed)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __contains__(self, x) -> bool:
+        return x in self.first or x in self.second

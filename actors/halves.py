@@ -20,7 +20,7 @@ from raymq.actors.half_records import (first_copy_offset, op_entries, op_progres
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, EndOutcome,
                                    EndRequest, EndResult, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
-from raymq.storage.errors import InvalidMessageError
+from raymq.storage.errors import CorruptLogError, InvalidMessageError
 from raymq.storage.records import Record, StoredMessage
 
 log = logging.getLogger("raymq.shard")
@@ -37,6 +37,17 @@ WANTED = {"COMMIT_MESSAGE": HalfState.COMMITTED, "COMMIT": HalfState.COMMITTED,
           "UNKNOW": None, "UNKNOWN": None}
 _OUTCOME = {HalfState.COMMITTED: EndOutcome.COMMITTED,
             HalfState.ROLLED_BACK: EndOutcome.ROLLED_BACK}
+
+
+def parsed(shard: int, m: StoredMessage, parse, default, *, whole: bool = False):
+    """``parse(m.properties)`` (or ``parse(m)`` when ``whole``), or ``default`` -- logged --
+    for a record the shard cannot parse: recovery and rounds skip it instead of dying."""
+    try:
+        return parse(m if whole else m.properties)
+    except (ValueError, KeyError, TypeError, CorruptLogError) as err:
+        log.warning("shard-%d: cannot parse %s record at %d (%s: %s); skipped", shard, m.topic,
+                    m.phys_offset, type(err).__name__, err)
+        return default
 
 
 class CachedHalf(NamedTuple):
@@ -88,12 +99,14 @@ class HalfIndex:
         op_start = max(0, store.offsets.get(OP_PROGRESS, 0))
         for off in range(op_start, store.max_queue_offset(OP_TOPIC, 0), 1000):
             for m in store.read_queue(OP_TOPIC, 0, off, 1000):
-                for origin, state in op_entries(m.properties):
+                for origin, state in parsed(self.shard, m, op_entries, []):
                     self.resolved[origin] = state
         half_start = max(0, store.offsets.get(HALF_PROGRESS, 0))
         for off in range(half_start, store.max_queue_offset(HALF_TOPIC, 0), 1000):
             for m in store.read_queue(HALF_TOPIC, 0, off, 1000):
-                origin = first_copy_offset(m)
+                origin = parsed(self.shard, m, first_copy_offset, None, whole=True)
+                if origin is None:
+                    continue
                 self.latest_copy[origin] = m.queue_offset
                 if origin not in self.resolved:
                     self.pending[origin] = m.queue_offset
@@ -256,8 +269,8 @@ class HalfIndex:
         for _ in range(40):  # up to 200,000 ops a call, 5,000 at a time
             ops = self.store.read_queue(OP_TOPIC, 0, passed, 5000)
             # (with no half pending an EXPIRED op still stops it: ``blocked``, not None)
-            n = op_progress([op_progress_origin(m.properties, self.resolved, blocked)
-                             for m in ops], blocked)
+            n = op_progress([parsed(self.shard, m, lambda p: op_progress_origin(
+                p, self.resolved, blocked), -1) for m in ops], blocked)
             passed += n
             if n < 5000:
                 break
@@ -275,12 +288,13 @@ class HalfIndex:
         out = []
         for origin, m in self._listed(expired=expired, limit=limit):
             p = m.properties
+            checks = parsed(self.shard, m, lambda q: int(q.get(Prop.CHECK_TIMES, 0)), -1)
             first = self.store.get_message(origin)
             out.append({"id": make_msg_id(self.shard, origin), "shard": self.shard,
                         "origin": origin, "group": p.get(Prop.PRODUCER_GROUP),
                         "transaction_id": p.get(Prop.TRANSACTION_ID),
                         "topic": p.get(Prop.REAL_TOPIC),
-                        "checks": int(p.get(Prop.CHECK_TIMES, 0)),
+                        "checks": checks,
                         "age_ms": now_ms - first.store_ms,
                         "state": "EXPIRED" if expired else "PREPARED",
                         "waiting_for_producer": p.get(Prop.PRODUCER_GROUP) in self.waiting_groups})
@@ -297,8 +311,9 @@ class HalfIndex:
         out = []
         for off in range(0, store.max_queue_offset(CHECK_EXPIRED_TOPIC, 0), 1000):
             for m in store.read_queue(CHECK_EXPIRED_TOPIC, 0, off, 1000):
-                if int(m.properties.get(Prop.ORIGIN_HALF, -1)) in origins:
-                    out.append((int(m.properties[Prop.ORIGIN_HALF]), m))
+                origin = parsed(self.shard, m, lambda p: int(p.get(Prop.ORIGIN_HALF, -1)), -1)
+                if origin in origins:
+                    out.append((origin, m))
         return out
 
     def status(self) -> dict:

@@ -47,7 +47,7 @@ class Prop:
 
 SYSTEM_PROPERTIES = frozenset(v for k, v in vars(Prop).items() if not k.startswith("_"))
 
-TOPIC_NAME_RE = re.compile(r"^[A-Za-z0-9_\-.|]{1,127}$")
+TOPIC_NAME_RE = re.compile(r"[A-Za-z0-9_\-.|]{1,127}")  # a full match (no trailing newline)
 
 
 def is_system_topic(topic: str) -> bool:
@@ -74,7 +74,7 @@ def check_user_topic(topic: Any) -> str:
         raise InvalidMessageError(f"topic must be a non-empty string, got {topic!r}")
     if is_system_topic(topic):
         raise ReservedNameError(f"topic {topic!r} is reserved for RayMQ's own use")
-    if not TOPIC_NAME_RE.match(topic) or topic in (".", ".."):
+    if not TOPIC_NAME_RE.fullmatch(topic) or topic in (".", ".."):
         raise InvalidMessageError(
             f"invalid topic name {topic!r}: use 1-127 letters, digits, '_', '-', '.' or '|'")
     if len(_USER_TOPICS_OK) < 10_000:
@@ -83,7 +83,7 @@ def check_user_topic(topic: Any) -> str:
 
 
 def check_group(group: Any, what: str = "group") -> str:
-    if not isinstance(group, str) or not TOPIC_NAME_RE.match(group):
+    if not isinstance(group, str) or not TOPIC_NAME_RE.fullmatch(group):
         raise InvalidMessageError(f"invalid {what} name {group!r}: use 1-127 letters, digits, "
                                   "'_', '-', '.' or '|'")
     return group
@@ -158,7 +158,8 @@ class SendReply:
     ``phys`` and ``queue_offsets`` hold one entry per message of the request
     (empty for a duplicate whose offsets the shard no longer remembers; a
     delayed message's queue offset is -1 until it is delivered); ``ends``
-    the outcomes of the transaction ends riding on it, in order.
+    the outcomes of the transaction ends riding on it, in order; ``refused``
+    the messages the shard refused alone (the others are stored).
     """
 
     status: str  # a SendStatus value: SEND_OK or FLUSH_DISK_TIMEOUT
@@ -166,10 +167,12 @@ class SendReply:
     queue_offsets: list[int]
     duplicate: bool = False
     ends: list[EndResult] | None = None
+    #: messages refused alone (their index in the request -> why); phys -1 for them
+    refused: dict[int, str] | None = None
 
     def __reduce__(self):  # as a plain tuple on the wire (the channel pickles every reply)
         return (SendReply, (self.status, self.phys, self.queue_offsets, self.duplicate,
-                            self.ends))
+                            self.ends, self.refused))
 
 
 _OUTCOMES = {o.value: o for o in EndOutcome}

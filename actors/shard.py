@@ -31,6 +31,7 @@ import os
 import threading
 from typing import Callable, Iterable
 
+from raymq.actors.admission import readable_topic, refusals, select
 from raymq.actors.checkback import CheckRounds
 from raymq.actors.config import ClusterConfig
 from raymq.actors.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
@@ -41,16 +42,15 @@ from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
 from raymq.actors.group_offsets import GroupOffsets
 from raymq.actors.halves import HalfIndex, carries_halves
-from raymq.actors.protocol import (OP_TOPIC, SCHEDULE_TOPIC, CheckRequest, EndOutcome,
-                                   EndRequest, EndResult, SendReply)
+from raymq.actors.protocol import (OP_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES, CheckRequest,
+                                   EndOutcome, EndRequest, EndResult, SendReply, check_group)
 from raymq.actors.reads import QueueReads
 from raymq.actors.routes import RouteTable
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import InvalidMessageError
+from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, ReservedNameError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
-from raymq.storage.records import MAX_USER_PROPERTIES_BYTES, Record, StoredMessage, \
-    check_user_properties
+from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
 
 log = logging.getLogger("raymq.shard")
@@ -104,10 +104,14 @@ class BrokerShard:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
                                       f"(client ids are below 2**62)")
-        if batch is not None and batch.properties is not None:
-            for p in batch.properties:  # (with what a client adds: delay, transaction)
-                check_user_properties(p, MAX_USER_PROPERTIES_BYTES + 1024)
-        return self._store_request(batch, producer_id, sequence, ends)
+        refused = refusals(batch, len(self._levels_ms), SYSTEM_PROPERTIES) \
+            if batch is not None and len(batch) else None
+        if not refused:
+            return self._store_request(batch, producer_id, sequence, ends)
+        keep = [i for i in range(len(batch)) if i not in refused]  # refused alone
+        reply = self._store_request(select(batch, keep) if keep else None, producer_id,
+                                    sequence, ends)
+        return _spread(reply, len(batch), keep, refused)
 
     def _store_request(self, batch: RecordBatch | None, producer_id: int, sequence: int,
                        ends: list | None) -> SendReply:
@@ -277,11 +281,24 @@ class BrokerShard:
     # ------------------------------------------------- reads and offsets
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int = 0,
              tags: dict[str, list[str]] | None = None) -> list[tuple]:
-        """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``)."""
+        """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``): user
+        topics and retry topics this shard serves (RayMQ's own topics have operator calls)."""
+        self._check_readable({(t, q) for t, q, *_rest in requests})
         return self.reads.pull(requests, wait_ms, tags)
+
+    def _check_readable(self, queues: set) -> None:
+        for topic, qid in queues:
+            if not readable_topic(topic):
+                raise ReservedNameError(f"topic {topic!r} is RayMQ's own: clients do not "
+                                        "read it (operators: raymq half|dlq)")
+            if isinstance(qid, bool) or not isinstance(qid, int) or qid < 0:
+                raise OffsetOutOfRangeError(f"invalid queue id {qid!r} for {topic}")
+        self.routes.check(queues)
 
     def commit_offsets(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
+        check_group(group)
+        self._check_readable(set(offsets))
         self.offsets.commit(group, offsets)
 
     def get_offsets(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
@@ -335,3 +352,15 @@ class BrokerShard:
     def close(self) -> None:
         self.delays.stop()
         self.store.close()
+
+
+def _spread(reply: SendReply, n: int, keep: list[int], refused: dict[int, str]) -> SendReply:
+    """A reply for the stored records ``keep`` of an ``n``-record request, with -1 offsets
+    (and the reason in ``refused``) for the others."""
+    if reply.phys or not keep:  # (else a duplicate whose offsets are no longer known)
+        phys, qoffs = [-1] * n, [-1] * n
+        for j, i in enumerate(keep):
+            phys[i], qoffs[i] = reply.phys[j], reply.queue_offsets[j]
+        reply.phys, reply.queue_offsets = phys, qoffs
+    reply.refused = refused
+    return reply

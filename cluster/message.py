@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
+from raymq.actors.admission import properties_problem, text_problem
 # the client's names for what it shares with the broker (users import them from here)
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC,  # noqa: F401
                                    OP_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
                                    SYSTEM_TOPICS, Prop, check_group, check_user_topic, dlq_topic,
                                    is_system_topic, make_msg_id, parse_msg_id, retry_topic)
-from raymq.storage.records import (MessageBatch, RecordBatch, StoredMessage, SysFlag,
-                             check_user_properties, decode_properties, shared_value)
+from raymq.storage.records import (MAX_KEY_BYTES, MAX_TAGS_BYTES, MessageBatch, RecordBatch,
+                                   StoredMessage, SysFlag, check_user_properties,
+                                   decode_properties, shared_value)
 
 # --- application messages ----------------------------------------------------------
 @dataclass
@@ -40,15 +42,23 @@ class Message:
         if len(self.body) > max_bytes:
             raise InvalidMessageError(
                 f"message body of {len(self.body)} bytes exceeds the maximum of {max_bytes} bytes")
-        if self.key is not None and not isinstance(self.key, str):
-            raise InvalidMessageError("key must be a str")
-        if self.tags is not None and not isinstance(self.tags, str):
-            raise InvalidMessageError("tags must be a str")
+        # what the store would refuse is refused here: the message never joins (and fails)
+        # a request shared with other callers' messages
+        for what, value, limit in (("key", self.key, MAX_KEY_BYTES),
+                                   ("tags", self.tags, MAX_TAGS_BYTES)):
+            why = text_problem(value, limit, what)
+            if why:
+                raise InvalidMessageError(why)
         if self.properties:
+            if not isinstance(self.properties, dict):
+                raise InvalidMessageError("properties must be a dict of str to str")
             clash = sorted(set(self.properties) & SYSTEM_PROPERTIES)
             if clash:
                 raise ReservedNameError(f"properties {clash} are reserved system properties")
             check_user_properties(self.properties)
+            why = properties_problem(self.properties, num_levels, SYSTEM_PROPERTIES)
+            if why:
+                raise InvalidMessageError(why)
         if isinstance(self.delay_level, bool) or not isinstance(self.delay_level, int) \
                 or not 0 <= self.delay_level <= num_levels:
             raise InvalidMessageError(f"delay_level must be 0..{num_levels}, got {self.delay_level!r}")
@@ -92,8 +102,8 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
         check_user_topic(topic)
     suspicious = (set(map(type, cols.body)) != {bytes}
                   or (cols.n and max(map(len, cols.body)) > max_bytes)
-                  or (cols.has("key") and not set(map(type, cols.key)) <= {str, _NONE})
-                  or (cols.has("tags") and not set(map(type, cols.tags)) <= {str, _NONE})
+                  or (cols.has("key") and not _plain_texts(cols.key, MAX_KEY_BYTES))
+                  or (cols.has("tags") and not _plain_texts(cols.tags, MAX_TAGS_BYTES))
                   or cols.properties.count(None) + cols.properties.count({}) != cols.n
                   or cols.has("delay_level", 0) or cols.has("deliver_at_ms"))
     if suspicious:
@@ -101,6 +111,12 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
             m.validate(max_bytes, num_levels)
         cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
     return cols
+
+
+def _plain_texts(values: list, limit: int) -> bool:
+    """Whether every value is None or short ASCII text (then no closer look is needed)."""
+    return all(v is None or (type(v) is str and len(v) <= limit and v.isascii())
+               for v in values)
 
 
 class SendStatus(enum.Enum):

@@ -38,7 +38,7 @@ from raymq.transport import Outcome
 from raymq.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
                              key_queue, record_properties, validate_messages)
 from raymq.storage.records import RecordBatch, none_if_empty, shared_value
-from raymq.storage.errors import RayMQError
+from raymq.storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.producer")
 
@@ -523,11 +523,15 @@ class Producer:
         if request is not None:
             self.metrics.inc("messages_sent", len(result.phys) or len(request))
         phys, qoffs = result.phys, result.queue_offsets
+        refused = result.refused
         i = 0
         known = len(phys)
         for p in items:
             k = len(p.topic_qids)
-            if i + k <= known:
+            why = refused and next((refused[j] for j in range(i, i + k) if j in refused), None)
+            if why:  # refused alone by the shard: the other callers' messages are stored
+                p.future.set_exception(InvalidMessageError(why))
+            elif i + k <= known:
                 p.future.set_result(_Results(status, shard, p.topic_qids, qoffs[i:i + k],
                                              phys[i:i + k]))
             else:  # a duplicate whose offsets the shard no longer remembers

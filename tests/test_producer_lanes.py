@@ -229,3 +229,34 @@ def test_a_send_racing_close_fails_instead_of_waiting_forever(cluster):
         producer._submit([Message(TOPIC, b"c", key="k"), Message(TOPIC, b"d", key="j")])
     assert not producer._active  # no lane left claimed without a runner
 
+
+
+def test_a_message_the_shard_refuses_fails_its_own_caller_only(cluster):
+    """Issue 12: one bad message in a request shared by several callers is refused alone
+    (here a raw reserved property, which the SDK's own validation would have stopped)."""
+    from raymq.message import Prop
+    gate, entered = threading.Event(), threading.Event()
+    producer, shards, transport = cluster()
+    real_call = transport.call
+
+    def held_first(shard, method, *args, timeout_s):  # the first request waits at the gate
+        if transport.calls == 0:
+            entered.set()
+            gate.wait(10)
+        return real_call(shard, method, *args, timeout_s=timeout_s)
+    transport.call = held_first
+    first = threading.Thread(target=producer.send, args=(Message(TOPIC, b"first", key="k"),))
+    first.start()
+    assert entered.wait(10)
+    # both gather behind the held request, in one lane (same key: same queue)
+    [(bad, _)] = producer._submit([Message(TOPIC, b"bad", key="k")],
+                                  system_props={Prop.ORIGIN_HALF: "x"})
+    good = producer.send_async(Message(TOPIC, b"good", key="k"))
+    gate.set()
+    first.join(10)
+    assert good.result(10).status.value == "SEND_OK"
+    with pytest.raises(InvalidMessageError, match="ORIGIN_HALF_OFFSET"):
+        bad.result(10)
+    assert transport.calls == 2  # the bad and the good message rode in one request
+    assert [m.body for m in stored(shards)] == [b"first", b"good"]
+    producer.close()
