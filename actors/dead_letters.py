@@ -9,6 +9,7 @@ import hashlib
 import threading
 from typing import Callable
 
+from raymq.actors.reads import stored_message
 from raymq.actors.protocol import Prop, SendReply, dlq_topic, make_msg_id, retry_topic
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.errors import InvalidMessageError, StorageError
@@ -54,7 +55,7 @@ class DeadLetters:
         reconsume count reaches ``max_reconsume`` it goes to the group's
         dead-letter topic instead.
         """
-        m = self.store.get_message(phys_offset)
+        m = stored_message(self.store, self.shard, phys_offset)
         props = dict(m.properties)
         count = m.reconsume_count + 1
         props[Prop.PRODUCER_MSG_ID] = props.get(Prop.PRODUCER_MSG_ID) \
@@ -112,7 +113,7 @@ class DeadLetters:
         return self.store.read_queue(topic, self.shard, start, end - start)
 
     def _picked(self, group: str, phys_offsets: list[int]) -> list[StoredMessage]:
-        msgs = [self.store.get_message(p) for p in phys_offsets]
+        msgs = [stored_message(self.store, self.shard, p) for p in phys_offsets]
         bad = [m for m in msgs if m.topic != dlq_topic(group)]
         if bad:
             raise InvalidMessageError(f"{make_msg_id(self.shard, bad[0].phys_offset)} is not "

@@ -19,6 +19,7 @@ from raymq.actors.half_records import (first_copy_offset, op_entries, op_progres
                                        ops_record, real_from_half)
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, HALF_TOPIC, OP_TOPIC, EndOutcome,
                                    EndRequest, EndResult, Prop, make_msg_id)
+from raymq.actors.reads import stored_message
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.errors import CorruptLogError, InvalidMessageError
 from raymq.storage.records import Record, StoredMessage
@@ -186,7 +187,7 @@ class HalfIndex:
             return EndOutcome.UNKNOW, [], {}
         real, done = [], {}
         for origin in end.origins:
-            half = (halves or {}).get(origin) or self.store.get_message(origin)
+            half = (halves or {}).get(origin) or stored_message(self.store, self.shard, origin)
             self._check_end_matches(end, origin, half, operator=operator)
             # (an origin named twice in one end is resolved once)
             current = done.get(origin) or (also_done or {}).get(origin) \

@@ -10,7 +10,8 @@ import numpy as np
 
 from raymq.storage import MessageStore
 from raymq.storage.clock import Clock
-from raymq.storage.errors import OffsetOutOfRangeError
+from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, Prop, make_msg_id
+from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError
 from raymq.storage.records import MessageBatch, StoredMessage, tags_hash
 
 
@@ -98,3 +99,46 @@ def _select(batch: MessageBatch, keep: list[int]) -> MessageBatch:
     return MessageBatch(batch.headers[keep], pick(batch.phys_offsets), pick(batch.topics),
                         pick(batch.keys), pick(batch.tags), pick(batch.properties),
                         pick(batch.bodies))
+
+
+def stored_message(store: MessageStore, shard: int, phys: int) -> StoredMessage:
+    """The message a client names by physical offset, checked against the log: a record
+    must start there (its consume-queue entry points back at it with its size), else
+    ``InvalidMessageError`` "no such message" -- never a garbage record, an ``OSError``
+    or a server path."""
+    nope = InvalidMessageError(f"no such message: {make_msg_id(shard, phys)}"
+                               if isinstance(phys, int) and not isinstance(phys, bool)
+                               and 0 <= phys < 2**64 else f"no such message: offset {phys!r}")
+    if isinstance(phys, bool) or not isinstance(phys, int) or not 0 <= phys < store.max_phys_offset:
+        raise nope
+    try:
+        m = store.get_message(phys)
+        entry = store.read_cq(m.topic, m.queue_id, m.queue_offset, 1)
+    except Exception:  # (whatever a wrong offset decodes into)
+        raise nope from None
+    if len(entry) != 1 or int(entry["phys"][0]) != phys or int(entry["size"][0]) != m.size:
+        raise nope
+    return m
+
+
+def as_delivered(shard: int, m: StoredMessage) -> StoredMessage:
+    """A stored message as its consumers get it: a delayed one (schedule topic) or a half
+    shows its real topic and queue, queue offset -1 (not there yet), and its id."""
+    p = m.properties
+    if m.topic not in (SCHEDULE_TOPIC, HALF_TOPIC) or Prop.REAL_TOPIC not in p:
+        return m
+    p = {k: v for k, v in p.items() if k not in _DIVERSION_PROPS}
+    p.setdefault(Prop.PRODUCER_MSG_ID, make_msg_id(shard, m.phys_offset))
+    try:
+        qid = int(m.properties[Prop.REAL_QID])
+    except (KeyError, ValueError):
+        qid = -1
+    return StoredMessage(m.properties[Prop.REAL_TOPIC], qid, -1, m.phys_offset, m.size, m.flags,
+                         m.born_ms, m.store_ms, m.prepared_offset, m.tag_code,
+                         m.reconsume_count, m.key, m.tags, p, m.body)
+
+
+#: What a diverted copy carries for the broker only.
+_DIVERSION_PROPS = frozenset((Prop.DELAY, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS,
+                              Prop.TRAN_MSG, Prop.CHECK_TIMES, Prop.ORIGIN_HALF,
+                              Prop.CHECK_BASE_MS, Prop.TXN_TIMEOUT_MS))

@@ -42,9 +42,9 @@ from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
 from raymq.actors.group_offsets import GroupOffsets
 from raymq.actors.halves import HalfIndex, carries_halves
-from raymq.actors.protocol import (OP_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES, CheckRequest,
+from raymq.actors.protocol import (HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES, CheckRequest,
                                    EndOutcome, EndRequest, EndResult, SendReply, check_group)
-from raymq.actors.reads import QueueReads
+from raymq.actors.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.routes import RouteTable
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
@@ -167,10 +167,11 @@ class BrokerShard:
         self.metrics.inc("messages_in", n)
         self.metrics.inc("bytes_in", float(res.size_array[:n].sum()))
         queue_offsets = res.queue_offset_array[:n].tolist()
-        if batch.properties is not None:  # only then can a record have been delayed
+        if batch.properties is not None:  # only then can a record have been diverted
             topics = batch.column("topics")
-            if SCHEDULE_TOPIC in topics:  # its queue offset comes when it is delivered
-                queue_offsets = [-1 if t == SCHEDULE_TOPIC else o
+            if SCHEDULE_TOPIC in topics or HALF_TOPIC in topics:
+                # its queue offset in its real queue comes when it is delivered (committed)
+                queue_offsets = [-1 if t == SCHEDULE_TOPIC or t == HALF_TOPIC else o
                                  for t, o in zip(topics, queue_offsets)]
         status = self.faults.send_status(status)
         return SendReply("SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
@@ -306,7 +307,10 @@ class BrokerShard:
         return self.offsets.get(group, queues)
 
     def get_message(self, phys_offset: int) -> StoredMessage:
-        return self.store.get_message(phys_offset)
+        """The message a client's id names, as its consumers get it (a delayed or
+        transactional message: its real topic and queue, queue offset -1); "no such
+        message" for an id that names none."""
+        return as_delivered(self.index, stored_message(self.store, self.index, phys_offset))
 
     def find_by_key(self, topic: str, key: str, max_scan: int = 200_000) -> list[StoredMessage]:
         """Messages of ``topic`` on this shard with ``key``, scanning the newest ``max_scan``."""

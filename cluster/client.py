@@ -138,9 +138,11 @@ class RayMQ:
         return [deploy.get_checker(i) for i in range(self.config.num_checkers)]
 
     def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_uncommitted",
-                 tags=None, ordered: bool = False, start_from: str = "earliest") -> Consumer:
+                 tags=None, ordered: bool = False, start_from: str = "earliest",
+                 read_only: bool = False) -> Consumer:
+        """A consumer of ``group`` (``read_only``: a peek that never commits)."""
         c = Consumer(self, group, topics, isolation=isolation, tags=tags, ordered=ordered,
-                     start_from=start_from, clock=self.clock)
+                     start_from=start_from, clock=self.clock, read_only=read_only)
         self._clients.append(c)
         return c
 
@@ -165,10 +167,7 @@ class Admin:
              key: str | None = None) -> list[MessageExt]:
         """A message by id, or the messages of ``topic`` with ``key``."""
         if msg_id is not None:
-            shard, phys = parse_msg_id(msg_id)
-            if shard >= self._mq.num_shards:
-                raise InvalidMessageError(f"message id {msg_id} names shard {shard}, "
-                                          f"the cluster has {self._mq.num_shards}")
+            shard, phys = self._located(msg_id)
             m = self._mq.shard(shard).call("get_message", phys, timeout_s=30)
             return [MessageExt.from_stored(shard, m)]
         if topic is None or key is None:
@@ -200,7 +199,7 @@ class Admin:
             return resent
         by_shard: dict[int, list[int]] = {}
         for i in ids:
-            shard, phys = parse_msg_id(i)
+            shard, phys = self._located(i)
             by_shard.setdefault(shard, []).append(phys)
         for s, phys in by_shard.items():
             resent += self._mq.shard(s).call("dlq_resend", group, phys, timeout_s=60)
@@ -218,8 +217,16 @@ class Admin:
         wanted = {"commit": "COMMIT_MESSAGE", "rollback": "ROLLBACK_MESSAGE"}.get(state)
         if wanted is None:
             raise InvalidMessageError("state must be 'commit' or 'rollback'")
-        shard, phys = parse_msg_id(half_id)
+        shard, phys = self._located(half_id)
         return self._mq.shard(shard).call("resolve_half", phys, wanted, timeout_s=60)
+
+    def _located(self, msg_id: str) -> tuple[int, int]:
+        """(shard, physical offset) of a message id naming a shard of this cluster."""
+        shard, phys = parse_msg_id(msg_id)
+        if shard >= self._mq.num_shards:
+            raise InvalidMessageError(f"no such message: {msg_id} names shard {shard}, the "
+                                      f"cluster has {self._mq.num_shards}")
+        return shard, phys
 
     def check_now(self) -> list[dict]:
         """Run a check-back round on every checker now; returns checks sent per group."""

@@ -47,7 +47,9 @@ class Consumer:
     def __init__(self, mq, group: str, topics: list[str], *, isolation: str = "read_uncommitted",
                  tags: dict[str, list[str]] | list[str] | str | None = None,
                  ordered: bool = False, start_from: str = "earliest",
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, read_only: bool = False):
+        """``read_only``: a peek -- nothing is ever committed (``commit`` does nothing,
+        neither does ``close`` or a queue moving to another member)."""
         check_group(group)
         if isolation not in ISOLATIONS:
             raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
@@ -59,6 +61,7 @@ class Consumer:
         self._monotonic_s = clock.monotonic_s
         self._sleep_s = clock.sleep_s
         self.group = group
+        self.read_only = read_only
         self.isolation = isolation
         self.ordered = ordered
         self.start_from = start_from
@@ -365,6 +368,8 @@ class Consumer:
         return by_shard
 
     def _send_commits(self, by_shard: dict[int, dict], *, wait: bool = True) -> None:
+        if self.read_only:
+            return  # a peek: nothing it read counts as consumed
         for shard, offsets in by_shard.items():
             if wait:
                 self._mq.transport.call(shard, "commit_offsets", self.group, offsets,
@@ -407,6 +412,9 @@ class Consumer:
     def run(self, handler: Callable[[MessageExt], object], *, threads: int = 4,
             batch: int = 64, idle_s: float = 0.5) -> None:
         """Consume until ``stop()``: ``handler(msg)`` per message, concurrently.
+
+        Blocks the calling thread until another thread calls ``stop()`` (or
+        ``close()``): run it in a thread of its own when the caller has more to do.
 
         A handler that raises or returns False fails the message (retry topic,
         then dead letters).  Offsets are committed after each polled batch is
@@ -495,7 +503,8 @@ class Consumer:
         self._stop.set()
 
     def close(self) -> None:
-        """Commit, leave the group (its queues move to the other members)."""
+        """Commit (unless read-only), leave the group (its queues move to the other
+        members)."""
         if self._closed:
             return
         self._closed = True

@@ -210,6 +210,8 @@ class Producer:
         raises (the others may have been stored: results are per shard).
         """
         msgs = list(msgs)
+        if not msgs:
+            return SendResults([], 0)
         parts = [(fut.result(timeout_s), positions) for fut, positions in self._submit(msgs)]
         return SendResults(parts, len(msgs))
 

@@ -154,3 +154,29 @@ def test_the_client_refuses_what_the_store_would(tmp_path):
         validate_messages([Message("orders", b"x", key="k" * 1025)], 1024, 18)
     with pytest.raises(ReservedNameError):
         Message(retry_topic("g"), b"x").validate(1024, 18)
+
+
+def test_a_wrong_message_id_is_no_such_message_never_garbage(shard):
+    """Issue 12 D13: an offset that is not where a record starts is 'no such message'."""
+    [a, b] = shard.send(RecordBatch("orders", 0, [b"first", b"second"])).phys
+    assert shard.get_message(b).body == b"second"
+    end = shard.store.max_phys_offset
+    for wrong in (a + 1, a + 7, b - 1, (a + b) // 2, end, end + 10**9, 2**63 - 1, -1, True):
+        with pytest.raises(InvalidMessageError, match="no such message") as err:
+            shard.get_message(wrong)
+        assert "/" not in str(err.value)  # no server path
+        for call in (lambda: shard.send_back("g", wrong),
+                     lambda: shard.dlq_resend("g", [wrong]),
+                     lambda: shard.resolve_half(wrong, "COMMIT")):
+            with pytest.raises(InvalidMessageError, match="no such message"):
+                call()
+
+
+def test_a_delayed_or_transactional_id_shows_the_message_as_delivered(shard):
+    [delayed] = shard.send(one({Prop.DELAY: "3", "user": "1"})).phys
+    [half] = shard.send(one(TX)).phys
+    for phys in (delayed, half):
+        m = shard.get_message(phys)
+        assert (m.topic, m.queue_id, m.queue_offset) == ("orders", 0, -1)
+        assert Prop.REAL_TOPIC not in m.properties and Prop.TRAN_MSG not in m.properties
+    assert shard.get_message(delayed).properties["user"] == "1"

@@ -126,6 +126,9 @@ def _cmd_send(args) -> int:
     from raymq.message import Message
     mq = _connect(args)
     bodies = args.body if args.body != ["-"] else [line.rstrip("\n") for line in sys.stdin]
+    if not bodies:
+        print("raymq: nothing to send (no body given, or stdin was empty)", file=sys.stderr)
+        return 1
     msgs = [Message(args.topic, b.encode(), key=args.key, tags=args.tags,
                     delay_level=args.delay_level) for b in bodies for _ in range(args.repeat)]
     p = mq.producer(args.group)
@@ -139,30 +142,42 @@ def _cmd_send(args) -> int:
 
 def _cmd_consume(args) -> int:
     mq = _connect(args)
-    c = mq.consumer(args.group, [args.topic], tags=args.tags)
+    c = mq.consumer(args.group, [args.topic], tags=args.tags, read_only=args.no_commit)
     n = 0
-    deadline = time.monotonic() + args.timeout
+    last_s = time.monotonic()  # when the last message came: --timeout is idle time
+    told = False
     try:
-        while n < args.max and time.monotonic() < deadline:
-            for m in c.poll(min(100, args.max - n), 0.5):
+        while n < args.max and time.monotonic() - last_s < args.timeout:
+            got = c.poll(min(100, args.max - n), 0.5)
+            for m in got:
                 print(f"{m.msg_id}\t{m.topic}/{m.queue_id}@{m.queue_offset}\tkey={m.key}\t"
-                      f"tags={m.tags}\t{m.body.decode(errors='replace')}")
+                      f"tags={m.tags}\t{m.body.decode(errors='replace')}", flush=True)
                 n += 1
-            if not args.no_commit:
-                c.commit()
+            if got:
+                last_s, told = time.monotonic(), False
+                c.commit()  # (a --no-commit consumer is read-only: this commits nothing)
+            elif not told and time.monotonic() - last_s > 2.0:
+                print(f"waiting for messages ({n} so far; stops after {args.timeout:g} s "
+                      "without one, Ctrl-C to stop now)", file=sys.stderr)
+                told = True
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
     finally:
         c.close()
-    print(f"consumed {n} messages", file=sys.stderr)
+    print(f"consumed {n} messages{' (nothing committed)' if args.no_commit else ''}",
+          file=sys.stderr)
     return 0
 
 
 def _cmd_dlq(args) -> int:
     mq = _connect(args)
     if args.dlq_cmd == "list":
-        for m in mq.admin.dlq_list(args.group):
+        letters = mq.admin.dlq_list(args.group)
+        for m in letters:
             print(f"{m.stored_id}\torigin {m.msg_id}\t{m.topic}\treconsumed "
                   f"{m.reconsume_count}\t{m.properties.get('DLQ_REASON', '')}\t"
                   f"{m.body[:60].decode(errors='replace')}")
+        print(f"{len(letters)} dead letters of group {args.group}", file=sys.stderr)
     else:
         resent = mq.admin.dlq_resend(args.group, args.ids or None)
         print(f"resent {len(resent)} dead letters to the retry topic of {args.group}")
@@ -250,7 +265,37 @@ def _cmd_config(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's --help shows the defaults."""
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _with_defaults_shown(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    parser = _build_parser()
+    _with_defaults_shown(parser)
+    return parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raymq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -282,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument("--key")
     send.add_argument("--tags")
     send.add_argument("--delay-level", type=int, default=0)
-    send.add_argument("--repeat", type=int, default=1, help="send each body this many times")
+    send.add_argument("--repeat", type=_positive_int, default=1,
+                      help="send each body this many times")
     send.add_argument("--group", default="cli", help="producer group")
     send.set_defaults(func=_cmd_send)
 
@@ -290,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("topic")
     consume.add_argument("--group", required=True)
     consume.add_argument("--tags", help="tag filter, e.g. 'paid || refunded'")
-    consume.add_argument("--max", type=int, default=100, help="stop after this many")
-    consume.add_argument("--timeout", type=float, default=5.0, help="stop after this many seconds")
+    consume.add_argument("--max", type=_positive_int, default=100, help="stop after this many")
+    consume.add_argument("--timeout", type=float, default=5.0,
+                         help="stop after this many seconds without a message")
     consume.add_argument("--no-commit", action="store_true", help="do not commit offsets")
     consume.set_defaults(func=_cmd_consume)
 
@@ -383,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RayMQError as err:
         print(f"raymq: {err.code}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("raymq: interrupted", file=sys.stderr)
+        return 130
+    except OSError as err:  # e.g. a --config file that cannot be read
+        where = f" {err.filename}" if err.filename else ""
+        print(f"raymq: {err.strerror or err}:{where}", file=sys.stderr)
         return 1
 
 
