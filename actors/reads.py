@@ -15,6 +15,13 @@ from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError
 from raymq.storage.records import MessageBatch, StoredMessage, tags_hash
 
 
+#: Most bytes of messages one pull reads from one queue (at least one message).
+PULL_MAX_BYTES = 32 << 20
+#: A pull asking for more waits or reads at most this much.
+MAX_PULL_WAIT_MS = 60_000
+MAX_PULL_MESSAGES = 100_000
+
+
 class QueueReads:
     """Pulls and lookups over a shard's store."""
 
@@ -39,6 +46,8 @@ class QueueReads:
         polling).  ``tags`` filters by topic: only messages whose tag is listed.
         An offset past the end is answered with the end as next offset.
         """
+        wait_ms = min(wait_ms, MAX_PULL_WAIT_MS)
+        requests = [(t, q, o, min(n, MAX_PULL_MESSAGES)) for t, q, o, n in requests]
         deadline_ms = self.clock.monotonic_ms() + wait_ms
         while True:
             with self._new_data:
@@ -63,6 +72,9 @@ class QueueReads:
                 out.append((topic, qid, MessageBatch.empty(), min(offset, end), end))
                 continue
             entries = self.store.read_cq(topic, qid, offset, max_n)
+            if len(entries) > 1:  # at most PULL_MAX_BYTES of bodies a queue (one at least)
+                upto = np.cumsum(entries["size"])
+                entries = entries[:max(1, int(np.searchsorted(upto, PULL_MAX_BYTES, "right")))]
             next_offset = offset + len(entries)
             wanted = tags.get(topic) if tags else None
             if wanted:

@@ -44,6 +44,8 @@ from raymq.actors.group_offsets import GroupOffsets
 from raymq.actors.halves import HalfIndex, carries_halves
 from raymq.actors.protocol import (HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES, CheckRequest,
                                    EndOutcome, EndRequest, EndResult, SendReply, check_group)
+from raymq.actors.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
+                                   check_queues, check_send)
 from raymq.actors.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.routes import RouteTable
 from raymq.storage import MessageStore, RecordBatch
@@ -100,7 +102,8 @@ class BrokerShard:
         idempotent too): applied after the batch is written, their outcomes
         returned in ``ends``.  The reply waits for one fsync covering both.
         """
-        if isinstance(producer_id, int) and producer_id >= INTERNAL_PRODUCER_BASE:
+        ends = check_send(batch, producer_id, sequence, ends)
+        if producer_id >= INTERNAL_PRODUCER_BASE:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
                                       f"(client ids are below 2**62)")
@@ -190,6 +193,7 @@ class BrokerShard:
         the half is refused (that request's outcome says why; the others go on).
         All the resolutions of the call are written in one put (one fsync).
         """
+        requests = check_ends(requests)
         with self._tx_lock:
             plan = self.halves.plan_ends(requests)
             written = self._write_resolutions(plan.records, plan.resolved, wait=False)
@@ -284,7 +288,8 @@ class BrokerShard:
              tags: dict[str, list[str]] | None = None) -> list[tuple]:
         """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``): user
         topics and retry topics this shard serves (RayMQ's own topics have operator calls)."""
-        self._check_readable({(t, q) for t, q, *_rest in requests})
+        check_pull(requests, wait_ms, tags)
+        self._check_readable({(t, q) for t, q, _o, _n in requests})
         return self.reads.pull(requests, wait_ms, tags)
 
     def _check_readable(self, queues: set) -> None:
@@ -299,11 +304,14 @@ class BrokerShard:
     def commit_offsets(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
         check_group(group)
+        check_offsets(offsets)
         self._check_readable(set(offsets))
         self.offsets.commit(group, offsets)
 
     def get_offsets(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Committed offsets (-1: none yet)."""
+        check_group(group)
+        check_queues(queues)
         return self.offsets.get(group, queues)
 
     def get_message(self, phys_offset: int) -> StoredMessage:
@@ -356,6 +364,15 @@ class BrokerShard:
     def close(self) -> None:
         self.delays.stop()
         self.store.close()
+
+
+
+#: The calls clients and operators make: a malformed one is answered in one line.
+_PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
+                 "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",
+                 "get_message", "find_by_key", "send_back", "dlq_list", "dlq_resend")
+for _name in _PUBLIC_CALLS:
+    setattr(BrokerShard, _name, answers_in_one_line(getattr(BrokerShard, _name)))
 
 
 def _spread(reply: SendReply, n: int, keep: list[int], refused: dict[int, str]) -> SendReply:

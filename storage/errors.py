@@ -14,6 +14,12 @@ class RayMQError(Exception):
     code = "RAYMQ_ERROR"
     retriable = False
 
+    def __init__(self, *args):
+        # one line, always: a name or value quoted from a request may hold a line break
+        if args and isinstance(args[0], str) and ("\n" in args[0] or "\r" in args[0]):
+            args = (args[0].replace("\r", "\\r").replace("\n", "\\n"),) + args[1:]
+        super().__init__(*args)
+
     def __reduce__(self):  # keep the message when pickled across Ray calls
         return (self.__class__, self.args)
 
