@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from raymq.storage.errors import CorruptLogError, StorageError
+from raymq.storage.faults import crash_point
 from raymq.storage.records import FRAME_MAGIC, EncodedFrame, FrameError, check_frame
 
 log = logging.getLogger("raymq.storage")
@@ -163,12 +164,13 @@ class CommitLog:
         where = f"{seg.path} at file offset {pos} (physical offset {seg.base + pos})"
         if later_data:
             raise CorruptLogError(f"{where}: {err.reason}; later segments hold data, "
-                                  "refusing to cut the log")
+                                  f"refusing to cut the log.{self._cut_hint(seg.base + pos)}")
         valid_after = self._find_valid_frame(mm, pos, seg.size, err.frame_len)
         if valid_after is not None:
             raise CorruptLogError(
                 f"{where}: {err.reason}; a valid frame follows at file offset "
-                f"{valid_after}, so this is not a torn tail and nothing is skipped")
+                f"{valid_after}, so this is not a torn tail and nothing is skipped."
+                f"{self._cut_hint(seg.base + pos)}")
         cut = seg.size - pos
         log.warning("commit log %s: %s; truncating torn tail of %d bytes", where, err.reason, cut)
         os.ftruncate(seg.fd, pos)
@@ -180,6 +182,12 @@ class CommitLog:
             os.unlink(later.path)
         del self._segments[index + 1:]
         del self._bases[index + 1:]
+
+    def _cut_hint(self, offset: int) -> str:
+        store_dir = os.path.dirname(os.path.abspath(self.directory))
+        return (f" To give up what follows (it is moved to {store_dir}/quarantine/, after a "
+                f"summary and a confirmation), stop the shard and run: "
+                f"raymq storage cut {store_dir} --at {offset}")
 
     @staticmethod
     def _find_valid_frame(mm, pos: int, end: int, frame_len: int | None) -> int | None:
@@ -204,8 +212,10 @@ class CommitLog:
     def _new_segment(self, base: int) -> Segment:
         path = os.path.join(self.directory, segment_name(base))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        crash_point("segment.created")
         os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.segment_size, base))
         os.fsync(fd)
+        crash_point("segment.header_synced")
         fd_dir = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(fd_dir)
@@ -225,6 +235,7 @@ class CommitLog:
         if seg.size + size > self.segment_size:
             try:
                 os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
+                crash_point("segment.sealed")
                 seg = self._new_segment(seg.base + self.segment_size)
             except OSError as err:  # what was written before may be lost: not retriable
                 raise SegmentSealError(err.errno, f"sealing segment {seg.path} failed: "
@@ -252,6 +263,7 @@ class CommitLog:
         target = self.max_offset
         seg = self._segments[-1]
         os.fsync(seg.fd)
+        crash_point("log.fsync.after")
         self.sync_count += 1
         if target > self.flushed_offset:
             self.flushed_offset = target

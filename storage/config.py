@@ -70,6 +70,12 @@ class StoreConfig:
     max_frame_bytes: int = doc(
         "A put is written as CRC-framed batches of at most this many bytes.",
         8 * 1024 * 1024)
+    max_open_queue_files: int = doc(
+        "Most consume-queue files open at once: the least recently used are closed and "
+        "opened again on demand, so a store may hold any number of queues.  At most half "
+        "the process's descriptor limit (ulimit -n) is used, whatever this says: commit-log "
+        "segments and sockets need descriptors too.  A checkpoint holds one more while it "
+        "fsyncs a queue.", 1024)
 
     def __post_init__(self) -> None:
         _positive_int(self, "segment_size_bytes", minimum=4096)
@@ -78,6 +84,7 @@ class StoreConfig:
         _positive_int(self, "max_message_bytes")
         _positive_int(self, "producer_expiry_ms")
         _positive_int(self, "max_frame_bytes", minimum=1024)
+        _positive_int(self, "max_open_queue_files")
         if self.flush_mode not in FLUSH_MODES:
             raise ConfigError(
                 f"flush_mode must be one of {FLUSH_MODES}, got {self.flush_mode!r}")

@@ -5,7 +5,12 @@ Entry i is the message at logical (queue) offset i: commit-log offset (i64),
 record size (i32) and tag hash (i64) -- for scheduled messages the tag hash is
 the deliver time in ms, as in RocketMQ.  The files are an index: they are
 written without fsync and rebuilt from the commit log past the last
-checkpoint on start.
+checkpoint on start.  A checkpoint fsyncs them first; a failed fsync is final
+(``ConsumeQueue.sync``): the queue stays dirty and no later checkpoint may
+claim its entries until a restart re-indexes them.
+
+A queue does not keep its file open: it asks the store's ``QueueFiles`` for a
+descriptor under that pool's lock, for each operation.
 """
 from __future__ import annotations
 
@@ -14,40 +19,62 @@ import os
 
 import numpy as np
 
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
+from raymq.storage.errors import StorageError
+from raymq.storage.queuefiles import QueueFiles
+from raymq.storage.records import FRAME_HEADER_BYTES, REC_HEADER_BYTES
+
 log = logging.getLogger("raymq.storage")
 
 CQ_ENTRY = np.dtype([("phys", "<i8"), ("size", "<i4"), ("tag", "<i8")])
 CQ_ENTRY_BYTES = CQ_ENTRY.itemsize  # 20
+_MIN_RECORD_PHYS = SEGMENT_HEADER_BYTES + FRAME_HEADER_BYTES  # the first record of a segment
 
 
 class ConsumeQueue:
-    def __init__(self, path: str, topic: str, queue_id: int):
+    """One queue file.  One writer (``append``, ``truncate_*``: the store serialises them);
+    ``read`` and ``sync`` from any thread."""
+
+    def __init__(self, path: str, topic: str, queue_id: int, *, files: QueueFiles):
         self.path = path
         self.topic = topic
         self.queue_id = queue_id
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        size = os.fstat(self.fd).st_size
-        if size % CQ_ENTRY_BYTES:
-            keep = size - size % CQ_ENTRY_BYTES
-            log.warning("consume queue %s: cutting a partial entry (%d bytes) at %d",
-                        path, size - keep, keep)
-            os.ftruncate(self.fd, keep)
-            size = keep
+        self.files = files
+        self.open_fd: int | None = None  # kept by ``files``
+        with files.lock:
+            fd = files.fd(self)  # creates the file
+            size = os.fstat(fd).st_size
+            if size % CQ_ENTRY_BYTES:
+                keep = size - size % CQ_ENTRY_BYTES
+                log.warning("consume queue %s: cutting a partial entry (%d bytes) at %d",
+                            path, size - keep, keep)
+                os.ftruncate(fd, keep)
+                size = keep
         self.count = size // CQ_ENTRY_BYTES
         self.last_phys = -1
         if self.count:
             self.last_phys = int(self.read(self.count - 1, 1)["phys"][0])
-        self.dirty = False
+        self._changes = 0  # appends and truncations so far
+        self._synced = 0   # ``_changes`` when the last good fsync began
+        self.sync_error: OSError | None = None  # a failed fsync: final until a restart
+
+    @property
+    def dirty(self) -> bool:
+        """Changed since the last good fsync."""
+        return self._changes != self._synced
 
     def append(self, entries: bytes, last_phys: int) -> None:
-        written = os.write(self.fd, entries)
-        if written != len(entries):  # keep the file whole entries only
-            os.ftruncate(self.fd, self.count * CQ_ENTRY_BYTES)
-            raise OSError(f"short write to consume queue {self.path}: {written} of "
-                          f"{len(entries)} bytes")
+        files = self.files
+        with files.lock:
+            fd = files.fd(self)
+            written = os.write(fd, entries)
+            if written != len(entries):  # keep the file whole entries only
+                os.ftruncate(fd, self.count * CQ_ENTRY_BYTES)
+                raise OSError(f"short write to consume queue {self.path}: {written} of "
+                              f"{len(entries)} bytes")
         self.count += len(entries) // CQ_ENTRY_BYTES
         self.last_phys = last_phys
-        self.dirty = True
+        self._changes += 1
 
     def read(self, start: int, max_entries: int) -> np.ndarray:
         """Entries [start, start + max_entries) that exist (a copy)."""
@@ -55,8 +82,32 @@ class ConsumeQueue:
         n = min(max_entries, self.count - start)
         if n <= 0:
             return np.empty(0, CQ_ENTRY)
-        data = os.pread(self.fd, n * CQ_ENTRY_BYTES, start * CQ_ENTRY_BYTES)
+        files = self.files
+        with files.lock:
+            data = os.pread(files.fd(self), n * CQ_ENTRY_BYTES, start * CQ_ENTRY_BYTES)
         return np.frombuffer(data, CQ_ENTRY, len(data) // CQ_ENTRY_BYTES)
+
+    def checkpointed_count(self, checkpoint: int) -> int:
+        """How many leading entries a checkpoint at offset ``checkpoint`` vouches for.
+
+        Entries are appended in log order, and a checkpoint fsyncs every entry of a
+        record below its offset before it is written: so the entries up to the last
+        plausible one whose record ends at or below ``checkpoint`` are durable.  The
+        ones after it are not (zeros where a page was lost, entries of records past the
+        checkpoint that may point anywhere): recovery re-indexes them from the log.
+        Reads from the end, in growing chunks (one entry for a queue not written since).
+        """
+        hi, chunk = self.count, 1
+        while hi > 0:
+            lo = max(0, hi - chunk)
+            e = self.read(lo, hi - lo)
+            ok = ((e["phys"] >= _MIN_RECORD_PHYS) & (e["size"] >= REC_HEADER_BYTES)
+                  & (e["phys"] + e["size"] <= checkpoint))
+            found = np.flatnonzero(ok)
+            if len(found):
+                return lo + int(found[-1]) + 1
+            hi, chunk = lo, min(chunk * 16, 1 << 16)
+        return 0
 
     def truncate_past(self, log_end: int) -> int:
         """Drop entries whose record does not end within ``log_end``; return how many."""
@@ -73,15 +124,39 @@ class ConsumeQueue:
         return dropped
 
     def truncate_to(self, count: int) -> None:
-        os.ftruncate(self.fd, count * CQ_ENTRY_BYTES)
+        with self.files.lock:
+            os.ftruncate(self.files.fd(self), count * CQ_ENTRY_BYTES)
         self.count = count
         self.last_phys = int(self.read(count - 1, 1)["phys"][0]) if count else -1
-        self.dirty = True
+        self._changes += 1
 
     def sync(self) -> None:
-        if self.dirty:
-            self.dirty = False
-            os.fsync(self.fd)
+        """fsync what changed since the last good fsync (thread-safe against appends:
+        what is appended during the fsync stays dirty).
+
+        A failed fsync is not retried: Linux may drop the pages it could not write and
+        report the next fsync a success.  The queue stays dirty and this raises from then
+        on, so no checkpoint claims its entries; a restart re-indexes them from the log.
+        """
+        if self.sync_error is not None:
+            raise StorageError(f"consume queue {self.path}: an earlier fsync failed "
+                               f"({self.sync_error}); no checkpoint until a restart")
+        changes = self._changes
+        if changes == self._synced:
+            return
+        with self.files.lock:  # a duplicate: the fsync must not hold up appends and reads
+            fd = os.dup(self.files.fd(self))
+        try:
+            os.fsync(fd)
+        except OSError as err:
+            self.sync_error = err
+            log.error("consume queue %s: fsync failed (%s); checkpoints stop at the last good "
+                      "one until a restart re-indexes from the commit log", self.path, err)
+            raise
+        finally:
+            os.close(fd)
+        self._synced = changes
 
     def close(self) -> None:
-        os.close(self.fd)
+        with self.files.lock:
+            self.files.release(self)

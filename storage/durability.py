@@ -19,6 +19,7 @@ from raymq.storage.clock import Clock
 from raymq.storage.commitlog import CommitLog
 from raymq.storage.consumequeue import ConsumeQueue
 from raymq.storage.errors import StorageError
+from raymq.storage.faults import crash_point
 from raymq.storage.fileutil import atomic_write
 
 log = logging.getLogger("raymq.storage")
@@ -111,17 +112,22 @@ class Durability:
 
 
 def write_checkpoint(path: str, offset: int, queues: Iterable[ConsumeQueue],
-                     producers: dict[str, list[int]]) -> None:
+                     producers: dict[str, list[int]], *, rebuilding: bool = False) -> None:
     """fsync the consume ``queues``, then record ``offset`` and ``producers`` atomically.
 
     ``offset``: every consume-queue entry of a record below it is durable;
-    ``producers``: a ``ProducerTable.snapshot()`` covering durable puts only.
+    ``producers``: a ``ProducerTable.snapshot()`` covering durable puts only;
+    ``rebuilding``: the consume queues are being rebuilt, none of them is to be trusted
+    (a start that reads this rebuilds them again).
     """
     for cq in queues:
         cq.sync()
+    crash_point("checkpoint.queues_synced")
     doc = {"format": CHECKPOINT_FORMAT, "version": 1, "consume_queue_offset": offset,
            "producers": producers}
-    atomic_write(path, json.dumps(doc).encode())
+    if rebuilding:
+        doc["rebuilding"] = True
+    atomic_write(path, json.dumps(doc).encode(), label="checkpoint")
 
 
 class FlushLoop:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from raymq.storage.faults import crash_point
+
 
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -14,11 +16,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
+def atomic_write(path: str, data: bytes, *, label: str | None = None) -> None:
     """Replace ``path`` with ``data`` so a crash leaves the old or the new file, whole.
 
     Write a temporary file beside it, fsync it, rename it over the target and
-    fsync the directory (the rename is atomic on POSIX file systems).
+    fsync the directory (the rename is atomic on POSIX file systems).  ``label``
+    names the crash points ``<label>.before_rename`` and ``<label>.renamed``.
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -31,5 +34,9 @@ def atomic_write(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    if label:
+        crash_point(f"{label}.before_rename")
     os.replace(tmp, path)
+    if label:
+        crash_point(f"{label}.renamed")
     fsync_dir(directory)

@@ -13,7 +13,9 @@ import struct
 import numpy as np
 
 from raymq.storage.consumequeue import CQ_ENTRY, ConsumeQueue
+from raymq.storage.faults import crash_point
 from raymq.storage.fileutil import fsync_dir
+from raymq.storage.queuefiles import QueueFiles
 from raymq.storage.records import EncodedFrame, RecordBatch
 
 #: Puts of at most this many records to several queues index them record by record.
@@ -29,10 +31,11 @@ class QueueIndex:
     ``assign_offsets`` and ``dispatch`` under its write lock.
     """
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, max_open_files: int):
         self.root = root
         os.makedirs(root, exist_ok=True)
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self.files = QueueFiles(max_open_files)  # the queues' open files, LRU
 
     def load(self) -> None:
         for topic in sorted(os.listdir(self.root)):
@@ -42,7 +45,8 @@ class QueueIndex:
             for name in sorted(os.listdir(tdir)):
                 if name.isdigit():
                     qid = int(name)
-                    self.queues[(topic, qid)] = ConsumeQueue(os.path.join(tdir, name), topic, qid)
+                    self.queues[(topic, qid)] = ConsumeQueue(os.path.join(tdir, name), topic,
+                                                             qid, files=self.files)
 
     def get_or_create(self, topic: str, qid: int) -> ConsumeQueue:
         cq = self.queues.get((topic, qid))
@@ -50,16 +54,32 @@ class QueueIndex:
             tdir = os.path.join(self.root, topic)
             fresh_dir = not os.path.isdir(tdir)
             os.makedirs(tdir, exist_ok=True)
-            cq = ConsumeQueue(os.path.join(tdir, str(qid)), topic, qid)
+            cq = ConsumeQueue(os.path.join(tdir, str(qid)), topic, qid, files=self.files)
+            crash_point("queue.created")
             fsync_dir(tdir)
             if fresh_dir:
                 fsync_dir(self.root)
             self.queues[(topic, qid)] = cq
         return cq
 
-    def close(self) -> None:
+    def trim_to_checkpoint(self, checkpoint: int) -> int:
+        """Cut every queue back to the entries a checkpoint at ``checkpoint`` vouches for
+        (``ConsumeQueue.checkpointed_count``); return how many entries went."""
+        dropped = 0
         for cq in self.queues.values():
-            cq.close()
+            keep = cq.checkpointed_count(checkpoint)
+            if keep < cq.count:
+                dropped += cq.count - keep
+                cq.truncate_to(keep)
+        return dropped
+
+    @property
+    def sync_failed(self) -> bool:
+        """An fsync of one of the queues failed: no checkpoint may be written any more."""
+        return any(cq.sync_error is not None for cq in self.queues.values())
+
+    def close(self) -> None:
+        self.files.close_all()
         self.queues.clear()
 
     # ------------------------------------------------------------------ put

@@ -2,18 +2,27 @@
 Owns reading the checkpoint, the log scan from it, cutting an open put, re-indexing, rebuilds.
 
 The commit log is scanned from the checkpoint offset (``CommitLog.open`` cuts a
-torn tail).  Every record the consume queues miss is re-indexed and the
-producer table brought up to date; the frames of a put whose LAST frame never
-reached the disk are cut off, so a put is all or nothing.  When the consume
+torn tail).  Consume-queue entries the checkpoint does not vouch for are not
+trusted (a lost page reads as zeros): each queue is cut back to its last entry
+of a record below the checkpoint, every record from the checkpoint on is
+re-indexed, and the producer table brought up to date; the frames of a put
+whose LAST frame never reached the disk are cut off, so a put is all or nothing.  When the consume
 queues disagree with the log, or the checkpoint is past its end, the queues
 and the producer table are rebuilt from the start of the log.  Recovery ends
 with a fresh checkpoint.
+
+A rebuild is crash-safe at every step: before it deletes anything it durably
+replaces the checkpoint with one marked ``rebuilding`` (offset 0, no producer
+state), and only the checkpoint written once every queue is rebuilt and
+fsynced clears the mark.  A start that finds the mark rebuilds again from
+scratch: it never trusts queue files a rebuild left half deleted or half
+written.
 """
 from __future__ import annotations
 
 import json
 import logging
-import shutil
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +30,8 @@ import numpy as np
 from raymq.storage.commitlog import CommitLog
 from raymq.storage.consumequeue import CQ_ENTRY, ConsumeQueue
 from raymq.storage.durability import CHECKPOINT_FORMAT, write_checkpoint
+from raymq.storage.faults import crash_point
+from raymq.storage.fileutil import fsync_dir
 from raymq.storage.producers import ProducerTable
 from raymq.storage.queueindex import QueueIndex
 from raymq.storage.records import FRAME_ATTR_LAST, frame_headers, frame_producer, record_sizes
@@ -42,21 +53,31 @@ class Recovered:
     recovered_records: int  # records re-indexed past the checkpoint
 
 
-def read_checkpoint(path: str) -> tuple[int, ProducerTable]:
-    """The checkpoint's offset and producer table; (0, empty) if missing or unreadable."""
+@dataclass
+class Checkpoint:
+    """What the checkpoint file says."""
+
+    offset: int  # every consume-queue entry of a record below it is durable
+    producers: ProducerTable
+    rebuilding: bool = False  # a rebuild of the consume queues began and has not ended
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """The checkpoint; offset 0 and no producers if missing or unreadable."""
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
         if doc.get("format") != CHECKPOINT_FORMAT:
             raise ValueError("format")
         offset = int(doc["consume_queue_offset"])
-        return offset, ProducerTable.restore(doc["producers"])
+        return Checkpoint(offset, ProducerTable.restore(doc["producers"]),
+                          rebuilding=bool(doc.get("rebuilding", False)))
     except FileNotFoundError:
-        return 0, ProducerTable()
+        return Checkpoint(0, ProducerTable())
     except (ValueError, KeyError, TypeError) as err:
         log.warning("checkpoint %s is unreadable (%s); rebuilding consume queues and "
                     "producer state from the start of the log", path, err)
-        return 0, ProducerTable()
+        return Checkpoint(0, ProducerTable())
 
 
 def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
@@ -65,10 +86,17 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
 
     Raises ``CorruptLogError`` for a bad frame that is not a torn tail.
     """
-    ckpt, producers = read_checkpoint(checkpoint_path)
+    checkpoint = read_checkpoint(checkpoint_path)
+    ckpt = checkpoint.offset
     queues.load()
-    replay = _Replay(queues, producers)
+    replay = _Replay(queues, checkpoint.producers)
     try:
+        if checkpoint.rebuilding:
+            raise _RebuildNeeded("a rebuild of the consume queues was interrupted")
+        untrusted = queues.trim_to_checkpoint(ckpt)
+        if untrusted:
+            log.info("store %s: %d consume-queue entries past checkpoint %d are re-indexed "
+                     "from the commit log", directory, untrusted, ckpt)
         commit_log.open(ckpt, replay.frame)
         if ckpt > commit_log.max_offset:
             # flushed data the checkpoint covers is gone (a lost tail, pages dropped
@@ -79,7 +107,8 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
                                  f"commit log ({commit_log.max_offset})")
         replay.cut_open_put(commit_log, directory)
     except _RebuildNeeded as why:
-        commit_log, replay = _rebuild(directory, commit_log, queues, why, segment_size_bytes)
+        commit_log, replay = _rebuild(directory, commit_log, queues, why, segment_size_bytes,
+                                      checkpoint_path)
     _drop_entries_past_end(replay.queues, commit_log.max_offset)
     if replay.recovered_records:
         log.info("store %s: re-indexed %d records past checkpoint %d",
@@ -91,18 +120,40 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
 
 
 def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: _RebuildNeeded,
-             segment_size_bytes: int) -> tuple[CommitLog, "_Replay"]:
-    """Drop the consume queues and producer state; re-index the whole log into new ones."""
+             segment_size_bytes: int, checkpoint_path: str) -> tuple[CommitLog, "_Replay"]:
+    """Drop the consume queues and producer state; re-index the whole log into new ones.
+
+    The checkpoint is marked ``rebuilding`` (durably) before anything is deleted; the
+    caller's final checkpoint, written after the new queues are fsynced, clears it.
+    """
     log.warning("consume queues disagree with the commit log (%s); rebuilding them", why)
     commit_log.close()
     queues.close()
-    shutil.rmtree(queues.root)
-    queues = QueueIndex(queues.root)
+    write_checkpoint(checkpoint_path, 0, [], {}, rebuilding=True)
+    crash_point("rebuild.marked")
+    _delete_queue_files(queues.root)
+    crash_point("rebuild.deleted")
+    queues = QueueIndex(queues.root, queues.files.configured_limit)
     commit_log = CommitLog(commit_log.directory, segment_size_bytes)
     replay = _Replay(queues, ProducerTable())
     commit_log.open(0, replay.frame)
     replay.cut_open_put(commit_log, directory)
+    crash_point("rebuild.reindexed")
     return commit_log, replay
+
+
+def _delete_queue_files(root: str) -> None:
+    """Delete every consume-queue file and topic directory under ``root`` (kept), durably."""
+    for topic in sorted(os.listdir(root)):
+        tdir = os.path.join(root, topic)
+        if not os.path.isdir(tdir):
+            os.unlink(tdir)
+            continue
+        for name in sorted(os.listdir(tdir)):
+            os.unlink(os.path.join(tdir, name))
+            crash_point("rebuild.deleting")
+        os.rmdir(tdir)
+    fsync_dir(root)
 
 
 def _drop_entries_past_end(queues: QueueIndex, end: int) -> None:
@@ -184,5 +235,6 @@ class _Replay:
                     "frame missing); removing it from physical offset %d", directory,
                     len(self._open_frames), start)
         commit_log.truncate_to(start)
+        crash_point("recovery.put_cut")
         self._open_frames = []
         self._open_entries = {}

@@ -22,6 +22,7 @@ from raymq.storage.config import StoreConfig
 from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.durability import Durability, FlushLoop, write_checkpoint
 from raymq.storage.errors import CorruptLogError, InvalidMessageError, StorageError
+from raymq.storage.faults import crash_point
 from raymq.storage.offsets import OffsetStore
 from raymq.storage.putframes import PutFramer
 from raymq.storage.putframes import TOPIC_RE, check_topic_name  # noqa: F401  (were defined here)
@@ -102,7 +103,7 @@ class MessageStore:
         recovered = recover(
             directory,
             CommitLog(os.path.join(directory, "commitlog"), self.config.segment_size_bytes),
-            QueueIndex(os.path.join(directory, "consumequeue")),
+            QueueIndex(os.path.join(directory, "consumequeue"), self.config.max_open_queue_files),
             checkpoint_path=self._checkpoint_path,
             segment_size_bytes=self.config.segment_size_bytes)
         self._log = recovered.commit_log
@@ -158,8 +159,10 @@ class MessageStore:
             # encode every frame first: a bad record fails the put before anything is written
             frames = self._framer.encode(batch, body_lens, qoffs, store_ms, producer_id, sequence)
             positions = self._append_frames(frames)
+            crash_point("put.appended")
             phys_parts, size_parts, end = self._index_frames(
                 batch, groups, frames, positions, qoffs, producer_id, sequence, store_ms)
+        crash_point("put.indexed")
         result = PutResult(PutStatus.PUT_OK, _joined(phys_parts), qoffs, _joined(size_parts),
                            end_offset=end)
         if wait:
@@ -171,6 +174,8 @@ class MessageStore:
         positions = []
         try:
             for _lo, _hi, frame in frames:
+                if positions:
+                    crash_point("put.partly_appended")
                 positions.append(self._log.append(frame))
         except BaseException as err:
             if positions:  # part of a put is on disk: stop; recovery cuts the partial put
@@ -255,8 +260,10 @@ class MessageStore:
     def checkpoint(self) -> int:
         """Make consume-queue entries durable and record up to where; return it."""
         with self._write_lock:
-            if self._durable.failed is not None:  # keep the last good checkpoint: a restart
-                return self._log.flushed_offset   # recovers
+            # after a failed write or consume-queue fsync the last good checkpoint stays:
+            # a restart recovers from it
+            if self._durable.failed is not None or self._cq.sync_failed:
+                return self._log.flushed_offset
             # fsync first, so that the producer snapshot covers only durable puts
             if self._log.flushed_offset < self._dispatched_end:
                 self._durable.sync_log()
@@ -342,13 +349,19 @@ class MessageStore:
             self._flusher.stop()
         with self._write_lock:
             self._closed = True
-            if self._durable.failed is None:  # after a failed write the last good checkpoint stays
-                self._log.sync()
-                write_checkpoint(self._checkpoint_path,
-                                 min(self._log.flushed_offset, self._dispatched_end),
-                                 self._cq.queues.values(), self._producers.snapshot())
-            self._log.close(sync=self._durable.failed is None)
-            self._cq.close()
+            try:
+                # after a failed write or queue fsync the last good checkpoint stays
+                if self._durable.failed is None:
+                    self._log.sync()
+                    if not self._cq.sync_failed:
+                        write_checkpoint(self._checkpoint_path,
+                                         min(self._log.flushed_offset, self._dispatched_end),
+                                         self._cq.queues.values(), self._producers.snapshot())
+            finally:
+                try:
+                    self._log.close(sync=self._durable.failed is None)
+                finally:
+                    self._cq.close()
 
     def __enter__(self) -> "MessageStore":
         return self

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 
-from raymq.storage import RecordBatch, StoreConfig
+import numpy as np
+
+from raymq.storage import MessageStore, RecordBatch, StoreConfig
+from raymq.storage.consumequeue import CQ_ENTRY
 
 SMALL = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
                     max_frame_bytes=4096 + 128 * 1024, flush_interval_ms=50)
@@ -21,3 +24,23 @@ def batch(topic: str, queue_id: int, start: int, n: int, size: int = 200) -> Rec
 def commitlog_files(directory: str) -> list[str]:
     cl = os.path.join(directory, "commitlog")
     return [os.path.join(cl, n) for n in sorted(os.listdir(cl))]
+
+
+def store_whose_queues_must_be_rebuilt(directory: str, config: StoreConfig = SMALL
+                                       ) -> dict[tuple[str, int], list[bytes]]:
+    """Topic A: 3 records under the checkpoint; B: 5 after it, its consume queue holding
+    one stray entry instead of theirs.  Opening it finds B's queue at odds with the log
+    (the first record of B has queue offset 0, the queue expects 1) and rebuilds."""
+    with MessageStore(directory, config, background=False) as store:
+        store.put(RecordBatch("A", 0, [b"a0", b"a1", b"a2"]))
+        store.checkpoint()
+        with open(os.path.join(directory, "checkpoint"), "rb") as f:
+            first_checkpoint = f.read()
+        store.put(RecordBatch("B", 0, [b"b%d" % i for i in range(5)]))
+        first_a = int(store.read_cq("A", 0, 0, 1)["phys"][0])
+    with open(os.path.join(directory, "checkpoint"), "wb") as f:  # died before checkpointing B
+        f.write(first_checkpoint)
+    stray = np.array([(first_a, 80, 0)], CQ_ENTRY).tobytes()  # an entry no record of B has
+    with open(os.path.join(directory, "consumequeue", "B", "0"), "wb") as f:
+        f.write(stray)
+    return {("A", 0): [b"a0", b"a1", b"a2"], ("B", 0): [b"b%d" % i for i in range(5)]}
