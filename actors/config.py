@@ -153,6 +153,39 @@ class ClusterConfig(BaseModel):
     producer_lease_ms: StrictInt = Field(
         6000, ge=1, description="A transaction producer that has not heartbeat for this long "
                                 "is no longer live for check-backs.")
+    # --- a shard's data channel (raymq.actors.channel): what one peer can hold
+    channel_max_connections: StrictInt = Field(
+        1024, ge=1, description="Most connections a shard's data channel holds, handshakes "
+                                "included (a thread and a descriptor each); more are closed at "
+                                "once and logged.")
+    channel_max_connections_per_peer: StrictInt = Field(
+        256, ge=1, description="Most data-channel connections of a shard from one peer "
+                               "address (a client process opens up to one per concurrent call "
+                               "to the shard).")
+    channel_handshake_timeout_ms: StrictInt = Field(
+        10_000, ge=1, description="A data-channel connection must finish its whole handshake "
+                                  "(TLS, key challenge, versions) within this time, or it is "
+                                  "closed.")
+    channel_idle_timeout_ms: StrictInt = Field(
+        300_000, ge=1, description="A data-channel connection with no request (or a reply "
+                                   "its client does not read) for this long is closed; the "
+                                   "client reconnects.")
+    channel_reserve_fds: StrictInt = Field(
+        64, ge=0, description="Descriptors a shard keeps free for its store: the data "
+                              "channel refuses connections when fewer are left before the "
+                              "process limit (RLIMIT_NOFILE).")
+    channel_max_request_bytes: StrictInt = Field(
+        64 * 1024 * 1024, ge=65_536,
+        description="Largest request frame a shard's data channel reads; a bigger one is "
+                    "refused from its header (CHANNEL_REFUSED). Clients send a request "
+                    "larger than this through a Ray call instead, so no send fails for it.")
+    channel_pull_max_messages: StrictInt = Field(
+        100_000, ge=1, description="Most messages one pull over the data channel reads, over "
+                                   "all its queues: each queue's count is clamped to its share "
+                                   "(a pull naming more queues is refused).")
+    channel_pull_max_wait_ms: StrictInt = Field(
+        30_000, ge=0, description="Longest long-poll wait of a pull over the data channel; a "
+                                  "longer wait is clamped.")
 
     #: ``delay_levels`` parsed once, when the config is validated (pickled with it)
     _delay_levels_ms: tuple[int, ...] = PrivateAttr(default=())

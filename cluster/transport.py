@@ -11,21 +11,29 @@ calls (``make_transport``), each one's pooling and retries, and ``Outcome``, the
   (retriable); the next call asks the actor again, which answers once the
   restarted shard has recovered.  An endpoint of another RayMQ release:
   ``ProtocolVersionError`` (not retriable).
+  A request larger than the endpoint takes (its ``LIMITS``, the cluster's
+  ``channel_max_request_bytes``) goes as a Ray call instead.  With Ray's TLS on
+  (``RAY_USE_TLS``) the channel runs over TLS with Ray's certificates; if they
+  cannot be loaded here, the client falls back to ``"ray"`` and says so
+  (``why``, shown by ``raymq status``).
 - ``"ray"``: every call is a Ray actor call (``raymq.rpc``).
 
-Both give the same results and raise the same ``RayMQError`` kinds.
+Both give the same results and raise the same ``RayMQError`` kinds.  Each transport's
+``why`` is one line: which it is and why (``raymq status`` prints it).
 """
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import AuthenticationError, Connection
+from multiprocessing.connection import AuthenticationError
 from typing import Any, Callable
 
 from raymq import rpc
-from raymq.actors.channel import (ProtocolVersionError, connect, decode_reply, encode_request,
-                                  readable)
+from raymq.actors.channel import (TLS_FROM_RAY, ChannelTLSError, Link, ProtocolVersionError,
+                                  connect, decode_reply, encode_request, ray_tls_enabled,
+                                  readable, tls_context)
 from raymq.actors.config import TRANSPORTS
 from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
 
@@ -122,8 +130,11 @@ class RayTransport:
 
     name = "ray"
 
-    def __init__(self, shard_handle: Callable[[int], Any]):
+    def __init__(self, shard_handle: Callable[[int], Any], *,
+                 why: str = "every call a Ray actor call (transport='ray')"):
         self._handle = shard_handle
+        #: one line: why this transport (``raymq status``)
+        self.why = why
 
     def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
         return self.begin(shard, method, args, timeout_s=timeout_s).result()
@@ -162,16 +173,22 @@ class DirectTransport:
     connections per shard.
 
     A connection carries one call at a time; concurrent calls to a shard use
-    more connections.  ``submit`` runs the call in an I/O thread.
+    more connections.  ``submit`` runs the call in an I/O thread.  ``tls`` is the
+    client's TLS context (default: TLS exactly when Ray's is on, ``tls_context``).
     """
 
     name = "direct"
 
-    def __init__(self, shard_handle: Callable[[int], Any], *, io_threads: int = 256):
+    def __init__(self, shard_handle: Callable[[int], Any], *, io_threads: int = 256,
+                 tls: ssl.SSLContext | None | str = TLS_FROM_RAY, why: str = ""):
         self._handle = shard_handle
+        self._tls = tls_context(server_side=False) if isinstance(tls, str) else tls
+        #: one line: why this transport (``raymq status``)
+        self.why = why or (_TLS_WHY if self._tls is not None else _PLAIN_WHY)
+        self._ray = RayTransport(shard_handle)  # for requests larger than an endpoint takes
         self._lock = threading.Lock()
         self._endpoints: dict[int, tuple[tuple[str, int], bytes]] = {}
-        self._idle: dict[int, list[Connection]] = {}
+        self._idle: dict[int, list[Link]] = {}
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="raymq-io")
         self._closed = False
 
@@ -184,12 +201,18 @@ class DirectTransport:
         """
         return self.begin(shard, method, args, timeout_s=timeout_s).result()
 
-    def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> "_Call":
+    def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float):
         """Send a call now; its ``result()`` waits for the answer (``call`` in two halves,
-        so the caller can do other work while the shard works)."""
+        so the caller can do other work while the shard works).  A request larger than
+        the endpoint takes goes as a Ray call."""
         c = _Call(self, shard, method, encode_request(method, args), timeout_s)
         try:
             c.conn, c.reused = self._checkout(shard, timeout_s)
+            if len(c.request) > c.conn.max_request_bytes:
+                self._checkin(shard, c.conn)
+                log.debug("shard-%d %s: a request of %d bytes goes through Ray (the channel "
+                          "takes %d)", shard, method, len(c.request), c.conn.max_request_bytes)
+                return self._ray.begin(shard, method, args, timeout_s=timeout_s)
             self._send(c)
         except RayMQError as err:
             c.error = err
@@ -244,7 +267,7 @@ class DirectTransport:
         return out
 
     # ------------------------------------------------------- connections
-    def _checkout(self, shard: int, timeout_s: float) -> tuple[Connection, bool]:
+    def _checkout(self, shard: int, timeout_s: float) -> tuple[Link, bool]:
         """A connection to the shard, and whether it was pooled (may have gone stale)."""
         with self._lock:
             if self._closed:
@@ -261,7 +284,7 @@ class DirectTransport:
             with self._lock:
                 self._endpoints[shard] = endpoint
         try:
-            return connect(endpoint[0], endpoint[1], timeout_s), False
+            return connect(endpoint[0], endpoint[1], timeout_s, tls=self._tls), False
         except (OSError, EOFError, AuthenticationError) as err:  # gone, or its port reused
             self._forget(shard)
             raise BrokerUnavailableError(f"shard-{shard} endpoint {endpoint[0]} unreachable: "
@@ -274,7 +297,7 @@ class DirectTransport:
     #: extras are closed, and their endpoint threads end with them).
     MAX_IDLE_PER_SHARD = 16
 
-    def _checkin(self, shard: int, conn: Connection) -> None:
+    def _checkin(self, shard: int, conn: Link) -> None:
         with self._lock:
             idle = self._idle.setdefault(shard, [])
             if not self._closed and len(idle) < self.MAX_IDLE_PER_SHARD:
@@ -310,7 +333,7 @@ class _Call:
                  timeout_s: float):
         self.transport, self.shard, self.method = transport, shard, method
         self.request, self.timeout_s = request, timeout_s
-        self.conn: Connection | None = None
+        self.conn: Link | None = None
         self.reused = False
         self.error: BaseException | None = None
 
@@ -318,9 +341,21 @@ class _Call:
         return self.transport._receive(self)
 
 
+_PLAIN_WHY = "each shard's data channel, plain TCP: Ray's TLS is off (RAY_USE_TLS not 1)"
+_TLS_WHY = "each shard's data channel over TLS with Ray's certificates (RAY_USE_TLS is on)"
+
+
 def make_transport(kind: str, shard_handle: Callable[[int], Any]):
+    """The transport of ``kind``; ``"direct"`` falls back to ``"ray"`` (logged, and said
+    in its ``why``) when Ray's TLS is on but its certificates cannot be loaded here."""
     if kind == "direct":
-        return DirectTransport(shard_handle)
+        if not ray_tls_enabled():
+            return DirectTransport(shard_handle, tls=None)
+        try:
+            return DirectTransport(shard_handle, tls=tls_context(server_side=False))
+        except ChannelTLSError as err:
+            log.warning("transport 'direct' falls back to 'ray': %s", err)
+            return RayTransport(shard_handle, why=f"fallback from 'direct': {err}")
     if kind == "ray":
         return RayTransport(shard_handle)
     raise ValueError(f"transport must be one of {TRANSPORTS}, not {kind!r}")

@@ -10,7 +10,7 @@ from multiprocessing import AuthenticationError
 
 import pytest
 
-from raymq.actors.channel import Endpoint, connect
+from raymq.actors.channel import ChannelRefusedError, Endpoint, connect
 from raymq.storage.errors import BrokerUnavailableError, UnknownTopicError
 from tests.conftest import wait_for
 
@@ -46,7 +46,7 @@ def test_endpoint_serves_its_methods_refuses_others_and_strangers():
         assert call(conn, "send", [1, b"x"]) == {"echo": [1, b"x"]}
         with pytest.raises(UnknownTopicError, match="does not exist"):  # the error, typed
             call(conn, "pull", "nope")
-        with pytest.raises(PermissionError, match="not callable"):
+        with pytest.raises(ChannelRefusedError, match="not callable"):
             call(conn, "secret")
         assert call(conn, "send", 2) == {"echo": 2}  # the connection lives on after errors
 
@@ -88,6 +88,8 @@ uses_ray = pytest.mark.ray
 def test_ray_and_direct_transports_give_the_same_results(mq, name):
     from raymq import Message
     from raymq.client import RayMQ
+    from raymq.message import SendStatus
+    from tests.test_cluster import read_to_end
     assert mq.transport.name == "direct"
     via_ray = RayMQ(mq.controller, [mq.shard_handle(i) for i in range(mq.num_shards)],
                     transport="ray")
@@ -102,15 +104,29 @@ def test_ray_and_direct_transports_give_the_same_results(mq, name):
             sent_one = p.send(Message(name, f"{client.transport.name}-single".encode()))
             results[client.transport.name] = [*sent, sent_one]
             p.close()
+        direct, ray_ = results["direct"], results["ray"]
+        assert len(direct) == len(ray_) == 201
+        assert {r.status for r in direct + ray_} == {SendStatus.SEND_OK}
+        # the same message went to the same queue either way; and every offset of a queue
+        # was given once (the ray sends after the direct ones)
+        assert [r.queue_id for r in direct] == [r.queue_id for r in ray_]
+        offsets = sorted((r.queue_id, r.queue_offset) for r in direct + ray_)
+        per_queue = {q: [o for qq, o in offsets if qq == q] for q, _o in offsets}
+        assert all(offs == list(range(len(offs))) for offs in per_queue.values())
+        ids = sorted(r.msg_id for r in direct + ray_)
+        assert len(set(ids)) == 402
+        delivered = {}
         for client in (mq, via_ray):  # each reads everything, whichever way it was sent
             c = client.consumer(f"g{name}-{client.transport.name}", [name])
-            got = []
-            while len(got) < 402:
-                batch = c.poll(500, 5.0)
-                assert batch, "a transport stopped delivering"
-                got += batch
-            assert {m.msg_id for m in got} == {r.msg_id for rs in results.values() for r in rs}
+            got = read_to_end(c, client, [name])  # every queue to its end
+            # as lists: a message delivered twice would show (a set would hide it)
+            assert sorted(m.msg_id for m in got) == ids
+            delivered[client.transport.name] = sorted(
+                (m.msg_id, m.body, m.queue_id, m.queue_offset, m.key) for m in got)
             c.close()
+        assert delivered["direct"] == delivered["ray"]
+        sent_as = {r.msg_id: (r.queue_id, r.queue_offset) for r in direct + ray_}
+        assert all(sent_as[i] == (q, o) for i, _b, q, o, _k in delivered["direct"])
     finally:
         via_ray.close()
 
@@ -267,8 +283,8 @@ def test_an_idle_connection_is_closed_by_the_endpoint_and_the_client_reconnects(
 
     from raymq import rpc
     from raymq.transport import DirectTransport
-    monkeypatch.setattr(Endpoint, "IDLE_TIMEOUT_S", 0.3)
-    ep = Endpoint(Target())
+    from raymq.actors.channel import ChannelLimits
+    ep = Endpoint(Target(), limits=ChannelLimits(idle_timeout_ms=300))
     monkeypatch.setattr(rpc, "connected", lambda: True)
     monkeypatch.setattr(rpc, "call", lambda method, timeout_s=None: method())
 
@@ -279,9 +295,9 @@ def test_an_idle_connection_is_closed_by_the_endpoint_and_the_client_reconnects(
     try:
         assert t.call(0, "send", 1, timeout_s=5) == {"echo": 1}
         deadline = time.monotonic() + 10
-        while ep._conns and time.monotonic() < deadline:  # the endpoint lets it go
+        while ep.connections() and time.monotonic() < deadline:  # the endpoint lets it go
             time.sleep(0.05)
-        assert not ep._conns
+        assert not ep.connections()
         assert t.call(0, "send", 2, timeout_s=5) == {"echo": 2}  # the pooled one was stale
     finally:
         t.close()
@@ -306,12 +322,12 @@ def test_a_client_of_another_protocol_version_gets_one_clear_error_and_is_not_se
             assert f"this client speaks version {mine}, the endpoint version {theirs}" in text
             assert "\n" not in text and f"{ep.address[1]}" in text
             assert err.retriable is False and err.code == "PROTOCOL_VERSION_MISMATCH"
-        assert not ep._conns and target.calls == 0  # neither was kept nor served
+        assert not ep.connections() and target.calls == 0  # neither was kept nor served
 
         ep.protocol_version = PROTOCOL_VERSION  # the same release again: served
         conn = connect(ep.address, ep.authkey, 5)
         assert call(conn, "send", 1) == {"echo": 1}
-        assert len(ep._conns) == 1 and target.calls == 1
+        assert ep.connections() == 1 and target.calls == 1
     finally:
         ep.close()
 
@@ -321,6 +337,7 @@ def test_a_client_from_before_versions_gets_the_mismatch_as_the_reply_to_its_req
     import socket
     from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
+    from raymq.actors.channel import PROTOCOL_VERSION
     from raymq.storage.errors import RayMQError
     target = Target()
     ep = Endpoint(target)
@@ -331,7 +348,7 @@ def test_a_client_from_before_versions_gets_the_mismatch_as_the_reply_to_its_req
         answer_challenge(old, ep.authkey)
         deliver_challenge(old, ep.authkey)
         with pytest.raises(RayMQError, match="this client speaks no version .*the endpoint "
-                                             "version 1") as err:
+                                             f"version {PROTOCOL_VERSION}") as err:
             call(old, "send", 1)
         assert type(err.value) is RayMQError  # a class every release can unpickle
         with pytest.raises((EOFError, OSError)):  # and the endpoint hung up
@@ -346,7 +363,7 @@ def test_an_endpoint_from_before_versions_is_a_clear_error_for_the_client(monkey
     """An endpoint of a release without the HELLO reads it as a (broken) request."""
     from multiprocessing.connection import answer_challenge, deliver_challenge
 
-    from raymq.actors.channel import ProtocolVersionError
+    from raymq.actors.channel import PROTOCOL_VERSION, ProtocolVersionError
 
     def old_handshake(self, conn):
         deliver_challenge(conn, self.authkey)
@@ -355,8 +372,9 @@ def test_an_endpoint_from_before_versions_is_a_clear_error_for_the_client(monkey
     monkeypatch.setattr(Endpoint, "_handshake", old_handshake)
     ep = Endpoint(Target())
     try:
-        with pytest.raises(ProtocolVersionError, match="this client speaks version 1, the "
-                                                       "endpoint no version"):
+        with pytest.raises(ProtocolVersionError, match=f"this client speaks version "
+                                                       f"{PROTOCOL_VERSION}, the endpoint no "
+                                                       f"version"):
             connect(ep.address, ep.authkey, 5)
     finally:
         ep.close()
