@@ -192,6 +192,8 @@ class HalfIndex:
             # (an origin named twice in one end is resolved once)
             current = done.get(origin) or (also_done or {}).get(origin) \
                 or self.state_of(origin)
+            if current is None and operator:  # resolved and forgotten: look it up
+                current = self.find_resolution(origin)
             if current is None:
                 continue
             if operator:
@@ -203,6 +205,21 @@ class HalfIndex:
                 real.append(real_from_half(self.shard, half))
             done[origin] = new
         return (_OUTCOME[target] if done else EndOutcome.NOOP), real, done
+
+    #: Most op records an operator's end reads back to find a forgotten resolution.
+    RESOLUTION_SCAN_MAX = 1_000_000
+
+    def find_resolution(self, origin: int) -> HalfState | None:
+        """What a half was resolved to, read back from the op records (newest first): for
+        an operator's end on a half whose resolution the index no longer keeps."""
+        end = self.store.max_queue_offset(OP_TOPIC, 0)
+        for hi in range(end, max(0, end - self.RESOLUTION_SCAN_MAX), -1000):
+            lo = max(0, hi - 1000)
+            for m in reversed(self.store.read_queue(OP_TOPIC, 0, lo, hi - lo)):
+                for o, state in parsed(self.shard, m, op_entries, []):
+                    if o == origin:
+                        return state
+        return None
 
     def _check_end_matches(self, end: EndRequest, origin: int, half, *, operator: bool) -> None:
         props = half.properties

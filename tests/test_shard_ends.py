@@ -610,3 +610,19 @@ def test_a_send_without_halves_does_not_wait_for_the_transaction_lock(tmp_path):
         sender.join(10)
     finally:
         sh.close()
+
+
+def test_an_operator_conflict_is_refused_after_the_rounds_forgot_the_resolution(tmp_path):
+    from raymq.storage.errors import InvalidMessageError
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    sh.set_routes([("orders", 0)])
+    try:
+        [half] = sh.send(tx_batch("orders", 1, 0), 77, 1).phys
+        assert sh.resolve_half(half, "COMMIT") == "COMMITTED"
+        sh.check_round(["g"], now_ms=2**42)  # passes the resolved half: the index forgets it
+        assert half not in sh.halves.resolved  # (the situation this test is about)
+        assert sh.resolve_half(half, "COMMIT") == "NOOP"
+        with pytest.raises(InvalidMessageError, match="already COMMITTED"):
+            sh.resolve_half(half, "ROLLBACK")
+    finally:
+        sh.close()
