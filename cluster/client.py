@@ -10,7 +10,8 @@ import logging
 import threading
 from typing import Any
 
-from raymq import deploy, rpc
+from raymq import deploy as deployment
+from raymq import rpc
 from raymq.actors.config import ClusterConfig
 from raymq.clock import ClientClock, client_clock
 from raymq.consumer import Consumer
@@ -23,26 +24,48 @@ from raymq.storage.errors import InvalidMessageError, UnknownTopicError
 log = logging.getLogger("raymq.client")
 
 
-def connect(address: str | None = None, *, config: dict | None = None,
-            transport: str | None = None, clock: Clock | None = None,
-            **overrides: Any) -> "RayMQ":
-    """Attach to RayMQ on a Ray cluster, deploying it first if needed.
+def connect(address: str | None = None, *, deploy: bool | None = None,
+            config: dict | None = None, transport: str | None = None,
+            clock: Clock | None = None, **overrides: Any) -> "RayMQ":
+    """Attach to RayMQ on a Ray cluster.
 
-    With Ray already initialised in this process, use that.  Otherwise join
-    ``address`` (or ``$RAY_ADDRESS``), or a cluster already running on this
-    machine, or start an embedded local Ray.  Deploying is idempotent: a
-    second ``connect()`` reuses the running actors, and the cluster's own
-    configuration wins over the one given here.
+    Ray (``raymq.rpc.init``): the one this process is attached to already; else
+    ``address`` (or ``$RAY_ADDRESS``); else the cluster started on this machine
+    (Ray's address file); else an embedded local Ray started here -- also when
+    that file names a cluster that stopped without cleaning up.  A cluster that
+    does not answer, or refuses this process (token authentication), is a
+    one-line ``RayUnreachableError`` / ``RayAuthError`` within seconds.
+
+    RayMQ: with ``deploy=None`` (default) it is deployed when missing only into
+    an embedded Ray, one this process started, where nobody else can have
+    deployed or stopped it -- so ``connect()`` works out of the box.  On a
+    cluster it joined, RayMQ must be running (``raymq up``), else
+    ``NotDeployedError`` says so: a client starting does not undo an operator's
+    ``raymq down``.  ``deploy=True`` deploys what is missing on any cluster,
+    ``deploy=False`` never deploys.  The settings (``config``, ``overrides``)
+    are used by a first deploy only: a running RayMQ keeps its own (a difference
+    is logged as a warning).
 
     ``transport`` ("direct" or "ray") picks how this client's producers and
     consumers reach the shards (default: the cluster's ``transport`` setting;
     see ``raymq.transport``).  ``clock`` is the time of every producer and
     consumer made through the handle (default: the system's; ``raymq.clock``).
     """
-    cfg = ClusterConfig.from_dict({**(config or {}), **overrides})
+    asked = {**(config or {}), **overrides}
+    cfg = ClusterConfig.from_dict(asked)
     rpc.init(address)  # (attached already: stays so)
-    controller, shards = deploy.deploy(cfg)
-    return RayMQ(controller, shards, transport=transport, clock=clock)
+    if deploy is None:
+        deploy = rpc.embedded()
+    if deploy:
+        controller, shards = deployment.deploy(cfg)
+    else:
+        controller, shards = deployment.find_deployed()
+    mq = RayMQ(controller, shards, transport=transport, clock=clock)
+    diff = deployment.differences(mq.config, asked)
+    if diff:
+        log.warning("RayMQ runs with its own settings, not those given to connect(): %s",
+                    "; ".join(diff))
+    return mq
 
 
 class RayMQ:
@@ -131,11 +154,11 @@ class RayMQ:
     def registry_handle(self, group: str):
         """The Ray handle of the registry of producer group ``group``."""
         from raymq.actors.checker import registry_for
-        return deploy.get_registry(registry_for(group, self.config.num_registries))
+        return deployment.get_registry(registry_for(group, self.config.num_registries))
 
     def checker_handles(self) -> list:
         """The Ray handles of the check-back workers."""
-        return [deploy.get_checker(i) for i in range(self.config.num_checkers)]
+        return [deployment.get_checker(i) for i in range(self.config.num_checkers)]
 
     def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_uncommitted",
                  tags=None, ordered: bool = False, start_from: str = "earliest",
@@ -240,6 +263,8 @@ class Admin:
         tx = rpc.wait_all([mq.shard(s).submit("transaction_status")
                            for s in range(mq.num_shards)], 30)
         return {"topics": mq.topics(), "groups": mq.control.call("groups", timeout_s=30),
+                # which transport this client uses and why (``raymq.transport``)
+                "transport": {"name": mq.transport.name, "why": mq.transport.why},
                 "transactions": [t if not isinstance(t, Exception) else {"error": str(t)}
                                  for t in tx],
                 "shards": [{"shard": s, "node": n if not isinstance(n, Exception) else None,

@@ -1,5 +1,10 @@
 """What RayMQ deploys into a Ray cluster: its actor classes, names and options;
-deploying them (idempotent), finding them by name, stopping them.
+deploying them (idempotent), finding them by name (``find_deployed``, which deploys
+nothing), checking asked settings against the running ones, stopping them.
+
+Who deploys: ``raymq up`` (``settings_for_up`` first: a running RayMQ keeps its
+settings), ``connect(deploy=True)``, and ``connect()`` on an embedded Ray it or its
+process started.  Nothing else: an operator's ``raymq down`` stays down.
 
 Talking to Ray is ``raymq.rpc``'s part.  Actors live in namespace ``raymq``,
 detached, named, restartable (``max_restarts=-1``).  A shard is pinned so that
@@ -10,15 +15,17 @@ the node it was first placed on (remembered by the controller).
 from __future__ import annotations
 
 import logging
+from typing import Any, Mapping
 
 from raymq.actors.checker import CheckerWorker
-from raymq.actors.channel import Endpoint
+from raymq.actors.channel import ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.registry import ProducerGroupRegistry
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
 from raymq.actors.config import ClusterConfig
 from raymq.metrics import RayMetrics
+from raymq.storage.errors import RayMQError
 
 log = logging.getLogger("raymq.deploy")
 
@@ -71,7 +78,8 @@ class ShardActor(BrokerShard):
         node = rpc.node_id()
         controller.call("set_shard_node", index, node, timeout_s=30)
         # the data channel opens last: nothing is served before recovery finished
-        self._endpoint = Endpoint(_Untraced(self), host=rpc.node_ip())
+        self._endpoint = Endpoint(_Untraced(self), host=rpc.node_ip(),
+                                  limits=ChannelLimits.from_config(self.config))
         log.info("shard-%d up on node %s, data in %s, data channel on %s:%d", index, node,
                  self.directory, *self._endpoint.address)
 
@@ -144,25 +152,141 @@ def get_shard(i: int):
     return rpc.get_actor(shard_name(i), NAMESPACE)
 
 
+class NotDeployedError(RayMQError):
+    """RayMQ is not deployed, or only partly, in the Ray cluster this process joined:
+    ``raymq up`` deploys it (nothing else does, but ``connect()`` on an embedded Ray)."""
+
+    code = "NOT_DEPLOYED"
+
+
+class ConfigMismatchError(RayMQError, ValueError):
+    """Settings asked of ``raymq up`` differ from those the running RayMQ has; nothing
+    was changed."""
+
+    code = "CONFIG_MISMATCH"
+
+
+def _running_config(controller) -> ClusterConfig:
+    return ClusterConfig.from_dict(rpc.ControllerClient(controller).call("get_config",
+                                                                         timeout_s=60))
+
+
+def differences(running: ClusterConfig, asked: Mapping[str, Any]) -> list[str]:
+    """``"name: running X, asked Y"`` for each setting ``asked`` gives another value than
+    ``running`` has (``asked`` is checked first: ``ConfigError``)."""
+    wanted = ClusterConfig.from_dict(asked)
+    out = []
+    for name in asked:
+        have, want = getattr(running, name), getattr(wanted, name)
+        if name == "data_dir":
+            have, want = running.resolved_data_dir(), wanted.resolved_data_dir()
+        elif name == "delay_levels":
+            have, want = running.delay_levels_ms, wanted.delay_levels_ms
+        if have != want:
+            out.append(f"{name}: running {have!r}, asked {want!r}")
+    return out
+
+
+def placed_shards() -> int:
+    """How many shards the cluster places by custom resources (``raymq_shard_<i>``, as
+    ``raymq.placement`` gives them from ``ray_config.yaml``'s RAYMQ_SHARDS): the highest
+    index + 1 of the live nodes' resources; 0 when it places none."""
+    placed = [int(name.rpartition("_")[2]) for name in rpc.cluster_resources()
+              if name.startswith("raymq_shard_") and name.rpartition("_")[2].isdigit()]
+    return max(placed) + 1 if placed else 0
+
+
+def settings_for_up(asked: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings ``raymq up`` deploys with: ``asked``, and for a first deploy on a
+    cluster that places shards (``placed_shards``) that many unless ``num_shards`` is
+    asked.  When RayMQ runs already ``asked`` must agree with its settings, else
+    ``ConfigMismatchError`` naming each difference (a running RayMQ keeps its
+    settings: ``raymq down`` first).  Changes nothing."""
+    settings = dict(asked)
+    ClusterConfig.from_dict(settings)
+    try:
+        controller = get_controller()
+    except ValueError:
+        placed = placed_shards()
+        if placed and "num_shards" not in settings:
+            settings["num_shards"] = placed
+        elif placed and settings["num_shards"] != placed:
+            log.warning("the cluster places %d shards by resources; the other shards are "
+                        "pinned to the node each is first placed on", placed)
+        return settings
+    diff = differences(_running_config(controller), settings)
+    if diff:
+        raise ConfigMismatchError(
+            f"RayMQ runs in the Ray cluster at {rpc.gcs_address()} with other settings "
+            f"({'; '.join(diff)}); nothing changed. A running RayMQ keeps its settings: "
+            "`raymq down` first to deploy it with others (data stays on disk)")
+    return settings
+
+
+def find_deployed() -> tuple[object, list[object]]:
+    """The running RayMQ's controller and shard handles; deploys nothing.
+
+    ``NotDeployedError`` (one line: what is missing, and ``raymq up``) when RayMQ is
+    not deployed in this Ray cluster, or only partly (an actor stopped for good).
+    """
+    where = f"the Ray cluster at {rpc.gcs_address()}"
+    try:
+        controller = get_controller()
+    except ValueError:
+        raise NotDeployedError(f"RayMQ is not deployed in {where}: run `raymq up` "
+                               "(deploying is up to the operator)") from None
+    cfg = _running_config(controller)
+    shards, missing = [], []
+    for i in range(cfg.num_shards):
+        try:
+            shards.append(get_shard(i))
+        except ValueError:
+            missing.append(shard_name(i))
+    for name in [registry_name(i) for i in range(cfg.num_registries)] + \
+            [checker_name(i) for i in range(cfg.num_checkers)]:
+        try:
+            rpc.get_actor(name, NAMESPACE)
+        except ValueError:
+            missing.append(name)
+    if missing:
+        raise NotDeployedError(f"RayMQ is only partly deployed in {where} (missing: "
+                               f"{', '.join(missing)}): run `raymq up` to start what is missing")
+    return controller, shards
+
+
 def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
-    """Create the controller and shards unless they exist; return their handles."""
-    cfg = config.to_dict()
-    cfg["data_dir"] = config.resolved_data_dir()
-    here = rpc.node_id()
+    """Create whatever of RayMQ is missing (idempotent); return the controller's and the
+    shards' handles.  ``config`` is used by a first deploy only: a running controller
+    keeps its settings, and every actor created later gets them (not ``config``)."""
+    first = config.to_dict()
+    first["data_dir"] = config.resolved_data_dir()
+    controller = _create_controller(first)
+    control = rpc.ControllerClient(controller)
+    control.call("ping", timeout_s=120)
+    cfg = _running_config(controller)
+    shards = _create_shards(control, cfg)
+    _create_helpers(cfg)
+    return controller, shards
+
+
+def _create_controller(cfg: dict):
     pinned = "raymq_controller" in rpc.cluster_resources()
-    controller = rpc.create_actor(
+    return rpc.create_actor(
         ControllerActor, cfg,
         name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=16,
-        scheduling_strategy=rpc.pin_to_node(here) if not pinned else None,
+        scheduling_strategy=rpc.pin_to_node(rpc.node_id()) if not pinned else None,
         resources={"raymq_controller": 0.001} if pinned else None)
-    control = rpc.ControllerClient(controller)
-    info = control.call("ping", timeout_s=120)
-    num_shards = info["num_shards"]
+
+
+def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list:
+    """The shards' handles, each created unless it exists, pinned (module doc); waits
+    until every shard answers."""
+    cfg = config.to_dict()
     resources = rpc.cluster_resources()
     nodes = rpc.alive_nodes()
     shards = []
-    for i in range(num_shards):
+    for i in range(config.num_shards):
         try:
             shards.append(get_shard(i))
             continue
@@ -182,20 +306,25 @@ def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
         shards.append(rpc.create_actor(ShardActor, i, cfg, **opts))
     for s in shards:
         rpc.ShardClient(s).call("ping", timeout_s=120)
-    cluster_cfg = ClusterConfig.from_dict(control.call("get_config", timeout_s=60))
+    return shards
+
+
+def _create_helpers(config: ClusterConfig) -> None:
+    """The registries and check-back workers, each created unless it exists; waits until
+    each answers."""
+    cfg = config.to_dict()
     common = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
                   max_task_retries=-1, num_cpus=0)
     registries = [rpc.create_actor(RegistryActor, i, cfg, name=registry_name(i),
                                    max_concurrency=64, **common)
-                  for i in range(cluster_cfg.num_registries)]
+                  for i in range(config.num_registries)]
     checkers = [rpc.create_actor(CheckerActor, i, cfg, name=checker_name(i),
                                  max_concurrency=4, **common)
-                for i in range(cluster_cfg.num_checkers)]
+                for i in range(config.num_checkers)]
     for r in registries:
         rpc.RegistryClient(r).call("ping", timeout_s=120)
     for c in checkers:
         rpc.CheckerClient(c).call("ping", timeout_s=120)
-    return controller, shards
 
 
 def undeploy() -> list[str]:

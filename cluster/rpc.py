@@ -1,5 +1,10 @@
-"""The one place that talks to Ray: ``ray.init``, creating, finding and killing actors,
-and every actor call (``ActorClient`` and its per-kind subclasses), failures mapped to RayMQ's.
+"""The one place that talks to Ray: finding and joining a cluster (``init``), creating,
+finding and killing actors, and every actor call (``ActorClient`` and its per-kind
+subclasses), failures mapped to RayMQ's.
+
+Joining asks the cluster first (``probe``), so a wrong address, a cluster that wants a
+token, or the address file of a Ray that died is one line saying what to fix
+(``RayUnreachableError``, ``RayAuthError``) within seconds, not minutes of Ray's retries.
 
 Nothing else in RayMQ calls ``.remote()`` or ``ray.init``; tests replace a client
 class (``ShardClient``, ...) or a function here instead of Ray.  How a call's
@@ -14,8 +19,10 @@ restarting actor (``max_task_retries=-1``), the callers decide the rest.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
@@ -26,6 +33,8 @@ from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTime
 
 #: The Ray namespace of RayMQ's actors (and of the drivers ``init`` attaches).
 NAMESPACE = "raymq"
+
+log = logging.getLogger("raymq.rpc")
 
 _GONE = tuple(e for e in (getattr(rex, "RayActorError", None), getattr(rex, "ActorDiedError", None),
                           getattr(rex, "ActorUnavailableError", None),
@@ -52,33 +61,217 @@ def worker_priority() -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
 
 
+#: How long ``init`` waits for a cluster to answer before saying it does not (seconds).
+PROBE_TIMEOUT_S = 5.0
+
+#: What this process told ``init``: whether the Ray it attached to is one it started.
+_STATE = {"embedded": False}
+
+_TOKEN_PLACES = ("~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN "
+                 "(`ray get-auth-token` on the cluster's head prints it)")
+
+
+class RayUnreachableError(RayMQError, ConnectionError):
+    """No Ray cluster answers where this process was told (or found) to join one, or none
+    was found.  Not retriable: the message says what to fix."""
+
+    code = "RAY_UNREACHABLE"
+
+
+class RayAuthError(RayMQError, ConnectionError):
+    """A Ray cluster answers but refuses this process: token authentication is on at one
+    end only, or the tokens differ.  Not retriable: the message says what to fix."""
+
+    code = "RAY_AUTH"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where ``init`` joins a Ray cluster: ``address`` ("host:port"; None: start an
+    embedded Ray), ``source`` (how it was found, for messages), and ``file`` (Ray's
+    address file it was read from, if it was)."""
+
+    address: str | None
+    source: str
+    file: str | None = None
+
+
+def find_cluster(address: str | None) -> Target:
+    """Where ``init(address)`` would join (see ``init``), without asking the cluster.
+
+    ``RayUnreachableError`` for ``"auto"`` when nothing runs here, or when several
+    clusters run here and none is named (Ray would pick one at random).
+    """
+    from ray._common.utils import get_ray_address_file
+    from ray._private.services import find_gcs_addresses
+    from ray._private.utils import read_ray_address
+    env = os.environ.get("RAY_ADDRESS", "")
+    if address == "local" or (address in (None, "auto") and env == "local"):
+        return Target(None, "an embedded Ray")
+    if address not in (None, "auto"):
+        return Target(address, "the address given")
+    if env not in ("", "auto"):
+        return Target(env, "$RAY_ADDRESS")
+    found = read_ray_address()
+    if found:
+        path = get_ray_address_file(None)
+        return Target(found, f"Ray's address file {path}", file=path)
+    if address is None:
+        return Target(None, "an embedded Ray")
+    running = sorted(find_gcs_addresses())
+    if len(running) == 1:
+        return Target(running[0], "the Ray running on this machine")
+    if running:
+        raise RayUnreachableError(f"several Ray clusters run on this machine ({', '.join(running)}) "
+                                  "and none is named: choose one with --address or $RAY_ADDRESS")
+    raise RayUnreachableError(
+        "no Ray cluster found (no --address, no $RAY_ADDRESS, no Ray running on this machine): "
+        "start one with `RAY_worker_niceness=0 ray start --head` or `ray up ray_config.yaml`, "
+        "or set RAY_ADDRESS=host:port; `raymq demo` runs on an embedded Ray")
+
+
+def probe(target: Target, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Ask the cluster at ``target`` for its id, as Ray's own clients do first, with this
+    process's authentication: one try, at most ``timeout_s``.
+
+    Returns when it answers; raises ``RayAuthError`` when it refuses this process and
+    ``RayUnreachableError`` when nothing answers there as a Ray cluster (both one line,
+    with the fix).
+    """
+    import grpc
+    from ray._private.authentication.authentication_token_setup import (
+        ensure_token_if_auth_enabled)
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    try:
+        ensure_token_if_auth_enabled(None, create_token_if_missing=False)
+    except rex.AuthenticationError as err:  # token mode on, and no token here
+        raise RayAuthError(_one_line(err)) from None
+    channel = init_grpc_channel(target.address)
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+            gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+    except grpc.RpcError as err:
+        raise _refusal(target, err.code(), err.details() or "", timeout_s) from None
+    finally:
+        channel.close()
+
+
+def _refusal(target: Target, code, details: str, timeout_s: float) -> RayMQError:
+    """The one-line error for a cluster that did not answer ``probe`` as one that accepts us."""
+    import grpc
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    where = f"the Ray cluster at {target.address} ({target.source})"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        if not is_token_auth_enabled():
+            return RayAuthError(f"{where} requires token authentication, which is off in this "
+                                f"process: set RAY_AUTH_MODE=token, with the cluster's token in "
+                                f"{_TOKEN_PLACES}")
+        return RayAuthError(f"{where} refused this process's token ({details}): use the "
+                            f"cluster's token, in {_TOKEN_PLACES}")
+    why = f"no answer within {timeout_s:g} s" if code == grpc.StatusCode.DEADLINE_EXCEEDED \
+        else details.rsplit(": ", 1)[-1]
+    if target.file:
+        return RayUnreachableError(
+            f"{target.source} names {target.address}, where nothing answers ({why}): a Ray "
+            f"cluster that stopped without cleaning up; start it again, or delete {target.file}")
+    return RayUnreachableError(
+        f"nothing answers as a Ray cluster at {target.address} ({target.source}: {why}): start "
+        "it (`ray start --head`, `ray up ray_config.yaml`) or set --address / $RAY_ADDRESS to "
+        "a running one")
+
+
+def _reachable(address: str | None) -> Target:
+    """``find_cluster``, then ``probe`` what was found; past a dead cluster's address file
+    to an embedded Ray when ``address`` is None (``init``)."""
+    target = find_cluster(address)
+    if target.address is None or "://" in target.address:  # embedded, or Ray Client
+        return target
+    if address in (None, "auto") and target.source != "$RAY_ADDRESS":
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+        ray_log = logging.getLogger(maybe_enable_token_auth_if_token_available.__module__)
+        level = ray_log.level
+        ray_log.setLevel(logging.ERROR)  # its warning would be a second line of an error
+        try:
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # as ray.init
+        finally:
+            ray_log.setLevel(level)
+    try:
+        probe(target)
+    except RayUnreachableError as err:
+        if address is not None or target.file is None:
+            raise
+        log.warning("%s -- starting an embedded Ray instead", err)
+        return Target(None, "an embedded Ray")
+    return target
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
 def init(address: str | None = None, **options: Any) -> bool:
     """Attach this process to Ray unless it is attached already; whether it attached now.
 
     ``address``: ``"local"`` starts an embedded Ray of this process's own;
-    ``"auto"`` or ``"host:port"`` joins a running cluster; None joins
-    ``$RAY_ADDRESS`` if set, else does what ``ray.init()`` does (join a cluster
-    running on this machine, else start an embedded one).  A Ray started here
-    runs its workers at normal priority (``worker_priority``).  ``options`` go
-    to ``ray.init``; ``namespace`` defaults to RayMQ's, ``log_to_driver`` to False.
-    Raises what ``ray.init`` raises (``ConnectionError``: nothing to join).
+    ``"host:port"`` (or ``$RAY_ADDRESS``) joins that cluster; ``"auto"`` joins
+    the cluster of this machine (Ray's address file, else the one Ray running
+    here) and never starts one; None is ``"auto"`` but starts an embedded Ray
+    when there is nothing to join -- also when Ray's address file names a
+    cluster that no longer answers (a Ray that stopped without cleaning up:
+    logged).  ``$RAY_ADDRESS`` counts as given (Ray then enables token auth
+    only by ``RAY_AUTH_MODE=token``; a found cluster also by ``~/.ray/auth_token``).
+
+    A cluster is asked first whether it answers and accepts this process
+    (``probe``: one try, ``PROBE_TIMEOUT_S``), so a wrong address, a cluster
+    that wants a token, or a dead cluster's address file is a one-line
+    ``RayUnreachableError`` / ``RayAuthError`` saying what to fix, never minutes
+    of Ray's retries.  A Ray started here runs its workers at normal priority
+    (``worker_priority``).  ``options`` go to ``ray.init``; ``namespace``
+    defaults to RayMQ's, ``log_to_driver`` to False.
     """
     if ray.is_initialized():
         return False
     worker_priority()
-    address = address or os.environ.get("RAY_ADDRESS")
+    target = _reachable(address)
     options.setdefault("namespace", NAMESPACE)
     options.setdefault("log_to_driver", False)
-    if address:
-        ray.init(address=address, **options)
-    else:
-        ray.init(**options)
+    try:
+        ray.init(address=target.address or "local", **options)
+    except rex.AuthenticationError as err:
+        raise RayAuthError(_one_line(err)) from None
+    except ConnectionError as err:
+        raise RayUnreachableError(f"could not join the Ray cluster at {target.address} "
+                                  f"({target.source}): {_one_line(err)}") from None
+    _STATE["embedded"] = target.address is None
     return True
+
+
+def embedded() -> bool:
+    """Whether the Ray this process is attached to is an embedded one: started by this
+    process (``init("local")``, or ``ray.cluster_utils.Cluster``: its GCS server is a
+    child process of this one) and ending with it."""
+    if not ray.is_initialized():
+        return False
+    if _STATE["embedded"]:
+        return True
+    import psutil
+    session = f"--session-name={ray._private.worker.global_worker.node.session_name}"
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name() == "gcs_server" and session in p.cmdline():
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def shutdown() -> None:
     """Detach from Ray (and stop the embedded Ray this process started, if any)."""
     ray.shutdown()
+    _STATE["embedded"] = False
 
 
 def gcs_address() -> str:

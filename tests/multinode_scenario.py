@@ -24,17 +24,26 @@ def main() -> int:
                                 object_store_memory=200 * 1024 * 1024) for i in (1, 2)]
     ray.init(address=cluster.address, namespace="raymq", log_to_driver=False)
     from raymq import Message, connect, rpc
-    mq = connect(data_dir=data, num_shards=3, heartbeat_interval_ms=200, session_timeout_ms=1500,
+    from raymq.message import key_queue
+    mq = connect(data_dir=data, num_shards=3, heartbeat_interval_ms=200, session_timeout_ms=5000,
                  send_timeout_ms=3000, retry_backoff_ms=50)
     nodes = [rpc.call(mq.shard_handle(i).node_id, timeout_s=60) for i in range(3)]
     print("shard nodes:", nodes, flush=True)
     assert len(set(nodes)) == 3, "shards are not spread over the 3 nodes"
     mq.create_topic("spread", queues=3)
-    assert mq.routes_for({"spread"})["spread"] == [0, 1, 2] or \
-        sorted(mq.routes_for({"spread"})["spread"]) == [0, 1, 2]
+    routes = mq.routes_for({"spread"})["spread"]
+    assert sorted(routes) == [0, 1, 2], routes  # a queue on each shard, so on each node
+    pids = [rpc.call(mq.shard_handle(i).ping, timeout_s=60)["pid"] for i in range(3)]
     p = mq.producer("p")
-    sent = p.send_batch([Message("spread", f"{i}".encode()) for i in range(300)])
-    assert len(sent) == 300
+    # a key per queue: 100 messages in each
+    keys = {}
+    k = 0
+    while len(keys) < 3:
+        keys.setdefault(key_queue(f"k{k}", 3), f"k{k}")
+        k += 1
+    sent = p.send_batch([Message("spread", f"{i}".encode(), key=keys[i % 3]) for i in range(300)])
+    assert len(sent) == 300 and sorted(r.queue_id for r in sent) == [q for q in range(3)
+                                                                     for _ in range(100)]
     p.close()
 
     cluster.remove_node(workers[0])  # shard-1's node leaves
@@ -51,23 +60,36 @@ def main() -> int:
     deadline = time.monotonic() + 120
     while True:
         try:
-            rpc.call(mq.shard_handle(1).ping, timeout_s=10)
+            back = rpc.call(mq.shard_handle(1).ping, timeout_s=10)
             break
         except Exception:
             if time.monotonic() > deadline:
                 print("shard-1 did not come back", flush=True)
                 return 1
+    node = rpc.call(mq.shard_handle(1).node_id, timeout_s=60)
+    others = [rpc.call(mq.shard_handle(i).ping, timeout_s=60)["pid"] for i in (0, 2)]
+    print("shard-1 back in a new process:", back["pid"] != pids[1],
+          "on the returned node:", node not in nodes,
+          "the others untouched:", others == [pids[0], pids[2]], flush=True)
+    if back["pid"] == pids[1] or node in nodes or others != [pids[0], pids[2]]:
+        return 1
     c = mq.consumer("g", ["spread"])
-    got = set()
+    got = []
     deadline = time.monotonic() + 60
     while len(got) < 300 and time.monotonic() < deadline:
-        got |= {m.body for m in c.poll(300, 1.0)}
+        got += c.poll(300, 1.0)
+    # every queue read to its end (100 each) and all it fetched handed out: nothing more
+    # can come (no quiet window to outlast)
+    at_end = not c._buffered and all(
+        ("spread", q) in c._queues and c._queues[("spread", q)].fetch == 100 for q in range(3))
+    bodies = sorted(int(m.body) for m in got)
     print("consumed after the node returned:", len(got), flush=True)
+    print("each once:", bodies == list(range(300)) and at_end, flush=True)
     c.close()
     mq.close()
     ray.shutdown()
     cluster.shutdown()
-    return 0 if got == {f"{i}".encode() for i in range(300)} else 1
+    return 0 if bodies == list(range(300)) else 1
 
 
 if __name__ == "__main__":

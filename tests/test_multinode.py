@@ -17,4 +17,8 @@ def test_three_nodes_shards_spread_node_leaves_and_returns_data_kept():
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "shard-1 unavailable as expected" in proc.stdout
+    # the node loss landed where it claims: shard-1 alone restarted, on the returned node
+    assert ("shard-1 back in a new process: True on the returned node: True "
+            "the others untouched: True") in proc.stdout
     assert "consumed after the node returned: 300" in proc.stdout
+    assert "each once: True" in proc.stdout

@@ -150,6 +150,44 @@ def test_dropped_requests_and_lost_replies_store_once_in_order(cluster):
     assert_once_and_in_key_order(stored(shards), 6, 60)
 
 
+def test_lanes_overlap_requests_to_a_shard_and_keep_each_queue_in_order(cluster):
+    """producer_lanes=4: queue i travels in lane i % 4, so each shard (queues 0 and 2, or 1
+    and 3) has two requests in flight at once, each lane with its own producer id and
+    sequence; with dropped requests and lost replies every message is stored once, in
+    its key's order."""
+    from raymq.message import key_queue
+    producer, shards, transport = cluster({
+        "drop_request": lambda k: k % 7 == 3, "lose_reply": lambda k: k % 11 == 5},
+        producer_lanes=4)
+    assert producer.lanes == 4
+    assert {key_queue(f"k{t}", QUEUES) for t in range(8)} == set(range(QUEUES))  # all queues
+    real_call, lock = transport.call, threading.Lock()
+    busy, most, lane_pids = defaultdict(int), defaultdict(int), defaultdict(set)
+
+    def tracked(shard, method, *args, timeout_s):
+        with lock:
+            busy[shard] += 1
+            most[shard] = max(most[shard], busy[shard])
+            if method == "send" and args[1]:
+                lane_pids[shard].add(args[1])
+        try:
+            time.sleep(0.002)  # a round trip: the shard's other lane may send meanwhile
+            return real_call(shard, method, *args, timeout_s=timeout_s)
+        finally:
+            with lock:
+                busy[shard] -= 1
+    transport.call = tracked
+    errors = send_from_threads(producer, threads=8, per_thread=40)
+    producer.close()
+    assert not errors
+    assert transport.faults > 10 and producer.retries == transport.faults
+    # two lanes a shard, each its own producer id; one request a lane in flight at a time
+    pids = producer._lane_pids
+    assert dict(lane_pids) == {0: {pids[0], pids[2]}, 1: {pids[1], pids[3]}}
+    assert dict(most) == {0: 2, 1: 2}
+    assert_once_and_in_key_order(stored(shards), 8, 40)
+
+
 def test_lingering_and_async_sends_all_complete_and_close_drains(cluster):
     producer, shards, transport = cluster({"lose_reply": lambda k: k % 5 == 1}, linger_ms=3)
     errors = send_from_threads(producer, threads=4, per_thread=40, use_async=True)
@@ -260,3 +298,39 @@ def test_a_message_the_shard_refuses_fails_its_own_caller_only(cluster):
     assert transport.calls == 2  # the bad and the good message rode in one request
     assert [m.body for m in stored(shards)] == [b"first", b"good"]
     producer.close()
+
+
+def test_an_fsync_slower_than_flush_timeout_answers_flush_disk_timeout(tmp_path):
+    """A real FLUSH_DISK_TIMEOUT, from the storage up (no fault object): the commit log's
+    fsync takes longer than the store's flush_timeout_ms on the shard's clock.  The
+    message is stored all the same (written, its durability not confirmed); the next
+    send, on a disk that keeps up again, is SEND_OK."""
+    from raymq.message import SendStatus
+    from raymq.storage.clock import ManualClock
+    clock = ManualClock()
+    cfg = ClusterConfig.from_dict({"data_dir": str(tmp_path), "num_shards": 1,
+                                   "flush_mode": "sync"})
+    shard = BrokerShard(0, cfg, clock=clock, background=False)
+    shard.set_routes([(TOPIC, q) for q in range(QUEUES)])
+    timeout_ms = shard.store.config.flush_timeout_ms
+    real_sync, slow = shard.store._log.sync, [True]
+
+    def sync():  # the disk takes longer than the store waits
+        if slow[0]:
+            clock.advance(timeout_ms + 1)
+        return real_sync()
+    shard.store._log.sync = sync
+    mq = SimpleNamespace(config=cfg, transport=InProcessTransport([shard]),
+                         routes_for=lambda topics: {t: [0] * QUEUES for t in topics})
+    producer = Producer(mq, "lanes")
+    try:
+        late = producer.send(Message(TOPIC, b"late", key="k"))
+        slow[0] = False
+        ok = producer.send(Message(TOPIC, b"ok", key="k"))
+        assert late.status is SendStatus.FLUSH_DISK_TIMEOUT and ok.status is SendStatus.SEND_OK
+        assert (late.queue_offset, ok.queue_offset) == (0, 1) and producer.retries == 0
+        [(_t, _q, batch, _next, _end)] = shard.pull([(TOPIC, late.queue_id, 0, 10)], 0)
+        assert [m.body for m in batch.messages()] == [b"late", b"ok"]  # stored, both
+    finally:
+        producer.close()
+        shard.close()

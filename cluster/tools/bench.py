@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -20,9 +22,15 @@ from raymq.actors.protocol import SendReply
 SUITES: dict[str, Callable[["Bench"], None]] = {}
 
 
-def suite(name: str):
+#: Suites a bare ``raymq bench`` leaves out (long runs: name them to run them).
+LONG_SUITES: set[str] = set()
+
+
+def suite(name: str, *, long: bool = False):
     def register(fn):
         SUITES[name] = fn
+        if long:
+            LONG_SUITES.add(name)
         return fn
     return register
 
@@ -196,7 +204,7 @@ def run(names: list[str], *, scale: float = 1.0, workdir: str | None = None,
         raise SystemExit(f"raymq bench: unknown suite(s) {', '.join(unknown)}; "
                          f"known: {', '.join(SUITES)}")
     bench = Bench(scale=scale, workdir=workdir, out=out)
-    for name in names or list(SUITES):
+    for name in names or [n for n in SUITES if n not in LONG_SUITES]:
         bench.progress(f"suite {name}")
         SUITES[name](bench)
     return bench.results
@@ -474,6 +482,257 @@ def bench_txmsg(b: Bench) -> None:
         c.close()
         p.close()
         tp.close()
+    finally:
+        mq.close()
+        _teardown_cluster(data)
+
+
+# ------------------------------------------------------------------------ soak
+#: The soak's length at scale 1 (``--scale 0.05``: 30 s).
+SOAK_S = 600.0
+#: How often the soak samples every shard's anonymous memory.
+SOAK_SAMPLE_S = 10.0
+_SOAK_ID = struct.Struct("<Q")  # a soak message's number, at the start of its body
+
+
+def rss_anon_mib(pid: int) -> float | None:
+    """A process's anonymous resident memory (``RssAnon`` of ``/proc/<pid>/status``) in
+    MiB: the heap, not the commit log's file pages.  None where it cannot be read (not
+    Linux, or no such process)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _Tally:
+    """Deliveries of numbered messages to one consumer group: a count per number."""
+
+    def __init__(self):
+        self.seen = bytearray()  # number -> deliveries (saturating at 255)
+        self.deliveries = 0
+        self._lock = threading.Lock()
+
+    def note(self, numbers: list[int]) -> None:
+        with self._lock:
+            self.deliveries += len(numbers)
+            top = max(numbers, default=-1)
+            if top >= len(self.seen):
+                self.seen.extend(bytes(max(top + 1 - len(self.seen), 1 << 20)))
+            for i in numbers:
+                if self.seen[i] < 255:
+                    self.seen[i] += 1
+
+    def outcome(self, numbered: int, excused: set[int]) -> tuple[int, int]:
+        """(lost, duplicated) of messages 0 .. numbered - 1, but for ``excused`` (sends that
+        failed: never acknowledged) when they did not come; duplicated: extra deliveries."""
+        with self._lock:
+            got = self.seen[:numbered]
+            missing = got.count(0) + max(0, numbered - len(got))
+            never = sum(1 for i in excused if i >= len(self.seen) or not self.seen[i])
+            return missing - never, self.deliveries - (numbered - missing)
+
+
+class _SoakLoad:
+    """The soak's load through the SDK: plain batches, transactions, two consumer groups.
+
+    Every message carries a number (``_SOAK_ID``); the groups' tallies say which were
+    lost or delivered twice.  ``per_shard`` counts the messages each shard stored.
+    """
+
+    GROUPS = ("soak-a", "soak-b")
+    BATCH = 100
+
+    def __init__(self, mq, *, plain_threads: int = 2, tx_threads: int = 4):
+        from raymq.transaction_producer import LocalTransactionState, TransactionListener
+
+        class Commit(TransactionListener):
+            def execute_local_transaction(self, msg, arg):
+                return LocalTransactionState.COMMIT_MESSAGE
+
+            def check_local_transaction(self, msg):
+                return LocalTransactionState.COMMIT_MESSAGE
+
+        self.mq = mq
+        self.stop = threading.Event()
+        self.draining = threading.Event()
+        self._lock = threading.Lock()
+        self._next = 0
+        self.failed: set[int] = set()  # numbers of sends that raised
+        self.sent = self.transactions = 0
+        self.per_shard: dict[int, int] = {}
+        self.errors: list[str] = []
+        self.tallies = {g: _Tally() for g in self.GROUPS}
+        mq.create_topic("soak", queues=8)
+        mq.create_topic("soaktx", queues=4)
+        self.producer = mq.producer("soak")
+        self.tx = mq.transaction_producer("soak-tx", Commit())
+        self.consumers = [mq.consumer(g, ["soak", "soaktx"]) for g in self.GROUPS]
+        self.senders = ([threading.Thread(target=self._loop, args=(self._plain,))
+                         for _ in range(plain_threads)]
+                        + [threading.Thread(target=self._loop, args=(self._transaction,))
+                           for _ in range(tx_threads)])
+        self.readers = [threading.Thread(target=self._consume, args=(c, self.tallies[g]))
+                        for g, c in zip(self.GROUPS, self.consumers)]
+
+    def _numbers(self, n: int) -> range:
+        with self._lock:
+            first, self._next = self._next, self._next + n
+        return range(first, first + n)
+
+    def _stored(self, results, *, transactions: int = 0) -> None:
+        with self._lock:
+            self.sent += len(results)
+            self.transactions += transactions
+            for r in results:
+                self.per_shard[r.shard] = self.per_shard.get(r.shard, 0) + 1
+
+    def _plain(self, pad: bytes) -> None:
+        from raymq.message import Message
+        numbers = self._numbers(self.BATCH)
+        try:
+            self._stored(self.producer.send_batch(
+                [Message("soak", _SOAK_ID.pack(i) + pad) for i in numbers]))
+        except Exception:
+            with self._lock:
+                self.failed.update(numbers)
+            raise
+
+    def _transaction(self, pad: bytes) -> None:
+        from raymq.message import Message
+        from raymq.transaction_producer import LocalTransactionState
+        [i] = self._numbers(1)
+        try:
+            out = self.tx.send_in_transaction(Message("soaktx", _SOAK_ID.pack(i) + pad),
+                                              LocalTransactionState.COMMIT_MESSAGE)
+        except Exception:
+            with self._lock:
+                self.failed.add(i)
+            raise
+        self._stored(out.results, transactions=1)
+
+    def _loop(self, step: Callable[[bytes], None]) -> None:
+        pad = os.urandom(256 - _SOAK_ID.size)
+        while not self.stop.is_set():
+            try:
+                step(pad)
+            except Exception as err:  # counted, its messages excused: the load goes on
+                self.errors.append(f"{type(err).__name__}: {err}")
+                self.stop.wait(0.5)
+
+    def _consume(self, consumer, tally: _Tally) -> None:
+        while not self.draining.is_set():
+            try:
+                msgs = consumer.poll(2000, 0.5)
+                if msgs:
+                    tally.note([_SOAK_ID.unpack_from(m.body)[0] for m in msgs])
+                    consumer.commit()
+            except Exception as err:  # logged and counted; the next poll goes on
+                self.errors.append(f"{type(err).__name__}: {err}")
+
+    def start(self) -> None:
+        for t in self.senders + self.readers:
+            t.start()
+
+    def finish(self, drain_s: float = 60.0) -> dict[str, tuple[int, int]]:
+        """Stop sending, let the groups read what was sent; (lost, duplicated) per group."""
+        self.stop.set()
+        for t in self.senders:
+            t.join()
+        self.tx.close()
+        self.producer.close()
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and any(
+                t.outcome(self._next, self.failed)[0] for t in self.tallies.values()):
+            time.sleep(0.5)
+        self.draining.set()
+        for t in self.readers:
+            t.join()
+        for c in self.consumers:
+            c.close()
+        return {g: t.outcome(self._next, self.failed) for g, t in self.tallies.items()}
+
+
+def _soak_samples(b: Bench, load: _SoakLoad, pids: dict[int, int], duration_s: float,
+                  warmup_s: float) -> list[tuple[float, dict[int, tuple[float, int]]]]:
+    """Sample each shard's anonymous memory about every ``SOAK_SAMPLE_S`` while the load
+    runs, once at the end of the warm-up and once at the end: ``[(seconds, {shard:
+    (MiB, messages it stored so far)})]``, each also shown on stderr."""
+    t0 = time.monotonic()
+    samples = []
+    while True:
+        elapsed = time.monotonic() - t0
+        now = {}
+        for shard, pid in pids.items():
+            mib = rss_anon_mib(pid)
+            if mib is None:
+                raise RuntimeError(f"soak: cannot read the memory of shard-{shard} (pid "
+                                   f"{pid}): not Linux, or the shard restarted")
+            now[shard] = (mib, load.per_shard.get(shard, 0))
+        samples.append((elapsed, now))
+        b.progress(f"soak: {elapsed:5.0f} s, {load.sent} messages, {load.transactions} "
+                   "transactions; RssAnon " + ", ".join(
+                       f"shard-{i} {m:.1f} MiB" for i, (m, _n) in sorted(now.items())))
+        if elapsed >= duration_s:
+            return samples
+        wait = min(SOAK_SAMPLE_S, duration_s - elapsed)
+        if elapsed < warmup_s:  # a sample right at the end of the warm-up
+            wait = min(wait, warmup_s - elapsed)
+        time.sleep(max(wait, 0.0))
+
+
+def _soak_growth(b: Bench, samples: list, duration_s: float, warmup_s: float) -> None:
+    """Emit ``soak.rss_growth_mib_per_m_msgs``: each shard's RssAnon growth from the first
+    sample after the warm-up to the last, per million messages it stored meanwhile; the
+    largest over shards.  Every shard's samples go along (``series``: seconds, MiB)."""
+    t_start, start = next((t, s) for t, s in samples if t >= warmup_s)
+    end = samples[-1][1]
+    growth = {i: (end[i][0] - start[i][0]) / max(end[i][1] - start[i][1], 1) * 1e6
+              for i in end}
+    shards = {f"shard-{i}": {"start_mib": round(start[i][0], 1), "end_mib": round(end[i][0], 1),
+                             "messages": end[i][1] - start[i][1],
+                             "mib_per_m_msgs": round(growth[i], 3),
+                             "series": [[round(t), round(s[i][0], 1)] for t, s in samples]}
+              for i in sorted(end)}
+    b.emit("soak.rss_growth_mib_per_m_msgs", max(growth.values()), "MiB/M msgs",
+           target=1.0, duration_s=duration_s, warmup_s=round(t_start, 1), shards=shards,
+           what="growth of each shard's RssAnon after the warm-up, per million messages "
+                "it stored; the largest over shards")
+
+
+@suite("soak", long=True)
+def bench_soak(b: Bench) -> None:
+    """Steady mixed load for ``SOAK_S`` x scale; each shard's anonymous memory must plateau:
+    ``soak.rss_growth_mib_per_m_msgs`` is its growth from after the warm-up to the end,
+    per million messages that shard stored (the largest over shards; target <= 1)."""
+    duration_s = max(10.0, SOAK_S * b.scale)
+    warmup_s = min(60.0, 0.2 * duration_s)
+    mq, data = _bench_cluster(b, "soak", txn_check_interval_ms=5000)
+    try:
+        pids = {i: mq.shard(i).call("ping", timeout_s=60)["pid"] for i in range(mq.num_shards)}
+        load = _SoakLoad(mq)
+        b.progress(f"soak: {duration_s:.0f} s of plain batches of {load.BATCH} and "
+                   f"transactions, groups {', '.join(load.GROUPS)}; warm-up {warmup_s:.0f} s")
+        load.start()
+        try:
+            samples = _soak_samples(b, load, pids, duration_s, warmup_s)
+        finally:
+            outcome = load.finish()
+        _soak_growth(b, samples, duration_s, warmup_s)
+        b.emit("soak.messages", load.sent, "msgs", per_s=round(load.sent / duration_s, 1),
+               batch=load.BATCH)
+        b.emit("soak.transactions", load.transactions, "transactions")
+        b.emit("soak.lost", sum(lost for lost, _d in outcome.values()), "msgs",
+               groups={g: lost for g, (lost, _d) in outcome.items()}, expected=0)
+        b.emit("soak.duplicated", sum(d for _l, d in outcome.values()), "msgs",
+               groups={g: d for g, (_l, d) in outcome.items()}, expected=0)
+        if load.errors:
+            b.progress(f"soak: {len(load.errors)} call(s) failed ({len(load.failed)} messages "
+                       f"not acknowledged, not counted as lost); the first: {load.errors[0]}")
     finally:
         mq.close()
         _teardown_cluster(data)

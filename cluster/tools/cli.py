@@ -11,9 +11,11 @@ import time
 DESCRIPTION = """RayMQ: a transactional message broker on Ray actors, feeding Spark through RayDP.
 
 Cluster commands attach to the running Ray cluster (--address, $RAY_ADDRESS, or
-the cluster started on this machine with `ray start --head` / `ray up`).
+the cluster started on this machine with `ray start --head` / `ray up`); only `up`
+deploys RayMQ there, the others say so when it is not deployed.
 
-  up                 deploy RayMQ's actors into the cluster (idempotent)
+  up                 deploy RayMQ's actors into the cluster (idempotent; a running
+                     RayMQ keeps its settings: other ones are refused)
   down               stop RayMQ's actors (data stays on disk)
   status             shards, nodes, topics, queue depths, consumer groups and lag
   topic create|list  manage topics
@@ -28,24 +30,41 @@ the cluster started on this machine with `ray start --head` / `ray up`).
 """
 
 
-def _connect(args, **overrides):
-    import os
-
+def _attach(args) -> None:
+    """Attach to the command's Ray cluster: --address, else $RAY_ADDRESS, else the one of
+    this machine; never an embedded one.  A cluster that does not answer or refuses this
+    process is one line saying what to fix (``raymq.rpc.init``)."""
     from raymq import rpc
-    from raymq.client import connect
     if not rpc.connected():
-        address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
-        try:
-            rpc.init(address, logging_level=logging.WARNING)
-        except ConnectionError as err:
-            raise SystemExit(f"raymq: no Ray cluster to attach to ({err}).\n"
-                             "Start one with `ray start --head` (or `ray up ray_config.yaml`), "
-                             "or run `raymq demo` for an embedded local cluster.") from None
-    config = {}
-    if getattr(args, "config", None):
-        with open(args.config) as f:
-            config = json.load(f)
-    return connect(config=config, **overrides)
+        rpc.init(args.address or "auto", logging_level=logging.WARNING)
+
+
+def _config_file(args) -> dict:
+    """The settings of --config (checked: a bad file or setting is one line), or {}."""
+    from raymq.actors.config import ClusterConfig
+    if not getattr(args, "config", None):
+        return {}
+    with open(args.config) as f:
+        settings = json.load(f)
+    ClusterConfig.from_dict(settings)
+    return settings
+
+
+def _connect(args, *, settings: dict | None = None):
+    """Attach to RayMQ on the command's Ray cluster (``_attach``).  Deploys nothing --
+    RayMQ not deployed is one NOT_DEPLOYED line naming `raymq up` -- unless ``settings``
+    are given (``up`` only): then RayMQ is deployed with them (as many shards as the
+    cluster places, unless asked), or, when it runs already, they must agree with its
+    own (CONFIG_MISMATCH naming the differences otherwise; ``deploy.settings_for_up``).
+    Other commands only check --config (it is `up`'s)."""
+    from raymq import deploy
+    from raymq.client import connect
+    if settings is None:
+        _config_file(args)
+    _attach(args)
+    if settings is None:
+        return connect(deploy=False)
+    return connect(deploy=True, config=deploy.settings_for_up(settings))
 
 
 def _print_json(obj) -> None:
@@ -53,24 +72,20 @@ def _print_json(obj) -> None:
 
 
 def _cmd_up(args) -> int:
-    overrides = {}
+    settings = _config_file(args)
     if args.num_shards:
-        overrides["num_shards"] = args.num_shards
+        settings["num_shards"] = args.num_shards
     if args.data_dir:
-        overrides["data_dir"] = args.data_dir
-    mq = _connect(args, **overrides)
+        settings["data_dir"] = args.data_dir
+    mq = _connect(args, settings=settings)
     print(f"RayMQ is up: controller + {mq.num_shards} shards "
           f"(data under {mq.config.resolved_data_dir()} on each node)")
     return 0
 
 
 def _cmd_down(args) -> int:
-    import os
-
-    from raymq import rpc
     from raymq.deploy import undeploy
-    rpc.init(args.address or os.environ.get("RAY_ADDRESS") or "auto",
-             logging_level=logging.WARNING)
+    _attach(args)
     killed = undeploy()
     print(f"stopped: {', '.join(killed) or 'nothing was running'} (data kept on disk)")
     return 0
@@ -82,6 +97,7 @@ def _cmd_status(args) -> int:
     if args.json:
         _print_json(st)
         return 0
+    print(f"transport: {st['transport']['name']} -- {st['transport']['why']}")
     print(f"shards: {len(st['shards'])}")
     for s in st["shards"]:
         info = s["info"]
@@ -301,12 +317,19 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     parser.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, or the "
                                           "cluster running on this machine)")
-    parser.add_argument("--config", help="JSON file of cluster settings (used when deploying)")
+    parser.add_argument("--config", help="JSON file of cluster settings (for `up`)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    up = sub.add_parser("up", help="deploy RayMQ into the running Ray cluster")
-    up.add_argument("--num-shards", type=int, help="number of shards (first deploy only)")
-    up.add_argument("--data-dir", help="data directory on each node (first deploy only)")
+    up = sub.add_parser("up", help="deploy RayMQ into the running Ray cluster",
+                        description="Deploy RayMQ's actors into the running Ray cluster, or "
+                                    "start what is missing of them. The settings (--config, "
+                                    "--num-shards, --data-dir) are a first deploy's: on a "
+                                    "running RayMQ they must be its own, else `up` names each "
+                                    "difference and changes nothing (exit status 1).")
+    up.add_argument("--num-shards", type=int,
+                    help="number of shards (default: as many as the cluster places by "
+                         "resources -- ray_config.yaml's RAYMQ_SHARDS -- else 2)")
+    up.add_argument("--data-dir", help="data directory on each node")
     up.set_defaults(func=_cmd_up)
     sub.add_parser("down", help="stop RayMQ's actors; data stays").set_defaults(func=_cmd_down)
     st = sub.add_parser("status", help="shards, topics, depths, groups and lag")
@@ -414,6 +437,9 @@ def _build_parser() -> argparse.ArgumentParser:
     config.add_argument("--describe", action="store_true",
                         help="every setting with its type/constraint, default and doc")
     config.set_defaults(func=_cmd_config)
+
+    from raymq.tools import storage_repair  # raymq storage cut (offline, no Ray)
+    storage_repair.add_parser(sub)
     return parser
 
 
