@@ -49,7 +49,6 @@ def test_down_keeps_topics_messages_and_committed_offsets(own_ray, run_raymq, tm
     assert len(first) == 4  # consumed and committed by group g
 
     [down] = raymq(["down"])  # a process of its own, as an operator runs it
-    env["RAYMQ_DATA_DIR"] = str(tmp_path / "elsewhere")  # SABOTAGE: the data is gone
     assert "controller" in down and "shard-0" in down and "shard-1" in down  # really stopped
 
     up, topics, rest, again, _down = raymq(
