@@ -67,7 +67,8 @@ import time
 from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Any
 
-from raymq.storage.errors import RayMQError
+from raymq.storage.errors import (ChannelRefusedError, ChannelTLSError, ProtocolVersionError,
+                                  RayMQError)
 
 log = logging.getLogger("raymq.channel")
 
@@ -99,30 +100,6 @@ _TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 
 _TICK_S = 0.2        # the accept loop's longest wait: how late a handshake deadline is seen
 _LOG_EVERY_S = 10.0  # at most one log line per kind of refusal or accept failure this often
-
-
-class ProtocolVersionError(RayMQError):
-    """The two ends of a data channel speak different protocol versions (different
-    RayMQ releases); retrying does not help, upgrading the older side does."""
-
-    code = "PROTOCOL_VERSION_MISMATCH"
-    retriable = False
-
-
-class ChannelRefusedError(RayMQError):
-    """The endpoint refused a request: a method not on the channel, a pickle naming a
-    class a request may not build, a frame over the size limit, a pull over its caps.
-    Retrying the same request does not help."""
-
-    code = "CHANNEL_REFUSED"
-    retriable = False
-
-
-class ChannelTLSError(RayMQError):
-    """Ray's TLS is on (``RAY_USE_TLS``) but its certificates cannot be loaded here."""
-
-    code = "CHANNEL_TLS"
-    retriable = False
 
 
 @dataclasses.dataclass(frozen=True)

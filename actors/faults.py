@@ -1,15 +1,15 @@
 """Test faults a shard can be told to inject (``BrokerShard.set_fault``), as objects.
 
-The send path asks its ``Faults`` at two fixed points instead of branching on
-names; ``NO_FAULTS`` (the default) does nothing at either.
+A fault never changes the path under test.  ``crash_at:POINT[:N]`` arms one of the
+storage engine's crash points (``raymq.storage.faults``) in the shard's process: it
+dies inside the production code there (e.g. in the one put of a commit, between its
+frames).  The reply of a send asks its ``Faults`` for the status it answers with;
+``NO_FAULTS`` (the default) leaves it as it is.
 """
 from __future__ import annotations
 
-import os
-from typing import Callable
-
+from raymq.storage import faults as storage_faults
 from raymq.storage.errors import InvalidMessageError
-from raymq.storage.records import Record
 from raymq.storage.store import PutStatus
 
 
@@ -17,29 +17,10 @@ class Faults:
     """No fault: every hook lets the shard go on as it would."""
 
     name: str | None = None
-    #: whether a send's riding transaction ends go in a put of their own after the
-    #: batch's (so that a fault can strike between the two)
-    splits_ends = False
-
-    def before_resolution_write(self, real: list[Record],
-                                write_real: Callable[[list[Record]], object]) -> None:
-        """Called before a put of transaction resolutions (``real``: their real messages)."""
 
     def send_status(self, status: PutStatus) -> PutStatus:
         """The status a send is answered with."""
         return status
-
-
-class CrashBetweenRealAndOp(Faults):
-    """Exit the process after a commit's real messages, before its op records."""
-
-    name = "crash_between_real_and_op"
-    splits_ends = True
-
-    def before_resolution_write(self, real, write_real) -> None:
-        if real:
-            write_real(real)
-            os._exit(17)  # the op write never happens
 
 
 class FlushDiskTimeout(Faults):
@@ -47,19 +28,29 @@ class FlushDiskTimeout(Faults):
     for ``flush_timeout_ms`` does."""
 
     name = "flush_disk_timeout"
-    splits_ends = True
 
     def send_status(self, status: PutStatus) -> PutStatus:
         return PutStatus.FLUSH_DISK_TIMEOUT
 
 
 NO_FAULTS = Faults()
-_BY_NAME = {f.name: f for f in (CrashBetweenRealAndOp, FlushDiskTimeout)}
+_BY_NAME = {f.name: f for f in (FlushDiskTimeout,)}
+CRASH_AT = "crash_at:"
 
 
 def faults_named(name: str | None) -> Faults:
+    """The faults of ``set_fault(name)``; a ``crash_at:`` name arms the crash point
+    (``InvalidMessageError`` for an unknown one) and leaves replies as they are."""
+    storage_faults.arm(None)
     if name is None:
         return NO_FAULTS
+    if name.startswith(CRASH_AT):
+        try:
+            storage_faults.arm(name[len(CRASH_AT):])
+        except ValueError as err:
+            raise InvalidMessageError(str(err)) from None
+        return NO_FAULTS
     if name not in _BY_NAME:
-        raise InvalidMessageError(f"unknown fault {name!r}: one of {sorted(_BY_NAME)}")
+        raise InvalidMessageError(f"unknown fault {name!r}: one of {sorted(_BY_NAME)} or "
+                                  f"{CRASH_AT}POINT[:N] ({', '.join(storage_faults.CRASH_POINTS)})")
     return _BY_NAME[name]()

@@ -42,8 +42,9 @@ from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
 from raymq.actors.group_offsets import GroupOffsets
 from raymq.actors.halves import HalfIndex, carries_halves
-from raymq.actors.protocol import (HALF_TOPIC, OP_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES, CheckRequest,
-                                   EndOutcome, EndRequest, EndResult, SendReply, check_group)
+from raymq.actors.protocol import (HALF_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
+                                   CheckRequest, EndOutcome, EndRequest, EndResult, SendReply,
+                                   check_group, retry_topic)
 from raymq.actors.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_queues, check_send)
 from raymq.actors.reads import QueueReads, as_delivered, stored_message
@@ -121,7 +122,7 @@ class BrokerShard:
         if not ends:
             return self._send(batch, producer_id, sequence, wait=True)[0]
         n = len(batch) if batch is not None else 0
-        if not n or self.faults.splits_ends:
+        if not n:
             out, written = self._send(batch, producer_id, sequence, wait=False)
             out.ends = self.end_transactions(ends)  # its fsync covers the batch too
             if written is not None and self.store.wait_durable(written) is not PutStatus.PUT_OK:
@@ -234,9 +235,6 @@ class BrokerShard:
         """
         if not records and ahead is None:
             return None
-        self.faults.before_resolution_write(
-            [r for r in records if r.topic != OP_TOPIC],
-            lambda real: self.store.put(self._divert(RecordBatch.from_records(real))))
         # one put (all or nothing, also across frames): the batch ahead, real messages
         # (delayed now if they asked for a delay) and their op records
         if not records:
@@ -279,24 +277,31 @@ class BrokerShard:
             return self.halves.status()
 
     def set_fault(self, fault: str | None) -> None:
-        """Test hooks (``raymq.actors.faults``): 'crash_between_real_and_op' exits between
-        the two writes of a commit; 'flush_disk_timeout' answers sends FLUSH_DISK_TIMEOUT."""
+        """Test hooks (``raymq.actors.faults``): 'crash_at:POINT[:N]' kills the process at a
+        storage crash point; 'flush_disk_timeout' answers sends FLUSH_DISK_TIMEOUT."""
         self.faults = faults_named(fault)
 
     # ------------------------------------------------- reads and offsets
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int = 0,
-             tags: dict[str, list[str]] | None = None) -> list[tuple]:
+             tags: dict[str, list[str]] | None = None, group: str | None = None) -> list[tuple]:
         """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``): user
-        topics and retry topics this shard serves (RayMQ's own topics have operator calls)."""
+        topics this shard serves, and the retry topic of the consumer's own ``group``
+        (RayMQ's other topics have operator calls)."""
         check_pull(requests, wait_ms, tags)
-        self._check_readable({(t, q) for t, q, _o, _n in requests})
+        if group is not None:
+            check_group(group)
+        self._check_readable({(t, q) for t, q, _o, _n in requests}, group)
         return self.reads.pull(requests, wait_ms, tags)
 
-    def _check_readable(self, queues: set) -> None:
+    def _check_readable(self, queues: set, group: str | None) -> None:
         for topic, qid in queues:
             if not readable_topic(topic):
                 raise ReservedNameError(f"topic {topic!r} is RayMQ's own: clients do not "
                                         "read it (operators: raymq half|dlq)")
+            if topic.startswith(RETRY_PREFIX) and topic != retry_topic(group or ""):
+                raise ReservedNameError(f"topic {topic!r} is the retry topic of group "
+                                        f"{topic[len(RETRY_PREFIX):]!r}: only that group's "
+                                        f"consumers read it or commit its offsets")
             if isinstance(qid, bool) or not isinstance(qid, int) or qid < 0:
                 raise OffsetOutOfRangeError(f"invalid queue id {qid!r} for {topic}")
         self.routes.check(queues)
@@ -305,7 +310,7 @@ class BrokerShard:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
         check_group(group)
         check_offsets(offsets)
-        self._check_readable(set(offsets))
+        self._check_readable(set(offsets), group)
         self.offsets.commit(group, offsets)
 
     def get_offsets(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:

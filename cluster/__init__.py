@@ -5,17 +5,21 @@ This package (the card's ``cluster/`` folder) is the client layer; the broker is
 """
 from raymq.actors.config import ClusterConfig
 from raymq.message import Message, MessageExt, SendResult, SendStatus
-from raymq.storage.errors import (BrokerUnavailableError, ConfigError, CorruptLogError,
-                                  InvalidMessageError, MessageTooLargeError,
-                                  OffsetOutOfRangeError, RayMQError, RequestTimeoutError,
-                                  ReservedNameError, StorageError, TopicExistsError,
-                                  UnknownTopicError)
+from raymq.storage.errors import (BrokerUnavailableError, ChannelRefusedError,
+                                  ChannelTLSError, ConfigError, ConfigMismatchError,
+                                  CorruptLogError, InvalidMessageError, MessageTooLargeError,
+                                  NotDeployedError, OffsetOutOfRangeError,
+                                  ProtocolVersionError, RayAuthError, RayMQError,
+                                  RayUnreachableError, RequestTimeoutError, ReservedNameError,
+                                  StorageError, TopicExistsError, UnknownTopicError)
 
 __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "ClusterConfig",
            "TransactionListener", "LocalTransactionState",
            "RayMQError", "ConfigError", "StorageError", "CorruptLogError", "MessageTooLargeError",
            "InvalidMessageError", "UnknownTopicError", "TopicExistsError", "ReservedNameError",
-           "OffsetOutOfRangeError", "BrokerUnavailableError", "RequestTimeoutError"]
+           "OffsetOutOfRangeError", "BrokerUnavailableError", "RequestTimeoutError",
+           "NotDeployedError", "ConfigMismatchError", "RayUnreachableError", "RayAuthError",
+           "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

@@ -149,7 +149,7 @@ class Consumer:
                     if ends is None:
                         ends = self._mq.transport.call(shard, "pull",
                                                        [(t, i, 0, 0) for t, i in qs], 0,
-                                                       timeout_s=30)
+                                                       None, self.group, timeout_s=30)
                     off = starts[q] = next(e[4] for e in ends if (e[0], e[1]) == q)
                 off = max(off, 0)
                 with self._lock:
@@ -268,7 +268,7 @@ class Consumer:
             for shard, reqs in by_shard.items():
                 if shard not in self._inflight:
                     call = self._mq.transport.submit(
-                        shard, "pull", (reqs, int(wait_ms), self._tags),
+                        shard, "pull", (reqs, int(wait_ms), self._tags, self.group),
                         timeout_s=wait_ms / 1000 + self.config.send_timeout_ms / 1000)
                     self._inflight[shard] = call
                     self._inflight_req[shard] = reqs

@@ -25,7 +25,7 @@ from raymq.actors.shard import BrokerShard
 from raymq import rpc
 from raymq.actors.config import ClusterConfig
 from raymq.metrics import RayMetrics
-from raymq.storage.errors import RayMQError
+from raymq.storage.errors import ConfigMismatchError, NotDeployedError
 
 log = logging.getLogger("raymq.deploy")
 
@@ -152,20 +152,6 @@ def get_shard(i: int):
     return rpc.get_actor(shard_name(i), NAMESPACE)
 
 
-class NotDeployedError(RayMQError):
-    """RayMQ is not deployed, or only partly, in the Ray cluster this process joined:
-    ``raymq up`` deploys it (nothing else does, but ``connect()`` on an embedded Ray)."""
-
-    code = "NOT_DEPLOYED"
-
-
-class ConfigMismatchError(RayMQError, ValueError):
-    """Settings asked of ``raymq up`` differ from those the running RayMQ has; nothing
-    was changed."""
-
-    code = "CONFIG_MISMATCH"
-
-
 def _running_config(controller) -> ClusterConfig:
     return ClusterConfig.from_dict(rpc.ControllerClient(controller).call("get_config",
                                                                          timeout_s=60))
@@ -279,6 +265,14 @@ def _create_controller(cfg: dict):
         resources={"raymq_controller": 0.001} if pinned else None)
 
 
+#: The environment a shard's worker process starts with.  A shard runs in a Ray worker
+#: of ~66 threads; with glibc's malloc defaults (8 arenas per core, a cache per thread)
+#: its anonymous memory grew for as long as load ran (15-23 MiB per million messages,
+#: the Python heap flat: free memory kept by thread arenas).  Two arenas and no thread
+#: caches keep it flat (``raymq bench soak``); other allocators ignore the variable.
+SHARD_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"}
+
+
 def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list:
     """The shards' handles, each created unless it exists, pinned (module doc); waits
     until every shard answers."""
@@ -294,7 +288,8 @@ def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list
             pass
         opts = dict(name=shard_name(i), namespace=NAMESPACE, lifetime="detached",
                     get_if_exists=True, max_restarts=-1, max_task_retries=-1, num_cpus=0,
-                    max_concurrency=config.shard_max_concurrency)
+                    max_concurrency=config.shard_max_concurrency,
+                    runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)})
         res = f"raymq_shard_{i}"
         if res in resources:
             opts["resources"] = {res: 0.001}

@@ -29,7 +29,8 @@ import ray
 from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
+from raymq.storage.errors import (BrokerUnavailableError, RayAuthError, RayMQError,
+                                  RayUnreachableError, RequestTimeoutError)
 
 #: The Ray namespace of RayMQ's actors (and of the drivers ``init`` attaches).
 NAMESPACE = "raymq"
@@ -69,20 +70,6 @@ _STATE = {"embedded": False}
 
 _TOKEN_PLACES = ("~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN "
                  "(`ray get-auth-token` on the cluster's head prints it)")
-
-
-class RayUnreachableError(RayMQError, ConnectionError):
-    """No Ray cluster answers where this process was told (or found) to join one, or none
-    was found.  Not retriable: the message says what to fix."""
-
-    code = "RAY_UNREACHABLE"
-
-
-class RayAuthError(RayMQError, ConnectionError):
-    """A Ray cluster answers but refuses this process: token authentication is on at one
-    end only, or the tokens differ.  Not retriable: the message says what to fix."""
-
-    code = "RAY_AUTH"
 
 
 @dataclass(frozen=True)

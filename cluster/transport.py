@@ -31,11 +31,11 @@ from multiprocessing.connection import AuthenticationError
 from typing import Any, Callable
 
 from raymq import rpc
-from raymq.actors.channel import (TLS_FROM_RAY, ChannelTLSError, Link, ProtocolVersionError,
-                                  connect, decode_reply, encode_request, ray_tls_enabled,
-                                  readable, tls_context)
+from raymq.actors.channel import (TLS_FROM_RAY, Link, connect, decode_reply, encode_request,
+                                  ray_tls_enabled, readable, tls_context)
 from raymq.actors.config import TRANSPORTS
-from raymq.storage.errors import BrokerUnavailableError, RayMQError, RequestTimeoutError
+from raymq.storage.errors import (BrokerUnavailableError, ChannelTLSError, ProtocolVersionError,
+                                  RayMQError, RequestTimeoutError)
 
 log = logging.getLogger("raymq.transport")
 
@@ -245,6 +245,9 @@ class DirectTransport:
                                               f"within {c.timeout_s:.1f} s")
                 ok, value = decode_reply(c.conn.recv_bytes())
                 break
+            except RayMQError:  # a RequestTimeoutError is a TimeoutError (an OSError) too:
+                c.conn.close()  # its late reply must not be read as the next call's
+                raise
             except (EOFError, OSError) as err:
                 self._replace(c, err)
                 self._send(c)

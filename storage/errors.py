@@ -75,3 +75,57 @@ class RequestTimeoutError(RayMQError, TimeoutError):
     code = "REQUEST_TIMEOUT"
     retriable = True
 
+
+# -- the cluster: connecting, deploying, the data channel
+
+
+class NotDeployedError(RayMQError):
+    """RayMQ is not deployed, or only partly, in the Ray cluster this process joined:
+    ``raymq up`` deploys it (nothing else does, but ``connect()`` on an embedded Ray)."""
+
+    code = "NOT_DEPLOYED"
+
+
+class ConfigMismatchError(RayMQError, ValueError):
+    """Settings asked of ``raymq up`` differ from those the running RayMQ has; nothing
+    was changed."""
+
+    code = "CONFIG_MISMATCH"
+
+
+class RayUnreachableError(RayMQError, ConnectionError):
+    """No Ray cluster answers where this process was told (or found) to join one, or none
+    was found.  Not retriable: the message says what to fix."""
+
+    code = "RAY_UNREACHABLE"
+
+
+class RayAuthError(RayMQError, ConnectionError):
+    """A Ray cluster answers but refuses this process: token authentication is on at one
+    end only, or the tokens differ.  Not retriable: the message says what to fix."""
+
+    code = "RAY_AUTH"
+
+
+class ProtocolVersionError(RayMQError):
+    """The two ends of a data channel speak different protocol versions (different
+    RayMQ releases); retrying does not help, upgrading the older side does."""
+
+    code = "PROTOCOL_VERSION_MISMATCH"
+    retriable = False
+
+
+class ChannelRefusedError(RayMQError):
+    """The endpoint refused a request: a method not on the channel, a pickle naming a
+    class a request may not build, a frame over the size limit, a pull over its caps.
+    Retrying the same request does not help."""
+
+    code = "CHANNEL_REFUSED"
+    retriable = False
+
+
+class ChannelTLSError(RayMQError):
+    """Ray's TLS is on (``RAY_USE_TLS``) but its certificates cannot be loaded here."""
+
+    code = "CHANNEL_TLS"
+    retriable = False

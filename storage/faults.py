@@ -54,6 +54,14 @@ _armed = _parse(os.environ.get(CRASH_ENV))
 _hits = 0
 
 
+def arm(value: str | None) -> None:
+    """Arm ``value`` (``NAME`` or ``NAME:N``, as in ``RAYMQ_STORAGE_CRASH_AT``) in this
+    running process, counting hits from now; None disarms.  A test hook: a shard's
+    ``set_fault("crash_at:NAME")`` kills it inside the production code path."""
+    global _armed, _hits
+    _armed, _hits = _parse(value), 0
+
+
 def crash_point(name: str) -> None:
     """Return at once unless this process was started with ``name`` armed; else, at
     its N-th hit, say so on stderr and exit with ``CRASH_EXIT_CODE`` (no cleanup)."""

@@ -20,6 +20,12 @@ import numpy as np
 
 #: Producer ids at or above this are the broker's own (clients draw theirs below 2**62).
 INTERNAL_PRODUCER_BASE = 1 << 62
+#: A producer's recent put results (the offsets a resend of one of its last puts is
+#: answered with: up to 24 bytes a record, ``results_per_producer`` puts) are dropped
+#: once it has not been seen for this long; its last sequence stays until
+#: ``producer_expiry_ms``, so a later resend is still known as one, answered without
+#: offsets (as after a restart).  A client resends within its send timeout x retries.
+RECENT_RESULTS_MS = 10 * 60 * 1000
 
 
 @dataclass
@@ -42,6 +48,7 @@ class ProducerTable:
     def __init__(self, results_per_producer: int = 8):
         self.results_per_producer = results_per_producer
         self._states: dict[int, ProducerState] = {}
+        self._next_sweep_ms = 0  # when ``expire`` next drops idle producers' results
 
     def __len__(self) -> int:
         return len(self._states)
@@ -79,11 +86,19 @@ class ProducerTable:
             state.recent.popitem(last=False)
 
     def expire(self, now_ms: int, expiry_ms: int) -> int:
-        """Forget producers not seen for ``expiry_ms``; return how many.
+        """Forget producers not seen for ``expiry_ms``; return how many.  Also drops the
+        recent results of producers not seen for ``RECENT_RESULTS_MS`` (looked at once
+        every tenth of that): a client that went away leaves its last sequence only.
 
         Ids from ``INTERNAL_PRODUCER_BASE`` up belong to the broker's own writers
         (the delay scheduler keeps its progress as their sequence): never expired.
         """
+        step = RECENT_RESULTS_MS // 10
+        if not 0 < self._next_sweep_ms - now_ms <= step:  # due (or the clock stepped back)
+            self._next_sweep_ms = now_ms + step
+            for s in self._states.values():
+                if s.recent and now_ms - s.last_seen_ms > RECENT_RESULTS_MS:
+                    s.recent.clear()
         old = [pid for pid, s in self._states.items()
                if pid < INTERNAL_PRODUCER_BASE and now_ms - s.last_seen_ms > expiry_ms]
         for pid in old:

@@ -310,7 +310,8 @@ def test_a_message_that_keeps_failing_to_be_sent_back_is_retried_with_pauses(mq,
             raise BrokerUnavailableError("shard restarting")
         return real_nack(m, reason)
     c.nack = nack
-    runner = threading.Thread(daemon=True, target=c.run, args=(lambda m: False,), kwargs={"idle_s": 0.2})
+    runner = threading.Thread(daemon=True, target=c.run, args=(lambda m: False,),
+                              kwargs={"idle_s": 0.2})
     runner.start()
     wait_for(lambda: len(refusals) == 5, what="five refused give-backs")
     c.stop()

@@ -132,6 +132,30 @@ def test_every_module_says_what_it_owns(module):
     assert doc and doc.strip(), f"{module} has no docstring saying what it owns"
 
 
+
+def error_classes_defined() -> dict[str, list[str]]:
+    """Class name -> modules defining it, for every class whose name ends in ``Error``."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
+                found.setdefault(node.name, []).append(name)
+    return found
+
+
+def test_every_error_is_one_class_in_one_place_exported_from_raymq():
+    """One hierarchy: every error class lives in ``raymq.storage.errors`` (a caller
+    catches what any layer raises without importing that layer) and ``raymq`` exports it."""
+    import importlib
+
+    import raymq
+    found = {n: where for n, where in error_classes_defined().items()  # (a module's own
+             if any(issubclass(getattr(importlib.import_module(m), n), raymq.RayMQError)
+                    for m in where)}                              # internal signals aside)
+    assert "RequestTimeoutError" in found and "NotDeployedError" in found
+    assert {n: m for n, m in found.items() if m != ["raymq.storage.errors"]} == {}
+    assert sorted(n for n in found if n not in raymq.__all__) == []
+
 @pytest.mark.slow
 def test_the_wheel_installs_one_top_level_package(tmp_path):
     """Nothing but ``raymq`` (and its metadata) lands at the top of site-packages."""

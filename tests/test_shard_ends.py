@@ -9,7 +9,7 @@ from raymq.actors import halves as halves_mod
 from raymq.actors import shard as shard_mod
 from raymq.actors.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.actors.shard import BrokerShard
-from raymq.message import Prop, make_msg_id
+from raymq.message import OP_TOPIC, Prop, make_msg_id
 from raymq.storage import RecordBatch
 
 
@@ -144,7 +144,7 @@ def test_one_op_record_per_call_is_what_a_restart_and_the_op_progress_read(tmp_p
     assert outcomes(sh.end_transactions([("g", "tx3", [sent[3]], "ROLLBACK_MESSAGE"),
                                          ("g", "tx4", [sent[4]], "COMMIT_MESSAGE")])) == \
         ["ROLLED_BACK", "COMMITTED"]
-    ops = sh.store.read_queue(shard_mod.OP_TOPIC, 0, 0, 100)
+    ops = sh.store.read_queue(OP_TOPIC, 0, 0, 100)
     assert [m.properties[Prop.ORIGIN_HALF] for m in ops] == \
         [",".join(map(str, sent[:3])), ",".join(map(str, sent[3:5]))]  # one per call
     want = {sent[0]: "COMMITTED", sent[1]: "ROLLED_BACK", sent[2]: "COMMITTED",
@@ -335,13 +335,13 @@ def test_dlq_resend_cut_short_before_its_progress_resends_each_dead_letter_once(
         sh.send_back("g", sent.phys[2], dead_letter=True)  # and a new dead letter came
         assert len(sh.dlq_resend("g")) == 1  # only the new one is resent now
         assert sh.dlq_resend("g") == []
-        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)], group="g")
         assert sorted(m.body for m in batch.messages()) == [b"m0", b"m1", b"m2"]
         # an operator's pick is resent on every call: that is what they asked for
         dead = sh.store.read_queue(dlq_topic("g"), 0, 0, 1)
         sh.dlq_resend("g", [dead[0].phys_offset])
         sh.dlq_resend("g", [dead[0].phys_offset])
-        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)], group="g")
         assert len(batch) == 5
     finally:
         sh.close()
@@ -383,7 +383,7 @@ def test_two_dlq_resends_at_once_resend_each_dead_letter_once(tmp_path):
         go["second"].set()
         second.join(10)
         assert not first.is_alive() and not second.is_alive()
-        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)])
+        [(_t, _q, batch, _n, _e)] = sh.pull([(retry_topic("g"), 0, 0, 10)], group="g")
         assert sorted(m.body for m in batch.messages()) == [b"m0", b"m1", b"m2"]
     finally:
         sh.close()

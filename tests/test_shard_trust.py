@@ -93,7 +93,24 @@ def test_pull_serves_routed_user_and_retry_topics_only(shard, topic):
     with pytest.raises(RayMQError):
         shard.pull([(topic, 0, 0, 10)])
     assert shard.pull([("orders", 0, 0, 10)])[0][0] == "orders"
-    assert shard.pull([(retry_topic("g"), 0, 0, 10)])[0][0] == retry_topic("g")
+    assert shard.pull([(retry_topic("g"), 0, 0, 10)], group="g")[0][0] == retry_topic("g")
+
+
+@pytest.mark.parametrize("group", [None, "other"])
+def test_a_retry_topic_is_read_and_committed_by_its_own_group_only(shard, group):
+    """A group's retry topic holds the messages its consumers gave back: another group
+    (or a pull naming none) reads none of them and cannot move its offsets."""
+    shard.store.put(RecordBatch(retry_topic("g"), 0, [b"x"]))  # (a given-back message)
+    with pytest.raises(ReservedNameError, match="retry topic of group 'g'"):
+        shard.pull([(retry_topic("g"), 0, 0, 10)], group=group)
+    if group is not None:
+        before = shard.store.offsets.snapshot()
+        with pytest.raises(ReservedNameError):
+            shard.commit_offsets(group, {(retry_topic("g"), 0): 1})
+        assert shard.store.offsets.snapshot() == before
+    [(_t, _q, batch, _n, _end)] = shard.pull([(retry_topic("g"), 0, 0, 10)], group="g")
+    assert [m.body for m in batch.messages()] == [b"x"]
+    shard.commit_offsets("g", {(retry_topic("g"), 0): 1})
 
 
 def test_names_ending_in_a_newline_are_refused():

@@ -505,6 +505,48 @@ def test_wait_durable_gives_a_duplicate_the_status_of_its_first_copy(tmp_path):
         assert again.duplicate and store.wait_durable(again) is first.status is PutStatus.PUT_OK
 
 
+def test_a_disk_slower_than_flush_timeout_answers_flush_disk_timeout_and_keeps_the_data(
+        tmp_path, monkeypatch):
+    """``flush_timeout_ms`` for real: the disk's fsync is held (a gate in front of the
+    system call); a put waiting for another's fsync gives up at its deadline, and the put
+    doing the fsync reports it too late.  Both are stored, and durable once the disk is."""
+    from raymq.storage.store import PutStatus
+    entered, gate = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_disk(fd):
+        entered.set()
+        assert gate.wait(30)
+        real_fsync(fd)
+    store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync", flush_timeout_ms=200),
+                         background=False)
+    try:
+        store.put(RecordBatch("t", 0, [b"zero"]))  # (its queue file exists: no directory fsync)
+        monkeypatch.setattr(os, "fsync", slow_disk)
+        outcomes = {}
+        syncing = threading.Thread(daemon=True, target=lambda: outcomes.update(
+            first=store.put(RecordBatch("t", 0, [b"first"]))))
+        syncing.start()
+        assert entered.wait(30)  # the first put's fsync is at the disk
+        t0 = time.monotonic()
+        waiting = store.put(RecordBatch("t", 0, [b"second"]))  # waits for an fsync
+        waited_s = time.monotonic() - t0
+        assert waiting.status is PutStatus.FLUSH_DISK_TIMEOUT
+        assert 0.15 <= waited_s < 5  # at its deadline, not when the disk answered
+        assert syncing.is_alive()  # the disk has still not answered
+        gate.set()
+        syncing.join(30)
+        assert outcomes["first"].status is PutStatus.FLUSH_DISK_TIMEOUT  # done too late
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        assert store.put(RecordBatch("t", 0, [b"third"])).status is PutStatus.PUT_OK
+    finally:
+        gate.set()
+        store.close()
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="sync")) as again:
+        assert [m.body for m in again.read_queue("t", 0, 0, 10)] == [
+            b"zero", b"first", b"second", b"third"]
+
+
 def test_a_put_indexed_only_in_part_stops_the_store_and_a_restart_stores_it_once(
         tmp_path, monkeypatch):
     import errno

@@ -16,6 +16,7 @@ from raymq import Message, TransactionListener, rpc
 from raymq.message import SendStatus
 from raymq.storage.errors import InvalidMessageError, RayMQError
 from tests.conftest import wait_for
+from tests.test_cluster import read_to_end, wait_restarted
 
 pytestmark = pytest.mark.ray
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +42,25 @@ class Listener(TransactionListener):
         return self.check_answer
 
 
-def consume_all(mq, group, topics, expected: int, timeout_s: float = 20.0, settle_s: float = 0.5):
+def consume_all(mq, group, topics, expected: int, timeout_s: float = 30.0, *,
+                delayed: bool = False) -> list:
+    """What a new consumer of ``group`` reads of ``topics``: ``expected`` messages, and then
+    whatever else there is, which is proven to be nothing more by state, not by a quiet
+    window: once no half of these topics is pending (a pending half may still commit; a
+    resolved one never does) and, with ``delayed``, nothing waits in a delay level, the
+    consumer reads every queue to its end."""
     c = mq.consumer(group, topics)
     got = []
     deadline = time.monotonic() + timeout_s
     while len(got) < expected and time.monotonic() < deadline:
         got += c.poll(100, 0.3)
-    got += c.poll(100, settle_s)  # and nothing more arrives
+    wait_for(lambda: not [h for h in mq.admin.half_list() if h["topic"] in topics],
+             timeout_s, "no half of the topics pending")
+    if delayed:
+        wait_for(lambda: not any(n for s in mq.admin.status()["shards"]
+                                 for n in s["info"]["schedule_pending"].values()),
+                 timeout_s, "nothing waiting in the delay levels")
+    got += read_to_end(c, mq, topics, timeout_s=timeout_s)
     c.close()
     return got
 
@@ -129,7 +142,7 @@ def test_delay_level_is_honoured_after_commit_without_a_loop(mq, name):
     level = 4
     t0 = int(time.time() * 1000)
     res = tp.send_in_transaction(Message(name, b"later", delay_level=level), S.COMMIT_MESSAGE)
-    got = consume_all(mq, f"g{name}", [name], 1, settle_s=1.5)
+    got = consume_all(mq, f"g{name}", [name], 1, delayed=True)
     assert [m.body for m in got] == [b"later"]  # once: no half <-> schedule loop
     assert got[0].store_ms >= t0 + mq.config.delay_levels_ms[level - 1]
     assert got[0].msg_id == res.msg_id
@@ -149,10 +162,13 @@ def test_no_live_producer_check_not_counted_half_kept_until_one_registers(mq, na
     [half] = pending(mq, group)
     before = half["checks"]
     assert before <= 1
-    rounds = mq.config.txn_max_checks + 3
-    for _ in range(rounds):  # well past the maximum number of checks
+    # rounds a check-back interval apart: the half is due in each (its timeout, or its
+    # back-off, has passed since it was stored or last checked), so had any of them
+    # counted a check, the half would have expired by the last
+    rounds = mq.config.txn_max_checks + 1
+    for _ in range(rounds):
         mq.admin.check_now()
-        time.sleep(mq.config.txn_check_backoff_max_ms / 1000)  # let back-off windows pass
+        time.sleep(max(mq.config.txn_timeout_ms, mq.config.txn_check_backoff_max_ms) / 1000)
     [half] = pending(mq, group)
     assert half["checks"] == before and half["waiting_for_producer"]
     assert not [h for h in mq.admin.half_list(expired=True) if h["group"] == group]
@@ -174,7 +190,8 @@ def test_max_checks_move_to_expired_and_operator_resolves(mq, name):
     res = tp.send_in_transaction(Message(name, b"undecided"), S.UNKNOW)
     expired = wait_for(lambda: [h for h in mq.admin.half_list(expired=True) if h["group"] == group],
                        what="the half expired after the maximum checks")
-    assert len(lst.checked) >= mq.config.txn_max_checks
+    # each check counted was asked once (a check still queued is not pushed twice)
+    assert lst.checked == [res.transaction_id] * mq.config.txn_max_checks
     assert not pending(mq, group)
     assert expired[0]["id"] == res.msg_id
     assert mq.admin.half_resolve(expired[0]["id"], "commit") == "COMMITTED"
@@ -208,7 +225,7 @@ def test_check_storm_is_bounded_per_group_and_round(mq, name):
         for sent in mq.admin.check_now():
             seen.append(sent.get(group, 0))
     assert not pending(mq, group)
-    assert max(seen) <= limit  # per group and round, over all the shards
+    assert max(seen) == limit  # per group and round, over all the shards: reached, not passed
     got = consume_all(mq, f"g{name}", [name], n)
     assert sorted(int(m.body) for m in got) == list(range(n))
     tp.close()
@@ -266,11 +283,11 @@ def test_close_waits_for_a_transaction_running_its_local_transaction(mq, name):
     lst = Slow(check_answer=S.ROLLBACK_MESSAGE)
     tp = mq.transaction_producer(group, lst)
     results = []
-    sender = threading.Thread(target=lambda: results.append(tp.send_in_transaction(
+    sender = threading.Thread(daemon=True, target=lambda: results.append(tp.send_in_transaction(
         Message(name, b"paid"), S.COMMIT_MESSAGE, timeout_ms=60_000)))
     sender.start()
     assert entered.wait(30)
-    closer = threading.Thread(target=tp.close)
+    closer = threading.Thread(daemon=True, target=tp.close)
     closer.start()
 
     def closed():
@@ -280,8 +297,11 @@ def test_close_waits_for_a_transaction_running_its_local_transaction(mq, name):
             return "closed" in str(err)
         return False
     wait_for(closed, what="the producer refusing new transactions")
-    closer.join(2)  # (the old close finished by now, its producer closed, the end lost)
-    assert closer.is_alive()  # close waits for the transaction in flight
+    # a close that did not wait would be done within this window on an idle machine; on a
+    # busy one it might not, but it would have closed the producer first, and the end
+    # lost: the check-back (ROLLBACK) would then take the message away (checked below)
+    closer.join(2)
+    assert closer.is_alive() and not tp._producer._closed  # close waits for the transaction
     go.set()
     sender.join(30)
     closer.join(30)
@@ -340,53 +360,102 @@ def test_a_batch_with_one_part_not_stored_durably_rolls_back_every_part(mq, name
     tp.close()
 
 
-@pytest.mark.slow
-def test_shard_killed_between_real_write_and_op_write(mq, name):
+def kill_inside_the_commit_put(mq, name, point: str):
+    """A transaction of 3 messages of 3 MiB (its commit's one put -- the real messages,
+    then the op records -- spans two frames of at most 8 MiB) whose commit kills its
+    shard at storage crash point ``point`` of that put: the production path, not a
+    fault's own.  The end call is not retried; the producer's check answers ROLLBACK,
+    so a commit that did not survive the crash is rolled back.  Returns what a new
+    consumer reads once the half is resolved, and the transaction's result."""
     mq.create_topic(name, queues=1)
     group = f"p{name}"
     shard = mq.routes_for({name})[name][0]
     handle = mq.shard_handle(shard)
-    tp = mq.transaction_producer(group, Listener(check_answer=S.COMMIT_MESSAGE))
-    res = tp.send_in_transaction(Message(name, b"paid"), S.UNKNOW)
+    lst = Listener(check_answer=S.ROLLBACK_MESSAGE)
+    tp = mq.transaction_producer(group, lst)
+    bodies = [bytes([i]) * (3 * 1024 * 1024) for i in range(3)]
+    res = tp.send_in_transaction([Message(name, b) for b in bodies], S.UNKNOW)
     before = rpc.call(handle.ping)["pid"]
-    rpc.call(handle.set_fault, "crash_between_real_and_op")
-    try:  # the shard dies after the real message, before the op; Ray retries the call on
-        rpc.call(handle.end_transaction, group, res.transaction_id, [res.results[0][6]],
-                 "COMMIT_MESSAGE", timeout_s=30)  # the restarted shard (fault not kept)
-    except Exception:
-        pass  # or the retry did not happen: check-back settles it
+    rpc.call(handle.set_fault, f"crash_at:{point}")
+    with pytest.raises(RayMQError):  # the shard died in the put: no answer
+        rpc.call(handle.end_transaction.options(max_task_retries=0), group,
+                 res.transaction_id, [r.phys_offset for r in res.results], "COMMIT_MESSAGE",
+                 timeout_s=60)
     assert rpc.call(handle.ping, timeout_s=60)["pid"] != before  # it did die
     wait_for(lambda: not pending(mq, group), what="the half resolved after the restart")
-    got = consume_all(mq, f"g{name}", [name], 2, settle_s=1.0)
-    # the real message was written before the crash and again by the commit after it:
-    # not lost, and both copies carry the producer's id, so a consumer deduping by id
-    # processes it once
-    assert len(got) == 2 and {m.msg_id for m in got} == {res.msg_id}
-    assert {m.body for m in got} == {b"paid"}
+    got = consume_all(mq, f"g{name}", [name], 3 if point == "put.appended" else 0)
     tp.close()
+    return got, bodies, res, lst
+
+
+@pytest.mark.slow
+def test_a_commit_cut_between_the_frames_of_its_one_put_leaves_nothing(mq, name):
+    """Killed after the real messages' frame, before the op records' frame: recovery
+    cuts the partial put, so no real message is visible and the half still pending;
+    the check-back (ROLLBACK) decides it -- nothing of the transaction is delivered."""
+    got, _bodies, res, lst = kill_inside_the_commit_put(mq, name, "put.partly_appended")
+    assert got == []
+    assert res.transaction_id in lst.checked  # it was the check-back that decided
+
+
+@pytest.mark.slow
+def test_a_commit_whose_one_put_was_written_survives_a_kill_before_indexing(mq, name):
+    """Killed after the whole put is in the log, before it is indexed: recovery indexes
+    it, the half is committed (the check-back's ROLLBACK comes too late), and each real
+    message is delivered exactly once, with the producer's message id."""
+    got, bodies, res, lst = kill_inside_the_commit_put(mq, name, "put.appended")
+    assert [m.body for m in got] == bodies
+    assert [m.msg_id for m in got] == res.msg_ids
+    assert res.transaction_id not in lst.checked  # recovered resolved: never asked
+
+
+def actor_pid(handle):
+    """The process id of a checker or registry (None while it is between processes)."""
+    try:
+        return rpc.call(handle.ping, timeout_s=30)["pid"]
+    except RayMQError:
+        return None
 
 
 @pytest.mark.slow
 def test_checker_and_registry_killed_mid_round(mq, name):
+    """The checker and the registry die while a round's checks are out: every half
+    pending, some checks held by the producer's listener, the rest queued at the
+    registry (lost with it).  After the restarts every half commits, exactly once."""
     mq.create_topic(name, queues=2)
     group = f"p{name}"
-    tp = mq.transaction_producer(group, Listener(check_answer=S.COMMIT_MESSAGE))
-    for i in range(30):
-        tp.send_in_transaction(Message(name, f"{i}".encode()), S.UNKNOW)
-    from raymq import deploy
-    checker, registry = deploy.get_checker(0), deploy.get_registry(0)
-    pids = rpc.call(checker.ping)["pid"], rpc.call(registry.ping)["pid"]
-    before = rpc.call(checker.status)["rounds"]
-    wait_for(lambda: rpc.call(checker.status)["rounds"] > before, what="a round under way")
-    ray.kill(checker, no_restart=False)
-    ray.kill(registry, no_restart=False)
+    answer = threading.Event()
+    held = []
+
+    class Held(Listener):
+        def check_local_transaction(self, msg):
+            held.append(msg.transaction_id)
+            answer.wait(60)  # unanswered until the two are dead
+            return super().check_local_transaction(msg)
+    tp = mq.transaction_producer(group, Held(check_answer=S.COMMIT_MESSAGE), check_threads=4)
+    try:
+        for i in range(30):
+            tp.send_in_transaction(Message(name, f"{i}".encode()), S.UNKNOW)
+        from raymq import deploy
+        checker, registry = deploy.get_checker(0), mq.registry_handle(group)
+        pids = actor_pid(checker), actor_pid(registry)
+
+        def checks_out():  # the round's checks: 4 taken (as many as check threads), the rest queued
+            return len(held) == 4 and rpc.call(registry.status)[group]["queued_checks"] >= 1
+        wait_for(checks_out, what="a round's checks out: held by the listener and queued")
+        assert len(pending(mq, group)) == 30  # none answered: all pending when they die
+        ray.kill(checker, no_restart=False)
+        ray.kill(registry, no_restart=False)
+        # the kill landed: both answer from new processes
+        wait_for(lambda: actor_pid(checker) not in (None, pids[0]), 60, "a new checker")
+        wait_for(lambda: actor_pid(registry) not in (None, pids[1]), 60, "a new registry")
+    finally:
+        answer.set()
     wait_for(lambda: not pending(mq, group), timeout_s=60, what="halves resolved after restarts")
-    # both were restarted (new processes)
-    assert rpc.call(checker.ping, timeout_s=30)["pid"] != pids[0]
-    assert rpc.call(registry.ping, timeout_s=30)["pid"] != pids[1]
     got = consume_all(mq, f"g{name}", [name], 30)
     # each exactly once: a check asked again after the restarts commits nothing twice
     assert sorted(int(m.body) for m in got) == list(range(30))
+    assert not [h for h in mq.admin.half_list(expired=True) if h["group"] == group]
     tp.close()
 
 
@@ -472,7 +541,7 @@ def test_shards_killed_under_concurrent_transactions_commit_once_abort_never(mq,
             with lock:
                 done[0] += 1
             i += 1
-    threads = [threading.Thread(target=stream, args=(t,)) for t in range(4)]
+    threads = [threading.Thread(daemon=True, target=stream, args=(t,)) for t in range(4)]
     for t in threads:
         t.start()
     wait_for(lambda: done[0] >= 100, what="some transactions done")
@@ -495,7 +564,7 @@ def test_shards_killed_under_concurrent_transactions_commit_once_abort_never(mq,
         t.join(120)
     assert len(errors) < done[0] / 2
     wait_for(lambda: not pending(mq, group), timeout_s=90, what="every half resolved")
-    got = consume_all(mq, f"g{name}", [name], len(committed), timeout_s=60, settle_s=1.0)
+    got = consume_all(mq, f"g{name}", [name], len(committed), timeout_s=60)
     bodies = [m.body for m in got]
     assert len(bodies) == len(set(bodies))  # none delivered twice
     assert set(bodies) == committed  # every local commit delivered, no rollback delivered
@@ -509,11 +578,16 @@ def test_close_finishes_the_async_transactions_in_flight(mq, name):
     tp = mq.transaction_producer(group, Listener())
     # in flight for a while: the shards restart under them (a long transaction timeout:
     # none is late, so every one commits)
+    shards = sorted(set(mq.routes_for({name})[name]))
+    before = {s: rpc.call(mq.shard_handle(s).ping, timeout_s=30)["pid"] for s in shards}
     futures = [tp.send_in_transaction_async(Message(name, f"{i}".encode()), S.COMMIT_MESSAGE,
                                             timeout_ms=60_000) for i in range(300)]
-    for s in set(mq.routes_for({name})[name]):
+    for s in shards:
         ray.kill(mq.shard_handle(s), no_restart=False)
+    in_flight = sum(not f.done() for f in futures)  # (a future never goes back to not done)
     tp.close()  # at once, with most of them still in flight
+    assert in_flight > 0  # close() had transactions to finish
+    wait_restarted(mq, before)  # the kill landed: the shards answer from new processes
     assert all(f.done() for f in futures)
     assert [f.result().local_state for f in futures] == [S.COMMIT_MESSAGE] * 300
     with pytest.raises(RayMQError, match="closed"):

@@ -710,7 +710,8 @@ def bench_soak(b: Bench) -> None:
     ``soak.rss_growth_mib_per_m_msgs`` is its growth from after the warm-up to the end,
     per million messages that shard stored (the largest over shards; target <= 1)."""
     duration_s = max(10.0, SOAK_S * b.scale)
-    warmup_s = min(60.0, 0.2 * duration_s)
+    # the first ~15 s fill the shards' caches, pools and connections (not growth)
+    warmup_s = min(60.0, max(15.0, 0.2 * duration_s), 0.5 * duration_s)
     mq, data = _bench_cluster(b, "soak", txn_check_interval_ms=5000)
     try:
         pids = {i: mq.shard(i).call("ping", timeout_s=60)["pid"] for i in range(mq.num_shards)}

@@ -416,9 +416,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                        "per line on stdout: metric, value, unit, params. "
                                        "Figures with a baseline come with the baseline "
                                        "measured in the same run and their ratio.")
-    from raymq.tools.bench import SUITES
+    from raymq.tools.bench import LONG_SUITES, SUITES
     bench.add_argument("suites", nargs="*", metavar="SUITE",
-                       help=f"suites to run (default: all): {', '.join(SUITES)}")
+                       help=f"suites to run: {', '.join(SUITES)} (default: all but the long "
+                            f"ones, which run only when named: {', '.join(sorted(LONG_SUITES))})")
     bench.add_argument("--scale", type=float, default=1.0,
                        help="multiply the message counts (e.g. 0.1 for a quick run)")
     bench.add_argument("--workdir", help="directory for benchmark data (default: system temp)")
