@@ -13,14 +13,25 @@ need_java() {
     case "$v" in 17*|17) return 1 ;; *) return 0 ;; esac
 }
 
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+apt_install() {
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "$@"
+}
+
 if need_java; then
     log "Java 17 not found: installing openjdk-17-jre-headless with apt"
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -q
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q openjdk-17-jre-headless
+    apt_install openjdk-17-jre-headless
 fi
 log "$(java -version 2>&1 | head -1)"
+
+# CI runs the `ray up ray_config.yaml` test (tests/test_deploy_ray_up.py): it needs sshd
+# and rsync (elsewhere that test skips, saying so, when they are missing)
+if [ "${CI:-}" = "true" ] && { [ ! -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null 2>&1; }; then
+    log "CI: installing openssh-server and rsync with apt (for the ray up test)"
+    apt_install openssh-server rsync
+fi
 
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
