@@ -128,6 +128,17 @@ class ClusterConfig(BaseModel):
                                "(long poll).")
     schedule_tick_ms: StrictInt = Field(
         100, ge=1, description="Longest wait of the delay scheduler between checks.")
+    max_open_queue_files: StrictInt = Field(
+        1024, ge=1, description="Most consume-queue files a shard keeps open (least recently "
+        "used closed and reopened on demand; at most half of ulimit -n).")
+    max_open_segments: StrictInt = Field(
+        64, ge=1, description="Most sealed commit-log segments a shard keeps open.")
+    max_topics: StrictInt = Field(
+        10_000, ge=1, description="Most user topics the cluster holds: creating one more "
+        "fails with QUOTA_EXCEEDED.")
+    max_groups: StrictInt = Field(
+        10_000, ge=1, description="Most consumer groups: a new group's first heartbeat or "
+        "offset commit beyond it fails with QUOTA_EXCEEDED.")
     shard_max_concurrency: StrictInt = Field(
         32, ge=1, description="Concurrent calls a shard serves (threads).")
     txn_timeout_ms: StrictInt = Field(
@@ -236,7 +247,9 @@ class ClusterConfig(BaseModel):
         return StoreConfig(flush_mode=self.flush_mode, segment_size_bytes=self.segment_size_bytes,
                            max_message_bytes=self.max_message_bytes,
                            max_frame_bytes=max(8 * 1024 * 1024,
-                                               self.max_message_bytes + 128 * 1024))
+                                               self.max_message_bytes + 128 * 1024),
+                           max_open_queue_files=self.max_open_queue_files,
+                           max_open_segments=self.max_open_segments)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name (plain values): what actors receive and ``from_dict`` takes."""

@@ -15,7 +15,8 @@ from raymq.actors.config import ClusterConfig
 from raymq.actors.membership import Membership
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import InvalidMessageError, TopicExistsError, UnknownTopicError
+from raymq.storage.errors import (InvalidMessageError, QuotaExceededError, TopicExistsError,
+                                  UnknownTopicError)
 from raymq.storage.fileutil import atomic_write
 
 log = logging.getLogger("raymq.controller")
@@ -39,7 +40,8 @@ class Controller:
         self._shard_nodes: dict[str, str] = {}
         self._load()
         self.membership = Membership(self.clock, self.config.session_timeout_ms,
-                                     self._queue_count, restarted=restarted)
+                                     self._queue_count, restarted=restarted,
+                                     max_groups=self.config.max_groups)
 
     # ----------------------------------------------------------- durable
     def _load(self) -> None:
@@ -74,6 +76,11 @@ class Controller:
                     raise TopicExistsError(f"topic {name!r} exists with "
                                            f"{len(existing['routes'])} queues, not {queues}")
                 return self.describe_topic(name)
+            if not system:
+                user = sum(1 for t in self._topics.values() if not t.get("system"))
+                if user >= self.config.max_topics:
+                    raise QuotaExceededError(f"cannot create topic {name!r}: the cluster holds "
+                                             f"{user} topics, its max_topics")
             n = self.config.num_shards
             if system and queues == n:
                 routes = list(range(n))  # queue i on shard i (retry / dead-letter topics)

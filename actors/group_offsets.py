@@ -9,7 +9,7 @@ import logging
 from raymq.actors.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.actors.protocol import HALF_TOPIC, OP_TOPIC, dlq_topic
 from raymq.storage import MessageStore
-from raymq.storage.errors import OffsetOutOfRangeError
+from raymq.storage.errors import OffsetOutOfRangeError, QuotaExceededError
 
 log = logging.getLogger("raymq.shard")
 
@@ -21,9 +21,12 @@ def offset_key(group: str, topic: str, queue_id: int) -> str:
 class GroupOffsets:
     """Committed offsets of the consumer groups reading a shard's queues."""
 
-    def __init__(self, shard: int, store: MessageStore):
+    def __init__(self, shard: int, store: MessageStore, max_groups: int = 10_000):
         self.shard = shard
         self.store = store
+        self.max_groups = max_groups
+        # the groups with offsets here (internal progress keys too: a few)
+        self._groups = {key.split("@", 1)[0] for key in store.offsets.snapshot()}
 
     def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
@@ -35,6 +38,12 @@ class GroupOffsets:
                     f"cannot commit offset {off!r} for {topic}/{qid} of group {group!r}: "
                     f"the queue holds offsets 0..{end}")
             values[offset_key(group, topic, qid)] = off
+        if values and group not in self._groups:
+            if len(self._groups) >= self.max_groups:
+                raise QuotaExceededError(f"cannot commit offsets of group {group!r}: shard-"
+                                         f"{self.shard} holds offsets of {len(self._groups)} "
+                                         f"groups, the most it takes (max_groups)")
+            self._groups.add(group)
         if values:
             self.store.save_offsets(values)
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 from raymq.actors.protocol import check_group
 from raymq.storage.clock import Clock
+from raymq.storage.errors import QuotaExceededError
 
 log = logging.getLogger("raymq.controller")
 
@@ -54,7 +55,8 @@ class Membership:
     queues a topic has (None: unknown topic)."""
 
     def __init__(self, clock: Clock, session_timeout_ms: int,
-                 queues_of: Callable[[str], int | None], *, restarted: bool = False):
+                 queues_of: Callable[[str], int | None], *, restarted: bool = False,
+                 max_groups: int = 10_000):
         """``restarted``: this replaces a controller that died.  Membership was soft
         state and is gone, so for a session timeout a queue nobody re-announces is not
         handed out: its holder may not have heartbeated yet."""
@@ -64,6 +66,7 @@ class Membership:
         self._grace_until_ms = clock.now_ms() + session_timeout_ms if restarted else 0
         self._lock = threading.RLock()
         self._groups: dict[str, Group] = {}
+        self.max_groups = max_groups  # groups with members; empty ones make room
 
     def heartbeat(self, group: str, member_id: str, topics: list[str],
                   held: list[tuple[str, int]], client: str = "") -> dict:
@@ -75,6 +78,8 @@ class Membership:
         check_group(group)
         now = self.clock.now_ms()
         with self._lock:
+            if group not in self._groups:
+                self._make_room(now)
             g = self._groups.setdefault(group, Group())
             if member_id not in g.members:
                 g.generation += 1
@@ -101,6 +106,20 @@ class Membership:
             release = sorted(q for q in held_set if q not in granted)
             return {"granted": granted, "release": release, "generation": g.generation,
                     "members": sorted(g.members)}
+
+    def _make_room(self, now: int) -> None:
+        """Room for one more group: groups left with no member and no queue are dropped;
+        ``QuotaExceededError`` when ``max_groups`` still have members."""
+        if len(self._groups) < self.max_groups:
+            return
+        for name, g in list(self._groups.items()):
+            self._expire(g, now)
+            if not g.members and not g.owners:
+                del self._groups[name]
+        if len(self._groups) >= self.max_groups:
+            raise QuotaExceededError(f"{len(self._groups)} consumer groups have members, the "
+                                     f"most the cluster takes (max_groups): a new group "
+                                     f"waits until one has none")
 
     def leave(self, group: str, member_id: str) -> None:
         with self._lock:

@@ -76,7 +76,7 @@ class BrokerShard:
         self.faults = faults  # test faults (``set_fault`` swaps them at run time)
         self.routes = RouteTable(index, fetch_routes)
         self.reads = QueueReads(self.store, self.clock, self.metrics)
-        self.offsets = GroupOffsets(index, self.store)
+        self.offsets = GroupOffsets(index, self.store, self.config.max_groups)
         self.halves = HalfIndex(index, self.store)
         self.checks = CheckRounds(index, self.store, self.halves, self._append, self._tx_lock,
                                   self.config, self.metrics)

@@ -9,9 +9,10 @@ from raymq.storage.errors import (BrokerUnavailableError, ChannelRefusedError,
                                   ChannelTLSError, ConfigError, ConfigMismatchError,
                                   CorruptLogError, InvalidMessageError, MessageTooLargeError,
                                   NotDeployedError, OffsetOutOfRangeError,
-                                  ProtocolVersionError, RayAuthError, RayMQError,
-                                  RayUnreachableError, RequestTimeoutError, ReservedNameError,
-                                  StorageError, TopicExistsError, UnknownTopicError)
+                                  ProtocolVersionError, QuotaExceededError, RayAuthError,
+                                  RayMQError, RayUnreachableError, RequestTimeoutError,
+                                  ReservedNameError, StorageError, TopicExistsError,
+                                  UnknownTopicError)
 
 __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "ClusterConfig",
            "TransactionListener", "LocalTransactionState",
@@ -19,7 +20,8 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "InvalidMessageError", "UnknownTopicError", "TopicExistsError", "ReservedNameError",
            "OffsetOutOfRangeError", "BrokerUnavailableError", "RequestTimeoutError",
            "NotDeployedError", "ConfigMismatchError", "RayUnreachableError", "RayAuthError",
-           "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError"]
+           "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError",
+           "QuotaExceededError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

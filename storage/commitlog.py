@@ -11,10 +11,13 @@ left at the end of a full segment is simply skipped (the next segment starts at
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import mmap
 import os
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,8 +47,9 @@ def segment_name(base: int) -> str:
 class Segment:
     base: int
     path: str
-    fd: int
+    fd: int | None  # None while closed (a sealed segment out of the pool)
     size: int  # bytes in the file, header included
+    pins: int = 0  # uses of ``fd`` outside ``_fd_lock`` (an fsync): not closed meanwhile
 
     @property
     def end(self) -> int:
@@ -53,14 +57,24 @@ class Segment:
 
 
 class CommitLog:
-    """Not thread-safe for writers: the store serialises ``append``."""
+    """Not thread-safe for writers: the store serialises ``append``.
 
-    def __init__(self, directory: str, segment_size_bytes: int):
+    Descriptors: the last segment (the one written) is always open; of the sealed
+    ones at most ``max_open_segments`` are, least recently read closed first, and a
+    read reopens its segment.  Every read and every close of a sealed segment's
+    descriptor holds ``_fd_lock``, so a number is never closed (and reused) under a
+    read.  Out of descriptors (EMFILE), sealed segments are closed until an open works.
+    """
+
+    def __init__(self, directory: str, segment_size_bytes: int, max_open_segments: int = 64):
         self.directory = directory
         self.segment_size = segment_size_bytes
         os.makedirs(directory, exist_ok=True)
         self._segments: list[Segment] = []
         self._bases: list[int] = []
+        self.max_open_segments = max(1, max_open_segments)
+        self._fd_lock = threading.Lock()
+        self._open_sealed: OrderedDict[int, Segment] = OrderedDict()  # by base, LRU first
         self.flushed_offset = 0
         self.sync_count = 0  # fsyncs issued by sync(), for group-commit metrics
 
@@ -92,6 +106,63 @@ class CommitLog:
             pos = start[1] if i == start[0] else SEGMENT_HEADER_BYTES
             self._scan_segment(i, seg, pos, on_frame)
         self.flushed_offset = self.max_offset
+
+    # ------------------------------------------------------- descriptors
+    def _fd(self, seg: Segment) -> int:
+        """``seg``'s descriptor, reopened if its segment is sealed and was closed.  For a
+        sealed segment call it holding ``_fd_lock`` (and use the number under it)."""
+        if seg.fd is not None:
+            if seg.base in self._open_sealed:
+                self._open_sealed.move_to_end(seg.base)
+            return seg.fd
+        sealed = seg is not self._segments[-1]
+        if sealed:
+            self._make_room(1)
+        while True:
+            try:
+                seg.fd = os.open(seg.path, os.O_RDWR | os.O_APPEND)
+                break
+            except OSError as err:
+                if err.errno not in (errno.EMFILE, errno.ENFILE) \
+                        or not self._close_least_recent():
+                    raise
+                log.warning("out of file descriptors opening %s: closed a sealed segment",
+                            seg.path)
+        if sealed:
+            self._note_sealed_open(seg)
+        return seg.fd
+
+    def _make_room(self, n: int) -> None:
+        """Close sealed segments until ``n`` more fit the pool (first: never over it)."""
+        while len(self._open_sealed) + n > self.max_open_segments \
+                and self._close_least_recent():
+            pass
+
+    def _note_sealed_open(self, seg: Segment) -> None:
+        self._open_sealed[seg.base] = seg
+        self._make_room(0)
+
+    def _close_least_recent(self) -> bool:
+        """Close the least recently used sealed segment not in use; whether there was one."""
+        base = next((b for b, s in self._open_sealed.items() if not s.pins), None)
+        if base is None:  # all in use: closed when the pool is trimmed next
+            return False
+        seg = self._open_sealed.pop(base)
+        fd, seg.fd = seg.fd, None
+        os.close(fd)
+        return True
+
+    def _forget(self, seg: Segment) -> None:
+        """Close ``seg``'s descriptor, if open (it is being removed)."""
+        self._open_sealed.pop(seg.base, None)
+        if seg.fd is not None:
+            fd, seg.fd = seg.fd, None
+            os.close(fd)
+
+    @property
+    def open_segment_count(self) -> int:
+        """Segments whose descriptor is open now (the last one included)."""
+        return sum(1 for s in self._segments if s.fd is not None)
 
     def _open_segment(self, path: str, base: int, *, is_last: bool) -> None:
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
@@ -130,6 +201,8 @@ class CommitLog:
             os.close(fd)
             raise CorruptLogError(f"{path}: overlaps the previous segment "
                                   f"(segment size {self.segment_size})")
+        if self._segments:  # the one before is sealed: into the pool (or closed)
+            self._note_sealed_open(self._segments[-1])
         self._segments.append(Segment(base, path, fd, size))
         self._bases.append(base)
 
@@ -149,7 +222,7 @@ class CommitLog:
     def _scan_segment(self, index: int, seg: Segment, pos: int, on_frame) -> None:
         if seg.size <= pos:
             return
-        with mmap.mmap(seg.fd, seg.size, prot=mmap.PROT_READ) as mm:
+        with mmap.mmap(self._fd(seg), seg.size, prot=mmap.PROT_READ) as mm:
             while pos < seg.size:
                 try:
                     frame_len, count = check_frame(mm, pos, seg.size)
@@ -173,15 +246,16 @@ class CommitLog:
                 f"{self._cut_hint(seg.base + pos)}")
         cut = seg.size - pos
         log.warning("commit log %s: %s; truncating torn tail of %d bytes", where, err.reason, cut)
-        os.ftruncate(seg.fd, pos)
+        os.ftruncate(self._fd(seg), pos)
         os.fsync(seg.fd)
         seg.size = pos
         for later in self._segments[index + 1:]:
             log.warning("commit log: removing empty segment %s after the torn tail", later.path)
-            os.close(later.fd)
+            self._forget(later)
             os.unlink(later.path)
         del self._segments[index + 1:]
         del self._bases[index + 1:]
+        self._open_sealed.pop(seg.base, None)  # the last segment now: always open
 
     def _cut_hint(self, offset: int) -> str:
         store_dir = os.path.dirname(os.path.abspath(self.directory))
@@ -211,6 +285,9 @@ class CommitLog:
     # --------------------------------------------------------------- write
     def _new_segment(self, base: int) -> Segment:
         path = os.path.join(self.directory, segment_name(base))
+        if self._segments:  # the last one joins the pool next: room first
+            with self._fd_lock:
+                self._make_room(1)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         crash_point("segment.created")
         os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.segment_size, base))
@@ -222,8 +299,11 @@ class CommitLog:
         finally:
             os.close(fd_dir)
         seg = Segment(base, path, fd, SEGMENT_HEADER_BYTES)
-        self._segments.append(seg)
-        self._bases.append(base)
+        with self._fd_lock:
+            if self._segments:  # the one before is sealed now: into the pool
+                self._note_sealed_open(self._segments[-1])
+            self._segments.append(seg)
+            self._bases.append(base)
         return seg
 
     def append(self, frame: EncodedFrame) -> int:
@@ -260,9 +340,15 @@ class CommitLog:
 
     def sync(self) -> int:
         """fsync what has been written; return the offset now durable."""
-        target = self.max_offset
-        seg = self._segments[-1]
-        os.fsync(seg.fd)
+        with self._fd_lock:  # the writer may seal it meanwhile: pinned, not closed
+            target = self.max_offset
+            seg = self._segments[-1]
+            seg.pins += 1
+        try:
+            os.fsync(seg.fd)
+        finally:
+            with self._fd_lock:
+                seg.pins -= 1
         crash_point("log.fsync.after")
         self.sync_count += 1
         if target > self.flushed_offset:
@@ -284,7 +370,8 @@ class CommitLog:
         if pos < SEGMENT_HEADER_BYTES or pos + size > seg.size:
             raise StorageError(f"physical range [{offset}, {offset + size}) is outside "
                                f"segment {seg.path} (holds up to {seg.end})")
-        data = os.pread(seg.fd, size, pos)
+        with self._fd_lock:
+            data = os.pread(self._fd(seg), size, pos)
         if len(data) != size:
             raise StorageError(f"short read at {offset} in {seg.path}")
         return data
@@ -294,14 +381,16 @@ class CommitLog:
         i = max(0, bisect.bisect_right(self._bases, offset) - 1)
         seg = self._segments[i]
         keep = max(SEGMENT_HEADER_BYTES, offset - seg.base)
-        os.ftruncate(seg.fd, keep)
-        os.fsync(seg.fd)
-        seg.size = keep
-        for later in self._segments[i + 1:]:
-            os.close(later.fd)
-            os.unlink(later.path)
-        del self._segments[i + 1:]
-        del self._bases[i + 1:]
+        with self._fd_lock:
+            os.ftruncate(self._fd(seg), keep)
+            os.fsync(seg.fd)
+            seg.size = keep
+            for later in self._segments[i + 1:]:
+                self._forget(later)
+                os.unlink(later.path)
+            del self._segments[i + 1:]
+            del self._bases[i + 1:]
+            self._open_sealed.pop(seg.base, None)  # the last segment now: always open
         self.flushed_offset = min(self.flushed_offset, self.max_offset)
 
     def segment_end(self, offset: int) -> int:
@@ -314,15 +403,18 @@ class CommitLog:
         """Close every segment (fsync'd first unless ``sync`` is False: after a failed
         write, when an fsync could report pages Linux dropped as written)."""
         first_error = None
-        for seg in self._segments:
-            try:
-                if sync:
-                    os.fsync(seg.fd)
-            except OSError as err:
-                first_error = first_error or err
-            finally:
-                os.close(seg.fd)
-        self._segments.clear()
-        self._bases.clear()
+        with self._fd_lock:
+            for seg in self._segments:
+                if seg.fd is None:  # sealed (fsynced when it was) and closed
+                    continue
+                try:
+                    if sync:
+                        os.fsync(seg.fd)
+                except OSError as err:
+                    first_error = first_error or err
+                finally:
+                    self._forget(seg)
+            self._segments.clear()
+            self._bases.clear()
         if first_error is not None:
             raise first_error

@@ -76,6 +76,9 @@ class StoreConfig:
         "the process's descriptor limit (ulimit -n) is used, whatever this says: commit-log "
         "segments and sockets need descriptors too.  A checkpoint holds one more while it "
         "fsyncs a queue.", 1024)
+    max_open_segments: int = doc(
+        "Most sealed commit-log segments open at once (the one written to is always "
+        "open): the least recently read are closed and opened again on demand.", 64)
 
     def __post_init__(self) -> None:
         _positive_int(self, "segment_size_bytes", minimum=4096)
@@ -85,6 +88,7 @@ class StoreConfig:
         _positive_int(self, "producer_expiry_ms")
         _positive_int(self, "max_frame_bytes", minimum=1024)
         _positive_int(self, "max_open_queue_files")
+        _positive_int(self, "max_open_segments")
         if self.flush_mode not in FLUSH_MODES:
             raise ConfigError(
                 f"flush_mode must be one of {FLUSH_MODES}, got {self.flush_mode!r}")

@@ -76,6 +76,13 @@ class RequestTimeoutError(RayMQError, TimeoutError):
     retriable = True
 
 
+class QuotaExceededError(RayMQError):
+    """A documented quota (``max_topics``, ``max_groups``) would be passed; nothing was
+    created.  Not retriable until something is removed or the quota raised."""
+
+    code = "QUOTA_EXCEEDED"
+
+
 # -- the cluster: connecting, deploying, the data channel
 
 

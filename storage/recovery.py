@@ -134,7 +134,8 @@ def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: _Re
     _delete_queue_files(queues.root)
     crash_point("rebuild.deleted")
     queues = QueueIndex(queues.root, queues.files.configured_limit)
-    commit_log = CommitLog(commit_log.directory, segment_size_bytes)
+    commit_log = CommitLog(commit_log.directory, segment_size_bytes,
+                           commit_log.max_open_segments)
     replay = _Replay(queues, ProducerTable())
     commit_log.open(0, replay.frame)
     replay.cut_open_put(commit_log, directory)

@@ -102,7 +102,8 @@ class MessageStore:
         self.offsets = OffsetStore(os.path.join(directory, "offsets.json"))
         recovered = recover(
             directory,
-            CommitLog(os.path.join(directory, "commitlog"), self.config.segment_size_bytes),
+            CommitLog(os.path.join(directory, "commitlog"), self.config.segment_size_bytes,
+                      self.config.max_open_segments),
             QueueIndex(os.path.join(directory, "consumequeue"), self.config.max_open_queue_files),
             checkpoint_path=self._checkpoint_path,
             segment_size_bytes=self.config.segment_size_bytes)

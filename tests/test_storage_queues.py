@@ -217,3 +217,52 @@ def test_readers_and_a_writer_share_few_open_files_without_reading_the_wrong_one
         assert all(bodies(store, *q) == [f"{q[0]}-{i}".encode() for i in range(80)]
                    for q in queues)
         assert store._cq.files.open_count <= 2
+
+
+def open_segments(directory) -> int:
+    root = os.path.join(str(directory), "commitlog") + os.sep
+    return sum(1 for fd in os.listdir("/proc/self/fd") if fd_path(int(fd)).startswith(root))
+
+
+def test_a_long_log_keeps_few_segments_open_and_reads_every_one(tmp_path):
+    """Every segment kept a descriptor for ever (a 1 TB log of 64 MiB segments: 16,000):
+    now the written segment and at most ``max_open_segments`` sealed ones are open, and
+    readers in other threads reopen what they need while the writer seals more."""
+    import random
+    import threading
+    cfg = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
+                      max_frame_bytes=4096 + 128 * 1024, max_open_segments=2, flush_mode="async")
+    errors, done, N = [], threading.Event(), 2000
+    with open_store(tmp_path, cfg) as store:
+        def read(seed):  # random old messages: reopened segments, the right bytes
+            rng = random.Random(seed)
+            try:
+                while not done.is_set():
+                    n = store.max_queue_offset("t", 0)
+                    if n:
+                        k = rng.randrange(n)
+                        [m] = store.read_queue("t", 0, k, 1)
+                        assert m.body == body(k, 3000), k
+            except BaseException as err:
+                errors.append(err)
+        readers = [threading.Thread(target=read, args=(s,)) for s in range(2)]
+        for t in readers:
+            t.start()
+        try:
+            for k in range(N):  # ~6 MB: ~23 segments
+                store.put(RecordBatch("t", 0, [body(k, 3000)]))
+                assert open_segments(tmp_path) <= 3
+        finally:
+            done.set()
+            for t in readers:
+                t.join()
+        assert errors == []
+        assert len(store._log.segments()) >= 15
+        assert [m.body for m in store.read_queue("t", 0, 0, N)] == [body(k, 3000)
+                                                                      for k in range(N)]
+        assert open_segments(tmp_path) <= 3
+    assert open_segments(tmp_path) == 0
+    with open_store(tmp_path, cfg) as store:  # recovery opens every segment once, keeps 3
+        assert open_segments(tmp_path) <= 3
+        assert [m.body for m in store.read_queue("t", 0, 0, N)] == [body(k, 3000)
+                                                                      for k in range(N)]
