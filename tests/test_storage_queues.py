@@ -2,6 +2,7 @@
 queues than open files allowed."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
@@ -179,40 +180,51 @@ print("OK")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
+@contextlib.contextmanager
+def readers_running(check_once, n: int = 2):
+    """``n`` threads calling ``check_once(rng)`` until the block ends; yields the list of
+    what they raised (checked by the caller after the block)."""
+    import random
+    import threading
+    errors, done = [], threading.Event()
+
+    def read(seed):
+        rng = random.Random(seed)
+        try:
+            while not done.is_set():
+                check_once(rng)
+        except BaseException as err:
+            errors.append(err)
+    readers = [threading.Thread(target=read, args=(s,)) for s in range(n)]
+    for t in readers:
+        t.start()
+    try:
+        yield errors
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+
+
 def test_readers_and_a_writer_share_few_open_files_without_reading_the_wrong_one(tmp_path):
     """With more queues than open files, reads in other threads reopen files while the
     writer's files are closed for room: nobody may read or write through a descriptor
     closed (and reused) under it."""
-    import random
-    import threading
     cfg = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
                       max_frame_bytes=4096 + 128 * 1024, max_open_queue_files=2,
                       flush_mode="async")
     queues = [(f"q{k}", 0) for k in range(6)]
-    errors, done = [], threading.Event()
     with open_store(tmp_path, cfg) as store:
-        def read(seed):
-            rng = random.Random(seed)
-            try:
-                while not done.is_set():
-                    topic, qid = rng.choice(queues)
-                    got = bodies(store, topic, qid)
-                    assert got == [f"{topic}-{i}".encode() for i in range(len(got))], got[:3]
-            except BaseException as err:
-                errors.append(err)
-        readers = [threading.Thread(target=read, args=(s,)) for s in range(2)]
-        for t in readers:
-            t.start()
-        try:
+        def read(rng):
+            topic, qid = rng.choice(queues)
+            got = bodies(store, topic, qid)
+            assert got == [f"{topic}-{i}".encode() for i in range(len(got))], got[:3]
+        with readers_running(read) as errors:
             for i in range(80):
                 for topic, qid in queues:
                     store.put(RecordBatch(topic, qid, [f"{topic}-{i}".encode()]))
                 if i % 30 == 29:
                     store.checkpoint()
-        finally:
-            done.set()
-            for t in readers:
-                t.join()
         assert errors == []
         assert all(bodies(store, *q) == [f"{q[0]}-{i}".encode() for i in range(80)]
                    for q in queues)
@@ -228,34 +240,20 @@ def test_a_long_log_keeps_few_segments_open_and_reads_every_one(tmp_path):
     """Every segment kept a descriptor for ever (a 1 TB log of 64 MiB segments: 16,000):
     now the written segment and at most ``max_open_segments`` sealed ones are open, and
     readers in other threads reopen what they need while the writer seals more."""
-    import random
-    import threading
     cfg = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
                       max_frame_bytes=4096 + 128 * 1024, max_open_segments=2, flush_mode="async")
-    errors, done, N = [], threading.Event(), 2000
+    N = 2000
     with open_store(tmp_path, cfg) as store:
-        def read(seed):  # random old messages: reopened segments, the right bytes
-            rng = random.Random(seed)
-            try:
-                while not done.is_set():
-                    n = store.max_queue_offset("t", 0)
-                    if n:
-                        k = rng.randrange(n)
-                        [m] = store.read_queue("t", 0, k, 1)
-                        assert m.body == body(k, 3000), k
-            except BaseException as err:
-                errors.append(err)
-        readers = [threading.Thread(target=read, args=(s,)) for s in range(2)]
-        for t in readers:
-            t.start()
-        try:
+        def read(rng):  # random old messages: reopened segments, the right bytes
+            n = store.max_queue_offset("t", 0)
+            if n:
+                k = rng.randrange(n)
+                [m] = store.read_queue("t", 0, k, 1)
+                assert m.body == body(k, 3000), k
+        with readers_running(read) as errors:
             for k in range(N):  # ~6 MB: ~23 segments
                 store.put(RecordBatch("t", 0, [body(k, 3000)]))
                 assert open_segments(tmp_path) <= 3
-        finally:
-            done.set()
-            for t in readers:
-                t.join()
         assert errors == []
         assert len(store._log.segments()) >= 15
         assert [m.body for m in store.read_queue("t", 0, 0, N)] == [body(k, 3000)
