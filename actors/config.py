@@ -139,6 +139,15 @@ class ClusterConfig(BaseModel):
     max_groups: StrictInt = Field(
         10_000, ge=1, description="Most consumer groups: a new group's first heartbeat or "
         "offset commit beyond it fails with QUOTA_EXCEEDED.")
+    num_coordinators: StrictInt = Field(
+        1, ge=1, le=255, description="Kafka-style transaction coordinators (transactional "
+        "ids hash over them).")
+    kafka_txn_timeout_ms: StrictInt = Field(
+        60_000, ge=1, description="A Kafka-style transaction open longer is aborted by its "
+        "coordinator (a producer may ask for its own).")
+    kafka_txn_check_interval_ms: StrictInt = Field(
+        1000, ge=1, description="How often a coordinator looks for transactions past their "
+        "timeout.")
     shard_max_concurrency: StrictInt = Field(
         32, ge=1, description="Concurrent calls a shard serves (threads).")
     txn_timeout_ms: StrictInt = Field(

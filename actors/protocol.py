@@ -45,6 +45,9 @@ class Prop:
     OP_STATE = "OP_STATE"
 
 
+#: A consumer's isolation (Kafka's ``isolation.level``); the first is the default.
+ISOLATIONS = ("read_committed", "read_uncommitted")
+
 SYSTEM_PROPERTIES = frozenset(v for k, v in vars(Prop).items() if not k.startswith("_"))
 
 TOPIC_NAME_RE = re.compile(r"[A-Za-z0-9_\-.|]{1,127}")  # a full match (no trailing newline)

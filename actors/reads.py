@@ -31,6 +31,8 @@ class QueueReads:
         self.metrics = metrics
         self._new_data = threading.Condition()
         self._data_version = 0
+        #: Kafka-style transactions (``KafkaTxnQueues``): LSOs and what a reader may see
+        self.txns = None
 
     def wake(self) -> None:
         """New data is stored: waiting pulls look again."""
@@ -39,12 +41,16 @@ class QueueReads:
             self._new_data.notify_all()
 
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int,
-             tags: dict[str, list[str]] | None) -> list[tuple]:
-        """Read several queues: [(topic, qid, offset, max)] -> [(topic, qid, batch, next, max)].
+             tags: dict[str, list[str]] | None, committed: bool = True) -> list[tuple]:
+        """Read several queues: [(topic, qid, offset, max)] -> [(topic, qid, batch, next, end)].
 
         Waits up to ``wait_ms`` for new data when every queue is empty (long
         polling).  ``tags`` filters by topic: only messages whose tag is listed.
-        An offset past the end is answered with the end as next offset.
+        An offset past the end is answered with the end as next offset.  Control
+        markers of Kafka-style transactions are never returned (``next`` passes
+        them); with ``committed`` (read_committed) a queue is read only up to its
+        last stable offset, which is its ``end`` then, and records of aborted
+        transactions are left out.
         """
         wait_ms = min(wait_ms, MAX_PULL_WAIT_MS)
         requests = [(t, q, o, min(n, MAX_PULL_MESSAGES)) for t, q, o, n in requests]
@@ -52,26 +58,30 @@ class QueueReads:
         while True:
             with self._new_data:
                 version = self._data_version
-            out, total = self._pull_once(requests, tags)
+            out, total = self._pull_once(requests, tags, committed)
             remaining_ms = deadline_ms - self.clock.monotonic_ms()
-            if total or remaining_ms <= 0:
+            moved = any(r[3] > req[2] for r, req in zip(out, requests))  # past markers
+            if total or moved or remaining_ms <= 0:
                 return out
             with self._new_data:
                 if self._data_version == version:
                     self._new_data.wait(remaining_ms / 1000.0)
 
-    def _pull_once(self, requests, tags):
+    def _pull_once(self, requests, tags, committed: bool = True):
         out, total = [], 0
         codes_of = {t: np.array([tags_hash(x) for x in wanted], np.int64)
                     for t, wanted in (tags or {}).items() if wanted}
+        txns = self.txns
         for topic, qid, offset, max_n in requests:
             if offset < 0:
                 raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
-            end = self.store.max_queue_offset(topic, qid)
+            real_end = self.store.max_queue_offset(topic, qid)
+            touched = txns is not None and txns.touched((topic, qid))
+            end = txns.lso((topic, qid), real_end) if touched and committed else real_end
             if offset >= end:
-                out.append((topic, qid, MessageBatch.empty(), min(offset, end), end))
+                out.append((topic, qid, MessageBatch.empty(), min(offset, real_end), end))
                 continue
-            entries = self.store.read_cq(topic, qid, offset, max_n)
+            entries = self.store.read_cq(topic, qid, offset, min(max_n, end - offset))
             if len(entries) > 1:  # at most PULL_MAX_BYTES of bodies a queue (one at least)
                 upto = np.cumsum(entries["size"])
                 entries = entries[:max(1, int(np.searchsorted(upto, PULL_MAX_BYTES, "right")))]
@@ -80,6 +90,10 @@ class QueueReads:
             if wanted:
                 entries = entries[np.isin(entries["tag"], codes_of[topic])]
             batch = self.store.messages_at(entries)
+            if touched and len(batch):
+                keep = txns.visible((topic, qid), batch.headers, committed)
+                if not keep.all():
+                    batch = _select(batch, np.nonzero(keep)[0].tolist())
             if wanted and len(batch):
                 keep = [i for i, t in enumerate(batch.tags or [None] * len(batch)) if t in wanted]
                 if len(keep) != len(batch):

@@ -42,9 +42,10 @@ from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
 from raymq.actors.group_offsets import GroupOffsets
 from raymq.actors.halves import HalfIndex, carries_halves
-from raymq.actors.protocol import (HALF_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
-                                   CheckRequest, EndOutcome, EndRequest, EndResult, SendReply,
-                                   check_group, retry_topic)
+from raymq.actors.ktx import KafkaTxnQueues
+from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
+                                   SYSTEM_PROPERTIES, CheckRequest, EndOutcome, EndRequest,
+                                   EndResult, SendReply, check_group, retry_topic)
 from raymq.actors.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_queues, check_send)
 from raymq.actors.reads import QueueReads, as_delivered, stored_message
@@ -85,6 +86,8 @@ class BrokerShard:
                                      self.reads.wake)
         self.dead_letters = DeadLetters(index, self.store, self.config, self._levels_ms,
                                         lambda *a: self._store_request(*a), self.metrics)
+        self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.commit, self.reads.wake)
+        self.reads.txns = self.ktx
         self.offsets.cut_back()
         self.halves.load()
         if background:
@@ -283,15 +286,21 @@ class BrokerShard:
 
     # ------------------------------------------------- reads and offsets
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int = 0,
-             tags: dict[str, list[str]] | None = None, group: str | None = None) -> list[tuple]:
+             tags: dict[str, list[str]] | None = None, group: str | None = None,
+             isolation: str = "read_committed") -> list[tuple]:
         """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``): user
         topics this shard serves, and the retry topic of the consumer's own ``group``
-        (RayMQ's other topics have operator calls)."""
+        (RayMQ's other topics have operator calls).  ``isolation`` ``read_committed``
+        reads up to each queue's last stable offset and leaves out aborted Kafka-style
+        transactions; ``read_uncommitted`` reads everything written."""
         check_pull(requests, wait_ms, tags)
         if group is not None:
             check_group(group)
+        if isolation not in ISOLATIONS:
+            raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, "
+                                      f"got {isolation!r}")
         self._check_readable({(t, q) for t, q, _o, _n in requests}, group)
-        return self.reads.pull(requests, wait_ms, tags)
+        return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed")
 
     def _check_readable(self, queues: set, group: str | None) -> None:
         for topic, qid in queues:
@@ -362,6 +371,53 @@ class BrokerShard:
         """Send dead letters back to the group's retry topic (``DeadLetters.resend``)."""
         return self.dead_letters.resend(group, phys_offsets)
 
+    # ------------------------------------------- Kafka-style transactions
+    def ktx_register(self, producer_id: int, epoch: int, queues: list, groups=()) -> None:
+        """The coordinator adds queues and groups to a producer's transaction here."""
+        check_queues(queues)
+        for g in groups:
+            check_group(g)
+        queues = [(t, q) for t, q in queues]
+        self.routes.check(set(queues))
+        self.ktx.register(producer_id, epoch, queues, list(groups))
+
+    def ktx_send(self, batch: RecordBatch, producer_id: int, epoch: int,
+                 sequence: int) -> SendReply:
+        """A Kafka-style transactional write (``KafkaTxnQueues.send``): all or nothing."""
+        check_send(batch, producer_id, sequence, None)
+        if batch is None or not len(batch):
+            raise InvalidMessageError("a transactional write needs messages")
+        refused = refusals(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
+        if refused:
+            raise InvalidMessageError(f"message {min(refused)}: {refused[min(refused)]}")
+        if batch.properties is not None and diverts(batch.properties):
+            raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
+                                      "transaction")
+        self.routes.check(set(zip(batch.column("topics"), batch.column("queue_ids"))))
+        t0 = self.clock.monotonic_ms()
+        res = self.ktx.send(batch, producer_id, epoch, sequence, lambda b, pid, seq: (
+            self.store.put(b, producer_id=pid, sequence=seq)))
+        self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
+        return self._sent(batch, res, res.status)
+
+    def ktx_offsets(self, producer_id: int, epoch: int, group: str, offsets: dict) -> None:
+        """A group's next offsets, to commit with the producer's transaction."""
+        check_group(group)
+        check_offsets(offsets)
+        self._check_readable(set(offsets), group)
+        for (t, q), off in offsets.items():
+            if off > self.store.max_queue_offset(t, q):
+                raise OffsetOutOfRangeError(f"offset {off} is past the end of {t}/{q}")
+        self.ktx.add_offsets(producer_id, epoch, group, dict(offsets))
+
+    def ktx_end(self, producer_id: int, epoch: int, outcome: str) -> dict:
+        """The coordinator ends a producer's transaction here: markers, offsets."""
+        return self.ktx.end(producer_id, epoch, outcome)
+
+    def ktx_status(self) -> list[dict]:
+        """Open Kafka-style transactions on this shard (``raymq tx hanging``)."""
+        return self.ktx.status(self.clock.now_ms())
+
     # ---------------------------------------------------------------- admin
     def ping(self) -> dict:
         return {"shard": self.index, "directory": self.directory, "pid": os.getpid()}
@@ -375,7 +431,8 @@ class BrokerShard:
 #: The calls clients and operators make: a malformed one is answered in one line.
 _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
                  "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",
-                 "get_message", "find_by_key", "send_back", "dlq_list", "dlq_resend")
+                 "get_message", "find_by_key", "send_back", "dlq_list", "dlq_resend",
+                 "ktx_register", "ktx_send", "ktx_offsets", "ktx_end")
 for _name in _PUBLIC_CALLS:
     setattr(BrokerShard, _name, answers_in_one_line(getattr(BrokerShard, _name)))
 

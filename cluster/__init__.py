@@ -6,8 +6,11 @@ This package (the card's ``cluster/`` folder) is the client layer; the broker is
 from raymq.actors.config import ClusterConfig
 from raymq.message import Message, MessageExt, SendResult, SendStatus
 from raymq.storage.errors import (BrokerUnavailableError, ChannelRefusedError,
-                                  ChannelTLSError, ConfigError, ConfigMismatchError,
-                                  CorruptLogError, InvalidMessageError, MessageTooLargeError,
+                                  ChannelTLSError, ConcurrentTransactionsError, ConfigError,
+                                  ConfigMismatchError, CorruptLogError, InvalidMessageError,
+                                  InvalidTxnStateError, MessageTooLargeError,
+                                  OutOfOrderSequenceError, ProducerFencedError,
+                                  TransactionAbortedError,
                                   NotDeployedError, OffsetOutOfRangeError,
                                   ProtocolVersionError, QuotaExceededError, RayAuthError,
                                   RayMQError, RayUnreachableError, RequestTimeoutError,
@@ -21,7 +24,8 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "OffsetOutOfRangeError", "BrokerUnavailableError", "RequestTimeoutError",
            "NotDeployedError", "ConfigMismatchError", "RayUnreachableError", "RayAuthError",
            "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError",
-           "QuotaExceededError"]
+           "QuotaExceededError", "ProducerFencedError", "TransactionAbortedError",
+           "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

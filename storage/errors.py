@@ -83,6 +83,43 @@ class QuotaExceededError(RayMQError):
     code = "QUOTA_EXCEEDED"
 
 
+# -- Kafka-style transactions
+
+
+class ProducerFencedError(RayMQError):
+    """A newer instance of this transactional id started (its epoch is higher): this one
+    may not send, send offsets or commit any more; its open transaction was aborted."""
+
+    code = "PRODUCER_FENCED"
+
+
+class TransactionAbortedError(RayMQError):
+    """The transaction was aborted (its timeout passed, an operator aborted it, or a
+    newer producer instance fenced it) before it could commit; nothing of it is visible."""
+
+    code = "TRANSACTION_ABORTED"
+
+
+class InvalidTxnStateError(RayMQError):
+    """A transaction call out of order (e.g. a commit with no transaction begun, a write to
+    a queue not registered in the ongoing transaction)."""
+
+    code = "INVALID_TXN_STATE"
+
+
+class ConcurrentTransactionsError(RayMQError):
+    """The previous transaction of this producer is still being completed; retry shortly."""
+
+    code = "CONCURRENT_TRANSACTIONS"
+    retriable = True
+
+
+class OutOfOrderSequenceError(RayMQError):
+    """A transactional write skipped a sequence number (an earlier write is missing)."""
+
+    code = "OUT_OF_ORDER_SEQUENCE"
+
+
 # -- the cluster: connecting, deploying, the data channel
 
 

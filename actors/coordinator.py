@@ -1,0 +1,351 @@
+"""TransactionCoordinator: Kafka-style transactions of the transactional ids hashed to it
+(seed 002): producer ids and epochs, the transaction state machine (``txn_state``) kept
+in a durable transaction log on the storage engine, and two-phase commit over shards.
+
+Commit: the coordinator logs PREPARE_COMMIT (the point of no return), has every shard
+of the transaction write its commit markers (``BrokerShard.ktx_end``, in parallel),
+then logs COMPLETE_COMMIT with the epoch bumped (KIP-890: a late write or marker of the
+finished transaction is fenced).  Abort is the same with ABORT.  Every state is logged
+(fsync) before it is acted on or answered.  On restart the log is replayed (the newest
+record of each transactional id wins) and every transaction found in PREPARE_COMMIT or
+PREPARE_ABORT is completed; a background loop aborts transactions open longer than
+their timeout.  A second ``init_producer`` of the same id bumps the epoch: the old
+instance is fenced and its open transaction aborted.
+
+Each call is idempotent for its own retry (Ray resends calls in flight to a restarted
+actor): a commit asked again after it completed answers the same.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from raymq.actors.config import ClusterConfig
+from raymq.actors.protocol import check_group
+from raymq.actors.txn_state import TxnMetadata, TxnState, init_producer, transition
+from raymq.storage import MessageStore, RecordBatch
+from raymq.storage.clock import Clock, SystemClock
+from raymq.storage.errors import (ConcurrentTransactionsError, InvalidMessageError,
+                                  InvalidTxnStateError, ProducerFencedError, RayMQError,
+                                  RequestTimeoutError, TransactionAbortedError)
+from raymq.storage.store import PutStatus
+
+log = logging.getLogger("raymq.coordinator")
+
+TXN_LOG_TOPIC = "RMQ_SYS_TXN_LOG"
+OUTCOME_STATES = {"COMMIT": (TxnState.PREPARE_COMMIT, TxnState.COMPLETE_COMMIT),
+                  "ABORT": (TxnState.PREPARE_ABORT, TxnState.COMPLETE_ABORT)}
+_TXN_ID_MAX = 255
+
+
+def coordinator_for(transactional_id: str, num_coordinators: int) -> int:
+    """The coordinator of a transactional id."""
+    return zlib.crc32(transactional_id.encode()) % num_coordinators
+
+
+def check_transactional_id(tid) -> str:
+    if not isinstance(tid, str) or not 0 < len(tid) <= _TXN_ID_MAX or any(
+            c in tid for c in "\n\r\x00"):
+        raise InvalidMessageError(f"invalid transactional id {tid!r}: 1-{_TXN_ID_MAX} "
+                                  "characters, no line breaks")
+    return tid
+
+
+def group_entry(shard: int, group: str) -> str:
+    """How a group whose offsets a transaction commits on ``shard`` is kept in its metadata."""
+    return f"{shard}:{group}"
+
+
+def shards_of(meta: TxnMetadata) -> dict[int, tuple[list, list]]:
+    """shard -> (its queues, its groups) in the transaction."""
+    out: dict[int, tuple[list, list]] = {}
+    for shard, topic, qid in sorted(meta.queues):
+        out.setdefault(shard, ([], []))[0].append((topic, qid))
+    for entry in sorted(meta.groups):
+        shard, _, group = entry.partition(":")
+        out.setdefault(int(shard), ([], []))[1].append(group)
+    return out
+
+
+class TransactionCoordinator:
+    def __init__(self, index: int, config: dict | ClusterConfig, *,
+                 call_shard: Callable, clock: Clock | None = None, background: bool = True):
+        self.index = index
+        self.config = config if isinstance(config, ClusterConfig) else \
+            ClusterConfig.from_dict(config)
+        self.clock = clock or SystemClock()
+        self._call_shard = call_shard  # (shard, method, *args) -> result
+        self.directory = os.path.join(self.config.resolved_data_dir(), f"coordinator-{index}")
+        self.store = MessageStore(self.directory, self.config.store_config(), self.clock,
+                                  background=background)
+        self._txns: dict[str, TxnMetadata] = {}
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._last_counter = 0
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="raymq-markers")
+        self._stop = threading.Event()
+        self.completed_on_start = 0
+        self._load()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"raymq-coordinator-{index}")
+            self._thread.start()
+
+    # ------------------------------------------------------------- the log
+    def _load(self) -> None:
+        end = self.store.max_queue_offset(TXN_LOG_TOPIC, 0)
+        offset = 0
+        while offset < end:
+            for m in self.store.read_queue(TXN_LOG_TOPIC, 0, offset, 1000):
+                offset = m.queue_offset + 1
+                try:
+                    meta = TxnMetadata.from_json(m.body)
+                except RayMQError as err:  # skip-and-log, as every recovery does
+                    log.error("coordinator-%d: skipped a log record: %s", self.index, err)
+                    continue
+                self._txns[meta.transactional_id] = meta
+                self._last_counter = max(self._last_counter, meta.producer_id >> 8)
+        if self._txns:
+            log.info("coordinator-%d: %d transactional ids from its log", self.index,
+                     len(self._txns))
+
+    def _append(self, meta: TxnMetadata) -> None:
+        res = self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()],
+                                         keys=[meta.transactional_id]))
+        if res.status is not PutStatus.PUT_OK:
+            raise RequestTimeoutError("the transaction log write did not reach the disk "
+                                      "within flush_timeout_ms; retry")
+        self._txns[meta.transactional_id] = meta
+
+    def _txn_lock(self, tid: str) -> threading.Lock:
+        with self._lock:
+            lock = self._locks.get(tid)
+            if lock is None:
+                lock = self._locks[tid] = threading.Lock()
+            return lock
+
+    def _new_producer_id(self) -> int:
+        with self._lock:
+            self._last_counter += 1
+            return (self._last_counter << 8) | (self.index & 0xFF)
+
+    # --------------------------------------------------------- producer calls
+    def init_producer(self, transactional_id: str, timeout_ms: int | None = None) -> tuple:
+        """(producer id, epoch) for a transactional producer starting: a known id gets
+        its producer id with the next epoch (fencing the instance before it, whose open
+        transaction is aborted first)."""
+        check_transactional_id(transactional_id)
+        timeout_ms = self.config.kafka_txn_timeout_ms if timeout_ms is None else timeout_ms
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
+            raise InvalidMessageError(f"transaction timeout must be a positive int of ms, "
+                                      f"got {timeout_ms!r}")
+        with self._txn_lock(transactional_id):
+            meta = self._txns.get(transactional_id)
+            if meta is not None and meta.state in (TxnState.PREPARE_COMMIT,
+                                                   TxnState.PREPARE_ABORT):
+                meta = self._complete(meta)  # a transaction left half-done: finish it
+            new, must = init_producer(meta, transactional_id, self._new_producer_id(),
+                                      timeout_ms, self.clock.now_ms())
+            self._append(new)
+            if must is not None:  # it had one open: aborted (markers), then the new epoch
+                new, _ = init_producer(self._complete(new), transactional_id,
+                                       self._new_producer_id(), timeout_ms, self.clock.now_ms())
+                self._append(new)
+            return new.producer_id, new.epoch
+
+    def _current(self, tid: str, producer_id: int, epoch: int) -> TxnMetadata:
+        meta = self._txns.get(tid)
+        if meta is None:
+            raise InvalidTxnStateError(f"transactional id {tid!r} is not initialised "
+                                       f"(init_producer first)")
+        if producer_id != meta.producer_id or epoch < meta.epoch:
+            raise ProducerFencedError(f"transactional id {tid!r}: producer {producer_id} "
+                                      f"epoch {epoch} is fenced by epoch {meta.epoch}")
+        if epoch > meta.epoch:
+            raise InvalidTxnStateError(f"transactional id {tid!r}: epoch {epoch} was never "
+                                       f"given (current {meta.epoch})")
+        if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+            raise ConcurrentTransactionsError(f"transactional id {tid!r}: the previous "
+                                              f"transaction is still completing")
+        return meta
+
+    def add_to_transaction(self, transactional_id: str, producer_id: int, epoch: int,
+                           queues: list, groups: list = ()) -> int:
+        """Add ``queues`` [(shard, topic, queue id)] and ``groups`` [(shard, group)] to the
+        producer's transaction (begun by the first); each shard registers them before
+        this returns.  Returns the epoch."""
+        queues = {(int(s), t, int(q)) for s, t, q in queues}
+        entries = set()
+        for shard, group in groups:
+            check_group(group)
+            entries.add(group_entry(int(shard), group))
+        for shard, _t, _q in queues:
+            self._check_shard(shard)
+        with self._txn_lock(transactional_id):
+            meta = self._current(transactional_id, producer_id, epoch)
+            if meta.state is TxnState.ONGOING and queues <= meta.queues and \
+                    entries <= meta.groups:
+                return meta.epoch
+            new = transition(meta, TxnState.ONGOING, self.clock.now_ms(),
+                             queues=queues - meta.queues, groups=entries - meta.groups)
+            self._append(new)
+            added = TxnMetadata(transactional_id, producer_id, epoch, new.timeout_ms,
+                                TxnState.ONGOING, frozenset(queues - meta.queues),
+                                frozenset(entries - meta.groups))
+            self._on_shards(added, "ktx_register", lambda queues_, groups_: (
+                producer_id, epoch, queues_, groups_))
+            return new.epoch
+
+    def end_transaction(self, transactional_id: str, producer_id: int, epoch: int,
+                        outcome: str) -> int:
+        """Commit or abort the producer's transaction; returns the producer's next epoch.
+        ``TransactionAbortedError`` when it was aborted before this commit (timeout,
+        operator, fencing)."""
+        if outcome not in OUTCOME_STATES:
+            raise InvalidMessageError(f"outcome must be COMMIT or ABORT, got {outcome!r}")
+        with self._txn_lock(transactional_id):
+            meta = self._txns.get(transactional_id)
+            if meta is not None and meta.producer_id == producer_id \
+                    and epoch == meta.epoch - 1 and meta.state in (TxnState.COMPLETE_COMMIT,
+                                                                   TxnState.COMPLETE_ABORT):
+                done = "COMMIT" if meta.state is TxnState.COMPLETE_COMMIT else "ABORT"
+                if done == outcome:  # a retry of an end that completed
+                    return meta.epoch
+                if outcome == "COMMIT":
+                    raise TransactionAbortedError(
+                        f"transactional id {transactional_id!r}: its transaction was "
+                        f"aborted before the commit (timeout or operator)")
+            meta = self._current(transactional_id, producer_id, epoch)
+            if meta.state is not TxnState.ONGOING:  # nothing sent: nothing to end
+                return meta.epoch
+            prepare = transition(meta, OUTCOME_STATES[outcome][0], self.clock.now_ms())
+            self._append(prepare)
+            return self._complete(prepare).epoch
+
+    def _complete(self, prepare: TxnMetadata) -> TxnMetadata:
+        """Markers on every shard of a prepared transaction, then its COMPLETE state."""
+        commit = prepare.state is TxnState.PREPARE_COMMIT
+        done_state = TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT
+        done = transition(prepare, done_state, self.clock.now_ms())
+        outcome = "COMMIT" if commit else "ABORT"
+        # the markers carry the next epoch: a late write of this transaction is fenced
+        self._on_shards(prepare, "ktx_end", lambda _q, _g: (prepare.producer_id, done.epoch,
+                                                           outcome))
+        self._append(done)
+        return done
+
+    def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable) -> None:
+        """Call ``method`` on every shard of the transaction, in parallel; the first error
+        is raised once every call is done."""
+        calls = [(shard, self._pool.submit(self._call_shard, shard, method,
+                                           *args_of(queues, groups)))
+                 for shard, (queues, groups) in shards_of(meta).items()]
+        errors = []
+        for shard, fut in calls:
+            try:
+                fut.result()
+            except Exception as err:  # noqa: BLE001 -- raised below, after every call
+                errors.append((shard, err))
+        if errors:
+            shard, err = errors[0]
+            log.warning("coordinator-%d: %s of %r on shard-%d failed: %s", self.index, method,
+                        meta.transactional_id, shard, err)
+            raise err
+
+    def _check_shard(self, shard: int) -> None:
+        if not 0 <= shard < self.config.num_shards:
+            raise InvalidMessageError(f"no shard {shard} (the cluster has "
+                                      f"{self.config.num_shards})")
+
+    # ------------------------------------------------------- timeouts, restart
+    def _loop(self) -> None:
+        self._finish_prepared()
+        while not self._stop.wait(self.config.kafka_txn_check_interval_ms / 1000.0):
+            try:
+                self.abort_expired()
+            except Exception as err:  # noqa: BLE001 -- the loop must live on
+                log.warning("coordinator-%d: expiry round failed: %s", self.index, err)
+
+    def _finish_prepared(self) -> None:
+        """Complete the transactions a restart found prepared (retrying until the shards
+        answer)."""
+        while not self._stop.is_set():
+            pending = [tid for tid, m in list(self._txns.items())
+                       if m.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT)]
+            if not pending:
+                return
+            for tid in pending:
+                try:
+                    with self._txn_lock(tid):
+                        meta = self._txns[tid]
+                        if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+                            self._complete(meta)
+                            self.completed_on_start += 1
+                except Exception as err:  # noqa: BLE001 -- a shard restarting: again
+                    log.warning("coordinator-%d: completing %r failed: %s", self.index, tid,
+                                err)
+            self._stop.wait(0.5)
+
+    def abort_expired(self, now_ms: int | None = None) -> list[str]:
+        """Abort every transaction open longer than its timeout; their ids."""
+        now = self.clock.now_ms() if now_ms is None else now_ms
+        aborted = []
+        for tid, meta in list(self._txns.items()):
+            if meta.state is TxnState.ONGOING and meta.expired(now):
+                with self._txn_lock(tid):
+                    meta = self._txns[tid]
+                    if meta.state is TxnState.ONGOING and meta.expired(now):
+                        log.warning("coordinator-%d: %r open for %d ms, past its timeout: "
+                                    "aborting it", self.index, tid, now - meta.start_ms)
+                        self._append(transition(meta, TxnState.PREPARE_ABORT, now))
+                        self._complete(self._txns[tid])
+                        aborted.append(tid)
+        return aborted
+
+    # ------------------------------------------------------------ operators
+    def list_transactions(self) -> list[dict]:
+        now = self.clock.now_ms()
+        return [self._describe(m, now) for _t, m in sorted(self._txns.items())]
+
+    def describe_transaction(self, transactional_id: str) -> dict:
+        meta = self._txns.get(transactional_id)
+        if meta is None:
+            raise InvalidTxnStateError(f"no transactional id {transactional_id!r} here")
+        return self._describe(meta, self.clock.now_ms())
+
+    @staticmethod
+    def _describe(meta: TxnMetadata, now: int) -> dict:
+        return {"transactional_id": meta.transactional_id, "producer_id": meta.producer_id,
+                "epoch": meta.epoch, "state": meta.state.name, "timeout_ms": meta.timeout_ms,
+                "age_ms": now - meta.start_ms if meta.start_ms >= 0 else None,
+                "queues": sorted([s, t, q] for s, t, q in meta.queues),
+                "groups": sorted(meta.groups)}
+
+    def abort_transaction(self, transactional_id: str) -> str:
+        """An operator aborts an open transaction (KIP-664); its final state's name."""
+        with self._txn_lock(transactional_id):
+            meta = self._txns.get(transactional_id)
+            if meta is None:
+                raise InvalidTxnStateError(f"no transactional id {transactional_id!r} here")
+            if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+                return self._complete(meta).state.name
+            if meta.state is not TxnState.ONGOING:
+                return meta.state.name
+            self._append(transition(meta, TxnState.PREPARE_ABORT, self.clock.now_ms()))
+            return self._complete(self._txns[transactional_id]).state.name
+
+    def ping(self) -> dict:
+        return {"coordinator": self.index, "pid": os.getpid(), "transactional_ids":
+                len(self._txns), "completed_on_start": self.completed_on_start}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._pool.shutdown(wait=True)
+        self.store.close()

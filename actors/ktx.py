@@ -1,0 +1,370 @@
+"""Kafka-style transactions on a shard (seed 002; KIP-890): which producers' transactions
+are open on which queues, each queue's last stable offset (LSO) and aborted-transaction
+index, the fencing of stale epochs, and the offsets a transaction commits for a group.
+
+The coordinator registers a transaction's queues here before the producer writes to
+them (``register``); a write to a queue not registered for the producer's current epoch
+is refused, so a late write of a timed-out transaction never slips into the next one.
+Every commit or abort ends with a control marker in each of its queues (``end``) and
+the coordinator bumps the epoch, so a late marker or write of the previous transaction
+is fenced.  Data records of a transaction carry ``SysFlag.TRANSACTIONAL`` and the
+producer id (in the record's ``prepared_offset``); markers carry ``SysFlag.CONTROL``,
+the producer id, and ``COMMIT``/``ABORT`` as body.
+
+State is rebuilt on restart from this shard's index topic (``KTX_INDEX_TOPIC``): a
+``begin`` record (the queues and where each was when registered: the LSO cannot pass
+it), ``offsets`` records (a group's offsets, pending until the commit) and an ``end``
+record (outcome and marker offsets), each written durably before it is answered.
+``KafkaTxns`` is the pure state; ``KafkaTxnQueues`` does the shard's I/O for it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
+                                  OutOfOrderSequenceError, ProducerFencedError,
+                                  RequestTimeoutError)
+from raymq.storage.records import Record, RecordBatch, SysFlag
+from raymq.storage.store import PutStatus
+
+log = logging.getLogger("raymq.ktx")
+
+KTX_INDEX_TOPIC = "RMQ_SYS_KTX_INDEX"
+#: Store-level producer ids of Kafka-style producers: one per (producer id, epoch), so
+#: that each epoch's sequences start at 1 (below the broker's own, from 2**62).
+KTX_STORE_PID_BASE = 1 << 61
+MAX_PRODUCER_ID = (1 << 40) - 1
+MAX_EPOCH = (1 << 15) - 1
+OUTCOMES = ("COMMIT", "ABORT")
+#: The offsets store's key of the last ``end`` record whose group offsets are applied.
+APPLIED_KEY = "ktx-applied@" + KTX_INDEX_TOPIC
+
+Queue = tuple[str, int]
+
+
+def ktx_store_pid(producer_id: int, epoch: int) -> int:
+    return KTX_STORE_PID_BASE + (producer_id << 15) + epoch
+
+
+def check_producer(producer_id, epoch) -> None:
+    if isinstance(producer_id, bool) or not isinstance(producer_id, int) \
+            or not 0 < producer_id <= MAX_PRODUCER_ID:
+        raise InvalidMessageError(f"invalid transactional producer id {producer_id!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
+        raise InvalidMessageError(f"invalid producer epoch {epoch!r}")
+
+
+@dataclass
+class OpenTxn:
+    """A producer's transaction open on this shard."""
+
+    epoch: int
+    queues: dict[Queue, int] = field(default_factory=dict)    # queue -> its end at registration
+    offsets: dict[str, dict[Queue, int]] = field(default_factory=dict)  # group -> offsets
+    begun_ms: int = 0
+
+
+class KafkaTxns:
+    """The pure state: epochs, open transactions, aborted ranges.  Not thread-safe."""
+
+    def __init__(self):
+        self.epochs: dict[int, int] = {}          # producer id -> highest epoch seen
+        self.open: dict[int, OpenTxn] = {}        # producer id -> its open transaction
+        self._aborted: dict[Queue, list[tuple[int, int, int]]] = defaultdict(list)
+        self._aborted_np: dict[Queue, np.ndarray] = {}
+        self._holding: dict[Queue, dict[int, int]] = defaultdict(dict)  # queue -> pid -> first
+        self.touched: set[Queue] = set()          # queues that ever took part in one
+
+    # ----------------------------------------------------------- checks
+    def check_epoch(self, producer_id: int, epoch: int) -> None:
+        known = self.epochs.get(producer_id, -1)
+        if epoch < known:
+            raise ProducerFencedError(f"producer {producer_id} epoch {epoch} is fenced: a newer "
+                                      f"instance has epoch {known}")
+
+    def check_send(self, producer_id: int, epoch: int, queues: set[Queue]) -> None:
+        """A transactional write: the producer's current epoch, every queue registered."""
+        check_producer(producer_id, epoch)
+        self.check_epoch(producer_id, epoch)
+        txn = self.open.get(producer_id)
+        if txn is None or txn.epoch != epoch:
+            raise InvalidTxnStateError(f"producer {producer_id} epoch {epoch} has no open "
+                                       f"transaction here (ended or never registered)")
+        missing = sorted(q for q in queues if q not in txn.queues)
+        if missing:
+            raise InvalidTxnStateError(f"producer {producer_id} epoch {epoch}: queue(s) "
+                                       f"{', '.join(f'{t}/{q}' for t, q in missing)} not "
+                                       f"registered in its transaction")
+
+    # ------------------------------------------------------------ apply
+    def apply(self, rec: dict) -> None:
+        """Apply one index record (live, after it is durable, or in a replay)."""
+        pid, epoch = rec["pid"], rec["epoch"]
+        kind = rec["k"]
+        if kind == "begin":
+            self.epochs[pid] = max(self.epochs.get(pid, -1), epoch)
+            txn = self.open.get(pid)
+            if txn is None or txn.epoch != epoch:
+                txn = self.open[pid] = OpenTxn(epoch, begun_ms=rec.get("ms", 0))
+            for t, q, first in rec["queues"]:
+                if (t, q) not in txn.queues:
+                    txn.queues[(t, q)] = first
+                    self._holding[(t, q)][pid] = first
+                    self.touched.add((t, q))
+            for g in rec.get("groups", ()):
+                txn.offsets.setdefault(g, {})
+        elif kind == "offsets":
+            txn = self.open.get(pid)
+            if txn is not None and txn.epoch == epoch:
+                got = txn.offsets.setdefault(rec["group"], {})
+                got.update({(t, q): off for t, q, off in rec["offsets"]})
+        elif kind == "end":  # (its markers carry the epoch after it: "fence")
+            self.epochs[pid] = max(self.epochs.get(pid, -1), epoch, rec.get("fence", epoch))
+            txn = self.open.get(pid)
+            if txn is None or txn.epoch != epoch:
+                return
+            del self.open[pid]
+            markers = {(t, q): off for t, q, off in rec["markers"]}
+            for queue, first in txn.queues.items():
+                self._holding[queue].pop(pid, None)
+                if rec["outcome"] == "ABORT":
+                    self._aborted[queue].append((pid, first, markers.get(queue, 2**62)))
+                    self._aborted_np.pop(queue, None)
+        else:
+            raise ValueError(f"unknown index record kind {kind!r}")
+
+    # ------------------------------------------------------------ reads
+    def lso(self, queue: Queue, end: int) -> int:
+        """The last stable offset: the first offset of the oldest open transaction on the
+        queue (registered there), else its end."""
+        held = self._holding.get(queue)
+        return min(min(held.values()), end) if held else end
+
+    def holders(self, queue: Queue) -> dict[int, int]:
+        return dict(self._holding.get(queue, {}))
+
+    def visible(self, queue: Queue, headers: np.ndarray, committed: bool) -> np.ndarray:
+        """Which records of ``headers`` a reader gets: never a marker; with ``committed``,
+        never a record of an aborted transaction."""
+        keep = (headers["flags"] & SysFlag.CONTROL) == 0
+        if committed and queue in self._aborted:
+            ranges = self._aborted_np.get(queue)
+            if ranges is None:
+                ranges = self._aborted_np[queue] = np.array(self._aborted[queue], np.int64)
+            tx = np.nonzero((headers["flags"] & SysFlag.TRANSACTIONAL) != 0)[0]
+            for i in tx:
+                pid, off = headers["prepared_offset"][i], headers["queue_offset"][i]
+                if np.any((ranges[:, 0] == pid) & (ranges[:, 1] <= off) & (off < ranges[:, 2])):
+                    keep[i] = False
+        return keep
+
+    def aborted_count(self) -> int:
+        return sum(len(v) for v in self._aborted.values())
+
+
+def encode(rec: dict) -> bytes:
+    return json.dumps(rec, separators=(",", ":")).encode()
+
+
+def decode(body: bytes) -> dict | None:
+    """An index record, or None (logged) when it cannot be parsed."""
+    try:
+        rec = json.loads(body)
+        if rec["k"] not in ("begin", "offsets", "end"):
+            raise ValueError(rec["k"])
+        int(rec["pid"]), int(rec["epoch"])
+        return rec
+    except Exception as err:  # noqa: BLE001 -- skip-and-log, as the other recoveries do
+        log.error("Kafka-style transaction index: skipped a record it cannot parse: %s", err)
+        return None
+
+
+class KafkaTxnQueues:
+    """A shard's Kafka-style transactions: ``KafkaTxns`` plus the store I/O (index
+    records, markers, offsets).  ``lock`` guards the state; puts happen under it."""
+
+    def __init__(self, store, clock, save_offsets: Callable[[str, dict], None],
+                 wake: Callable[[], None]):
+        self.store = store
+        self.clock = clock
+        self._save_offsets = save_offsets   # (group, {(topic, q): offset}) -> None
+        self._wake = wake
+        self.state = KafkaTxns()
+        self.lock = threading.RLock()  # the state (short holds); producers' own locks below
+        self._locks: dict[int, threading.Lock] = {}
+        self._recover()
+
+    def _recover(self) -> None:
+        end = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
+        applied = self.store.offsets.get(APPLIED_KEY)
+        offset, redo = 0, []
+        while offset < end:
+            for m in self.store.read_queue(KTX_INDEX_TOPIC, 0, offset, 1000):
+                offset = m.queue_offset + 1
+                rec = decode(m.body)
+                if rec is None:
+                    continue
+                if rec["k"] == "end" and rec["outcome"] == "COMMIT" and m.queue_offset > applied:
+                    txn = self.state.open.get(rec["pid"])
+                    if txn is not None and txn.epoch == rec["epoch"] and txn.offsets:
+                        redo.append((m.queue_offset, txn.offsets))
+                self.state.apply(rec)
+        for index_offset, offsets in redo:  # a commit whose offsets were not saved yet
+            self._apply_offsets(offsets, index_offset)
+        if end:
+            log.info("Kafka-style transactions: %d open, %d aborted ranges, from %d index "
+                     "records", len(self.state.open), self.state.aborted_count(), end)
+
+    def _append(self, rec: dict) -> int:
+        """Write an index record durably; its queue offset."""
+        res = self.store.put(RecordBatch(KTX_INDEX_TOPIC, 0, [encode(rec)]))
+        if res.status is not PutStatus.PUT_OK:
+            raise RequestTimeoutError("the transaction index write did not reach the disk "
+                                      "within flush_timeout_ms; retry")
+        return int(res.queue_offset_array[0])
+
+    def _producer_lock(self, producer_id: int) -> threading.Lock:
+        """Serialises one producer's writes, registrations and markers (a write checked
+        before a marker is stored before it); other producers' go on meanwhile."""
+        with self.lock:
+            lock = self._locks.get(producer_id)
+            if lock is None:
+                lock = self._locks[producer_id] = threading.Lock()
+            return lock
+
+    # ------------------------------------------------------- coordinator calls
+    def register(self, producer_id: int, epoch: int, queues: list[Queue],
+                 groups: list[str]) -> None:
+        """The coordinator adds queues (and groups) to a producer's open transaction."""
+        check_producer(producer_id, epoch)
+        with self._producer_lock(producer_id):
+            with self.lock:
+                self.state.check_epoch(producer_id, epoch)
+                txn = self.state.open.get(producer_id)
+                if txn is not None and txn.epoch != epoch:
+                    raise InvalidTxnStateError(f"producer {producer_id}: epoch {txn.epoch}'s "
+                                               f"transaction is still open here; end it first")
+                new = [(t, q) for t, q in dict.fromkeys(map(tuple, queues))
+                       if txn is None or (t, q) not in txn.queues]
+                new_groups = [g for g in groups if txn is None or g not in txn.offsets]
+                if not new and not new_groups and txn is not None:
+                    return
+            rec = {"k": "begin", "pid": producer_id, "epoch": epoch, "ms": self.clock.now_ms(),
+                   "queues": [[t, q, self.store.max_queue_offset(t, q)] for t, q in new],
+                   "groups": new_groups}
+            self._append(rec)
+            with self.lock:
+                self.state.apply(rec)
+
+    def end(self, producer_id: int, epoch: int, outcome: str) -> dict:
+        """Write the markers of a producer's transaction open here with ``epoch`` or an
+        older one (idempotent: nothing when none is open); the producer's epochs before
+        ``epoch`` are fenced from now on.  On COMMIT its groups' offsets take effect."""
+        check_producer(producer_id, epoch)
+        if outcome not in OUTCOMES:
+            raise InvalidMessageError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        with self._producer_lock(producer_id):
+            with self.lock:
+                txn = self.state.open.get(producer_id)
+                if txn is None or epoch < txn.epoch:
+                    self.state.epochs[producer_id] = max(epoch, self.state.epochs.get(
+                        producer_id, -1))
+                    return {"markers": 0}
+            queues = sorted(txn.queues)
+            markers = {}
+            if queues:
+                batch = RecordBatch.from_records([
+                    Record(t, q, outcome.encode(), flags=int(SysFlag.CONTROL),
+                           prepared_offset=producer_id) for t, q in queues])
+                res = self.store.put(batch)
+                markers = dict(zip(queues, res.queue_offset_array.tolist()))
+            rec = {"k": "end", "pid": producer_id, "epoch": txn.epoch, "fence": epoch,
+                   "outcome": outcome,
+                   "markers": [[t, q, off] for (t, q), off in markers.items()]}
+            index_offset = self._append(rec)
+            offsets = txn.offsets
+            with self.lock:
+                self.state.apply(rec)
+            if outcome == "COMMIT" and any(offsets.values()):
+                self._apply_offsets(offsets, index_offset)
+        self._wake()
+        return {"markers": len(markers)}
+
+    def _apply_offsets(self, offsets: dict[str, dict[Queue, int]], index_offset: int) -> None:
+        for group, values in offsets.items():
+            if values:
+                self._save_offsets(group, values)
+        self.store.save_offsets({APPLIED_KEY: index_offset})
+
+    # ---------------------------------------------------------- producer calls
+    def send(self, batch: RecordBatch, producer_id: int, epoch: int, sequence: int,
+             put: Callable) -> object:
+        """A transactional write: checked (epoch, registration, sequence), stamped, stored
+        idempotently per (producer, epoch); ``put(batch, store_pid, sequence)`` stores."""
+        queues = set(zip(batch.column("topics"), batch.column("queue_ids"))) \
+            if isinstance(batch.topics, list) or isinstance(batch.queue_ids, list) \
+            else {(batch.topics, batch.queue_ids)}
+        store_pid = ktx_store_pid(producer_id, epoch) if 0 < producer_id <= MAX_PRODUCER_ID \
+            else 0
+        with self._producer_lock(producer_id) if store_pid else self.lock:
+            with self.lock:
+                self.state.check_send(producer_id, epoch, queues)
+            last = self.store.last_sequence(store_pid)
+            if sequence > last + 1:
+                raise OutOfOrderSequenceError(
+                    f"producer {producer_id} epoch {epoch}: sequence {sequence} after {last} "
+                    f"(a write between them is missing)")
+            batch.flags = int(SysFlag.TRANSACTIONAL)
+            batch.prepared_offsets = producer_id
+            return put(batch, store_pid, sequence)
+
+    def add_offsets(self, producer_id: int, epoch: int, group: str,
+                    offsets: dict[Queue, int]) -> None:
+        """A group's next offsets, committed with the producer's transaction."""
+        check_producer(producer_id, epoch)
+        with self._producer_lock(producer_id):
+            with self.lock:
+                self.state.check_epoch(producer_id, epoch)
+                txn = self.state.open.get(producer_id)
+                if txn is None or txn.epoch != epoch or group not in txn.offsets:
+                    raise InvalidTxnStateError(f"producer {producer_id} epoch {epoch}: group "
+                                               f"{group!r} is not registered in its "
+                                               f"transaction")
+            rec = {"k": "offsets", "pid": producer_id, "epoch": epoch, "group": group,
+                   "offsets": [[t, q, off] for (t, q), off in offsets.items()]}
+            self._append(rec)
+            with self.lock:
+                self.state.apply(rec)
+
+    # ------------------------------------------------------------- reads
+    def touched(self, queue: Queue) -> bool:
+        """Whether the queue ever took part in a transaction (else reads skip the filter)."""
+        return queue in self.state.touched
+
+    def lso(self, queue: Queue, end: int) -> int:
+        with self.lock:
+            return self.state.lso(queue, end)
+
+    def visible(self, queue: Queue, headers, committed: bool):
+        with self.lock:
+            return self.state.visible(queue, headers, committed)
+
+    # ------------------------------------------------------------- views
+    def status(self, now_ms: int) -> list[dict]:
+        with self.lock:
+            out = []
+            for pid, txn in sorted(self.state.open.items()):
+                out.append({"producer_id": pid, "epoch": txn.epoch,
+                            "age_ms": now_ms - txn.begun_ms if txn.begun_ms else None,
+                            "queues": {f"{t}/{q}": {"first": first,
+                                                    "end": self.store.max_queue_offset(t, q)}
+                                       for (t, q), first in sorted(txn.queues.items())},
+                            "groups": sorted(txn.offsets)})
+            return out
