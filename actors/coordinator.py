@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from raymq.actors.config import ClusterConfig
+from raymq.actors.faults import faults_named
 from raymq.actors.protocol import check_group
 from raymq.actors.txn_state import TxnMetadata, TxnState, init_producer, transition
 from raymq.storage import MessageStore, RecordBatch
@@ -338,6 +339,11 @@ class TransactionCoordinator:
                 return meta.state.name
             self._append(transition(meta, TxnState.PREPARE_ABORT, self.clock.now_ms()))
             return self._complete(self._txns[transactional_id]).state.name
+
+    def set_fault(self, fault: str | None) -> None:
+        """Test hook: 'crash_at:POINT[:N]' kills this process at a storage crash point of
+        its log (``raymq.actors.faults``)."""
+        faults_named(fault)
 
     def ping(self) -> dict:
         return {"coordinator": self.index, "pid": os.getpid(), "transactional_ids":

@@ -151,6 +151,19 @@ class RayMQ:
         self._clients.append(p)
         return p
 
+    def transactional_producer(self, transactional_id: str, *, timeout_ms: int | None = None):
+        """A Kafka-style transactional producer (see ``raymq.kafka_producer``); a second
+        one with the same id fences the first.  ``timeout_ms``: its transactions' timeout
+        (default ``kafka_txn_timeout_ms``)."""
+        from raymq.kafka_producer import TransactionalProducer
+        p = TransactionalProducer(self, transactional_id, timeout_ms=timeout_ms)
+        self._clients.append(p)
+        return p
+
+    def coordinator_handle(self, index: int):
+        """The Ray handle of transaction coordinator ``index``."""
+        return deployment.get_coordinator(index)
+
     def registry_handle(self, group: str):
         """The Ray handle of the registry of producer group ``group``."""
         from raymq.actors.checker import registry_for
@@ -160,12 +173,14 @@ class RayMQ:
         """The Ray handles of the check-back workers."""
         return [deployment.get_checker(i) for i in range(self.config.num_checkers)]
 
-    def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_uncommitted",
+    def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_committed",
                  tags=None, ordered: bool = False, start_from: str = "earliest",
-                 read_only: bool = False) -> Consumer:
-        """A consumer of ``group`` (``read_only``: a peek that never commits)."""
+                 read_only: bool = False, auto_commit: bool = True) -> Consumer:
+        """A consumer of ``group`` (``read_only``: a peek that never commits;
+        ``auto_commit=False``: commits only when asked; see ``Consumer``)."""
         c = Consumer(self, group, topics, isolation=isolation, tags=tags, ordered=ordered,
-                     start_from=start_from, clock=self.clock, read_only=read_only)
+                     start_from=start_from, clock=self.clock, read_only=read_only,
+                     auto_commit=auto_commit)
         self._clients.append(c)
         return c
 
@@ -242,6 +257,49 @@ class Admin:
             raise InvalidMessageError("state must be 'commit' or 'rollback'")
         shard, phys = self._located(half_id)
         return self._mq.shard(shard).call("resolve_half", phys, wanted, timeout_s=60)
+
+    # ------------------------------------------- Kafka-style transactions (KIP-664)
+    def _coordinators(self):
+        return [rpc.CoordinatorClient(self._mq.coordinator_handle(j))
+                for j in range(self._mq.config.num_coordinators)]
+
+    def tx_list(self) -> list[dict]:
+        """Every transactional id the coordinators know: state, epoch, age, queues."""
+        out = []
+        for c in self._coordinators():
+            out += c.call("list_transactions", timeout_s=60)
+        return sorted(out, key=lambda t: t["transactional_id"])
+
+    def _coordinator_of(self, transactional_id: str):
+        from raymq.actors.coordinator import coordinator_for
+        return rpc.CoordinatorClient(self._mq.coordinator_handle(
+            coordinator_for(transactional_id, self._mq.config.num_coordinators)))
+
+    def tx_describe(self, transactional_id: str) -> dict:
+        return self._coordinator_of(transactional_id).call("describe_transaction",
+                                                           transactional_id, timeout_s=60)
+
+    def tx_abort(self, transactional_id: str) -> str:
+        """Abort an open transaction (its final state)."""
+        return self._coordinator_of(transactional_id).call("abort_transaction",
+                                                           transactional_id, timeout_s=120)
+
+    def tx_hanging(self) -> list[dict]:
+        """Open transactions holding back a queue's last stable offset: per queue, the
+        producer, how far behind its end the LSO is held, and the transactional id."""
+        by_pid = {t["producer_id"]: t for t in self.tx_list()}
+        out = []
+        for s in range(self._mq.num_shards):
+            for held in self._mq.shard(s).call("ktx_status", timeout_s=60):
+                meta = by_pid.get(held["producer_id"], {})
+                for queue, where in held["queues"].items():
+                    out.append({"queue": queue, "shard": s, "producer_id": held["producer_id"],
+                                "epoch": held["epoch"], "age_ms": held["age_ms"],
+                                "lso": where["first"], "end": where["end"],
+                                "behind": where["end"] - where["first"],
+                                "transactional_id": meta.get("transactional_id"),
+                                "state": meta.get("state")})
+        return sorted(out, key=lambda h: -h["behind"])
 
     def _located(self, msg_id: str) -> tuple[int, int]:
         """(shard, physical offset) of a message id naming a shard of this cluster."""

@@ -26,13 +26,12 @@ from typing import Callable
 
 from raymq import rpc
 from raymq.clock import client_clock
-from raymq.message import MessageExt, check_group, messages_ext, retry_topic
+from raymq.message import ISOLATIONS, MessageExt, check_group, messages_ext, retry_topic
 from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.consumer")
 
-ISOLATIONS = ("read_uncommitted", "read_committed")
 
 
 @dataclass
@@ -44,12 +43,21 @@ class _Queue:
 
 
 class Consumer:
-    def __init__(self, mq, group: str, topics: list[str], *, isolation: str = "read_uncommitted",
+    def __init__(self, mq, group: str, topics: list[str], *, isolation: str = "read_committed",
                  tags: dict[str, list[str]] | list[str] | str | None = None,
                  ordered: bool = False, start_from: str = "earliest",
-                 clock: Clock | None = None, read_only: bool = False):
-        """``read_only``: a peek -- nothing is ever committed (``commit`` does nothing,
-        neither does ``close`` or a queue moving to another member)."""
+                 clock: Clock | None = None, read_only: bool = False,
+                 auto_commit: bool = True):
+        """``isolation``: ``read_committed`` (the default) reads each queue up to its last
+        stable offset and never an aborted Kafka-style transaction's message;
+        ``read_uncommitted`` reads all that is written (RocketMQ-style transactional
+        messages are only ever visible once committed, in both).
+        ``read_only``: a peek -- nothing is ever committed (``commit`` does nothing,
+        neither does ``close`` or a queue moving to another member).
+        ``auto_commit=False`` (Kafka's ``enable.auto.commit=false``): the consumer never
+        commits by itself -- not on ``close``, not when a queue moves to another member,
+        not after ``run``'s handlers; offsets move only by ``commit()`` or by a
+        transactional producer's ``send_offsets``."""
         check_group(group)
         if isolation not in ISOLATIONS:
             raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
@@ -62,6 +70,7 @@ class Consumer:
         self._sleep_s = clock.sleep_s
         self.group = group
         self.read_only = read_only
+        self.auto_commit = auto_commit
         self.isolation = isolation
         self.ordered = ordered
         self.start_from = start_from
@@ -149,7 +158,8 @@ class Consumer:
                     if ends is None:
                         ends = self._mq.transport.call(shard, "pull",
                                                        [(t, i, 0, 0) for t, i in qs], 0,
-                                                       None, self.group, timeout_s=30)
+                                                       None, self.group, self.isolation,
+                                                       timeout_s=30)
                     off = starts[q] = next(e[4] for e in ends if (e[0], e[1]) == q)
                 off = max(off, 0)
                 with self._lock:
@@ -169,7 +179,8 @@ class Consumer:
         with self._handled:
             self._handled.wait_for(lambda: not any(q in self._processing for q in queues),
                                    self.config.session_timeout_ms / 2000)
-            points = {} if self._fence_if_lease_lost() else self._commit_points(queues)
+            points = {} if self._fence_if_lease_lost() or not self.auto_commit \
+                else self._commit_points(queues)
             for q in queues:
                 self._queues.pop(q, None)
             self._drop_buffered(set(queues))
@@ -268,7 +279,8 @@ class Consumer:
             for shard, reqs in by_shard.items():
                 if shard not in self._inflight:
                     call = self._mq.transport.submit(
-                        shard, "pull", (reqs, int(wait_ms), self._tags, self.group),
+                        shard, "pull", (reqs, int(wait_ms), self._tags, self.group,
+                                        self.isolation),
                         timeout_s=wait_ms / 1000 + self.config.send_timeout_ms / 1000)
                     self._inflight[shard] = call
                     self._inflight_req[shard] = reqs
@@ -447,7 +459,8 @@ class Consumer:
                     with self._lock:
                         self._processing.clear()
                         self._handled.notify_all()
-                self.commit()
+                if self.auto_commit:
+                    self.commit()
         finally:
             pool.shutdown(wait=True)
 
@@ -503,8 +516,8 @@ class Consumer:
         self._stop.set()
 
     def close(self) -> None:
-        """Commit (unless read-only), leave the group (its queues move to the other
-        members)."""
+        """Commit (unless read-only or ``auto_commit=False``), leave the group (its queues
+        move to the other members)."""
         if self._closed:
             return
         self._closed = True
@@ -513,7 +526,8 @@ class Consumer:
         with self._pulls_done:  # long polls end within pull_wait_ms
             self._wait_pulls(all, self.config.pull_wait_ms / 1000 + 5.0)
         try:
-            self.commit()
+            if self.auto_commit:
+                self.commit()
         finally:
             self._controller().call("leave", self.group, self.member_id, timeout_s=30)
             self.metrics.flush()

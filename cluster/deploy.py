@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from raymq.actors.checker import CheckerWorker
 from raymq.actors.channel import ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
+from raymq.actors.coordinator import TransactionCoordinator
 from raymq.actors.registry import ProducerGroupRegistry
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
@@ -116,6 +117,13 @@ class CheckerActor(CheckerWorker):
                          max_checks_per_group=cfg.txn_max_checks_per_group)
 
 
+class CoordinatorActor(TransactionCoordinator):
+    def __init__(self, index: int, config: dict):
+        def call_shard(i, method, *args):
+            return rpc.ShardClient(get_shard(i)).call(method, *args, timeout_s=60)
+        super().__init__(index, config, call_shard=call_shard)
+
+
 class ControllerActor(Controller):
     def __init__(self, config, **kwargs):
         super().__init__(config, restarted=rpc.actor_restarted(), **kwargs)
@@ -135,6 +143,15 @@ def checker_name(i: int) -> str:
 def get_registry(i: int):
     """Registry ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
     return rpc.get_actor(registry_name(i), NAMESPACE)
+
+
+def coordinator_name(i: int) -> str:
+    return f"coordinator-{i}"
+
+
+def get_coordinator(i: int):
+    """Coordinator ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
+    return rpc.get_actor(coordinator_name(i), NAMESPACE)
 
 
 def get_checker(i: int):
@@ -229,7 +246,8 @@ def find_deployed() -> tuple[object, list[object]]:
         except ValueError:
             missing.append(shard_name(i))
     for name in [registry_name(i) for i in range(cfg.num_registries)] + \
-            [checker_name(i) for i in range(cfg.num_checkers)]:
+            [checker_name(i) for i in range(cfg.num_checkers)] + \
+            [coordinator_name(i) for i in range(cfg.num_coordinators)]:
         try:
             rpc.get_actor(name, NAMESPACE)
         except ValueError:
@@ -305,8 +323,8 @@ def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list
 
 
 def _create_helpers(config: ClusterConfig) -> None:
-    """The registries and check-back workers, each created unless it exists; waits until
-    each answers."""
+    """The registries, check-back workers and transaction coordinators, each created
+    unless it exists; waits until each answers."""
     cfg = config.to_dict()
     common = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
                   max_task_retries=-1, num_cpus=0)
@@ -316,10 +334,20 @@ def _create_helpers(config: ClusterConfig) -> None:
     checkers = [rpc.create_actor(CheckerActor, i, cfg, name=checker_name(i),
                                  max_concurrency=4, **common)
                 for i in range(config.num_checkers)]
+    # coordinators keep their logs on the node they start on: pinned there, as the
+    # controller is (by its resource on a `ray up` cluster)
+    pinned = "raymq_controller" in rpc.cluster_resources()
+    coordinators = [rpc.create_actor(
+        CoordinatorActor, i, cfg, name=coordinator_name(i), max_concurrency=32,
+        scheduling_strategy=None if pinned else rpc.pin_to_node(rpc.node_id()),
+        resources={"raymq_controller": 0.001} if pinned else None, **common)
+        for i in range(config.num_coordinators)]
     for r in registries:
         rpc.RegistryClient(r).call("ping", timeout_s=120)
     for c in checkers:
         rpc.CheckerClient(c).call("ping", timeout_s=120)
+    for c in coordinators:
+        rpc.CoordinatorClient(c).call("ping", timeout_s=120)
 
 
 def undeploy() -> list[str]:
@@ -332,8 +360,10 @@ def undeploy() -> list[str]:
         names += [shard_name(i) for i in range(cfg.num_shards)]
         names += [registry_name(i) for i in range(cfg.num_registries)]
         names += [checker_name(i) for i in range(cfg.num_checkers)]
+        names += [coordinator_name(i) for i in range(cfg.num_coordinators)]
     except Exception:  # controller already gone: look for the actors by name
-        names += [f(i) for f in (shard_name, registry_name, checker_name) for i in range(64)]
+        names += [f(i) for f in (shard_name, registry_name, checker_name, coordinator_name)
+                  for i in range(64)]
     for name in names:
         try:
             rpc.kill(rpc.get_actor(name, NAMESPACE), no_restart=True)

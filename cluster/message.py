@@ -13,7 +13,7 @@ from operator import attrgetter, itemgetter
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
 from raymq.actors.admission import properties_problem, text_problem
 # the client's names for what it shares with the broker (users import them from here)
-from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC,  # noqa: F401
+from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC, ISOLATIONS,  # noqa: F401
                                    OP_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
                                    SYSTEM_TOPICS, Prop, check_group, check_user_topic, dlq_topic,
                                    is_system_topic, make_msg_id, parse_msg_id, retry_topic)

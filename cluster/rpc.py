@@ -431,3 +431,10 @@ class CheckerClient(ActorClient):
     """Calls to a check-back worker (``raymq.actors.checker.CheckerWorker``)."""
 
     __slots__ = ()
+
+
+class CoordinatorClient(ActorClient):
+    """Calls to a transaction coordinator
+    (``raymq.actors.coordinator.TransactionCoordinator``)."""
+
+    __slots__ = ()

@@ -42,9 +42,11 @@ def keys_for_queues(queues: int) -> list[str]:
 def queue_ends(mq, topic: str) -> dict[tuple[str, int], int]:
     """The end (next offset) of every queue of ``topic``, as its shards answer now."""
     ends = {}
+    # a retry topic is read by its own group only
+    group = topic[len("%RETRY%"):] if topic.startswith("%RETRY%") else None
     for qid, shard in enumerate(mq.routes_for({topic})[topic]):
         [(_t, _q, _batch, _next, end)] = mq.transport.call(shard, "pull", [(topic, qid, 0, 0)], 0,
-                                                           timeout_s=30)
+                                                           None, group, timeout_s=30)
         ends[(topic, qid)] = end
     return ends
 

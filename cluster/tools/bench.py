@@ -242,7 +242,7 @@ def _bench_cluster(b: Bench, name: str, **overrides):
     rpc.init("local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     data = b.tempdir(name)
     b.progress(f"{name}: RayMQ with 2 shards, sync flush, data in {data}")
-    return connect(data_dir=data, num_shards=2, **{"flush_mode": "sync", **overrides}), data
+    return connect(data_dir=data, **{"num_shards": 2, "flush_mode": "sync", **overrides}), data
 
 
 def _teardown_cluster(data: str) -> None:
@@ -482,6 +482,95 @@ def bench_txmsg(b: Bench) -> None:
         c.close()
         p.close()
         tp.close()
+    finally:
+        mq.close()
+        _teardown_cluster(data)
+
+
+# -------------------------------------------------------------------- kafkatx
+def _alternating(slices: int, a: Callable[[], None], b_: Callable[[], None]) -> tuple:
+    """Total seconds of ``a`` and of ``b_``, run in ``slices`` alternating slices."""
+    ta = tb = 0.0
+    for _ in range(slices):
+        ta += timed(a)
+        tb += timed(b_)
+    return ta, tb
+
+
+def _drain_seconds(mq, group: str, topic: str, n: int, isolation: str) -> float:
+    """Seconds for a new consumer of ``group`` to poll ``n`` messages of ``topic``."""
+    c = mq.consumer(group, [topic], isolation=isolation, read_only=True)
+    got, t0 = 0, time.perf_counter()
+    deadline = time.monotonic() + 300
+    while got < n and time.monotonic() < deadline:
+        got += len(c.poll(10_000, 1.0))
+    dt = time.perf_counter() - t0
+    c.close()
+    if got < n:
+        raise RuntimeError(f"kafkatx: {isolation} read {got} of {n} messages in 300 s")
+    return dt
+
+
+@suite("kafkatx")
+def bench_kafkatx(b: Bench) -> None:
+    """Kafka-style transactions: msgs/s at 10, 100 and 1000 messages a transaction over
+    plain batched produce of the same batches (alternating slices), read_committed over
+    read_uncommitted consumption, and the commit latency of 10 messages over 3 shards."""
+    from raymq.message import Message
+    mq, data = _bench_cluster(b, "kafkatx", num_shards=3)
+    body = os.urandom(256)
+    try:
+        mq.create_topic("ktx", queues=6)
+        kp = mq.transactional_producer("bench-ktx")
+        p = mq.producer("bench-plain")
+        total = 0
+        for per_txn in (10, 100, 1000):
+            msgs = [Message("ktx", body) for _ in range(per_txn)]
+            n_txn = max(2, b.n(20_000) // per_txn // 4)  # per slice; 4 slices
+            b.progress(f"kafkatx: {4 * n_txn} transactions of {per_txn} messages and as many "
+                       f"plain batches, in 4 alternating slices")
+
+            def transactional():
+                for _ in range(n_txn):
+                    with kp.transaction():
+                        kp.send_batch(msgs)
+
+            def plain():
+                for _ in range(n_txn):
+                    p.send_batch(msgs)
+            dt_tx, dt_plain = _alternating(4, transactional, plain)
+            n = 4 * n_txn * per_txn
+            total += 2 * n
+            b.emit(f"kafkatx.b{per_txn}", n / dt_tx, "msgs/s", per_txn=per_txn, n=n, size=256)
+            b.emit(f"kafkatx.plain_b{per_txn}", n / dt_plain, "msgs/s", batch=per_txn, n=n)
+            b.ratio(f"kafkatx.b{per_txn}_ratio", f"kafkatx.b{per_txn}",
+                    f"kafkatx.plain_b{per_txn}")
+        b.progress(f"kafkatx: {total} committed messages read with each isolation, twice")
+        rounds = [_drain_seconds(mq, f"bench-read-{i}-{iso}", "ktx", total, iso)
+                  for i in range(2) for iso in ("read_committed", "read_uncommitted")]
+        b.emit("kafkatx.read_committed", 2 * total / (rounds[0] + rounds[2]), "msgs/s",
+               n=total)
+        b.emit("kafkatx.read_uncommitted", 2 * total / (rounds[1] + rounds[3]), "msgs/s",
+               n=total)
+        b.ratio("kafkatx.read_committed_ratio", "kafkatx.read_committed",
+                "kafkatx.read_uncommitted")
+        k = b.n(200, 20)
+        b.progress(f"kafkatx: commit latency of {k} transactions of 10 messages over 3 shards")
+        ten = [Message("ktx", body, key=str(i)) for i in range(10)]
+        lat = []
+        for _ in range(k):
+            kp.begin()
+            kp.send_batch(ten)
+            t0 = time.perf_counter()
+            kp.commit()
+            lat.append((time.perf_counter() - t0) * 1000)
+        lat.sort()
+        shards = len({mq.routes_for({"ktx"})["ktx"][int(r)] for r in range(6)})
+        b.emit("kafkatx.commit_p50_ms", lat[len(lat) // 2], "ms", n=k, shards=shards)
+        b.emit("kafkatx.commit_p99_ms", lat[min(len(lat) - 1, int(len(lat) * 0.99))], "ms",
+               n=k, shards=shards)
+        kp.close()
+        p.close()
     finally:
         mq.close()
         _teardown_cluster(data)

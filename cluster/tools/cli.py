@@ -24,6 +24,7 @@ deploys RayMQ there, the others say so when it is not deployed.
   dlq list|resend    inspect and redeliver a group's dead letters
   msg show|find      look a message up by id, or by topic and key
   half list|commit|rollback  pending transactional half messages (and expired ones)
+  tx list|describe|abort|hanging  Kafka-style transactions (coordinators and shards)
   demo               the main demonstration on an embedded local cluster
   bench              benchmark suites: JSON lines on stdout, progress on stderr
   config             every cluster setting (--describe), or the settings of --config
@@ -232,6 +233,31 @@ def _cmd_half(args) -> int:
     return 0
 
 
+def _cmd_tx(args) -> int:
+    mq = _connect(args)
+    if args.tx_cmd == "list":
+        txns = mq.admin.tx_list()
+        for t in txns:
+            age = "" if t["age_ms"] is None else f"\tage={t['age_ms'] / 1000:.1f}s"
+            queues = ",".join(f"{q[1]}/{q[2]}" for q in t["queues"]) or "-"
+            print(f"{t['transactional_id']}\t{t['state']}\tproducer={t['producer_id']}\t"
+                  f"epoch={t['epoch']}{age}\tqueues={queues}")
+        print(f"{len(txns)} transactional ids", file=sys.stderr)
+    elif args.tx_cmd == "describe":
+        print(json.dumps(mq.admin.tx_describe(args.id), indent=2))
+    elif args.tx_cmd == "abort":
+        print(mq.admin.tx_abort(args.id))
+    else:
+        hanging = mq.admin.tx_hanging()
+        for h in hanging:
+            age = "?" if h["age_ms"] is None else f"{h['age_ms'] / 1000:.1f}s"
+            print(f"{h['queue']}\tshard-{h['shard']}\tLSO={h['lso']}\tend={h['end']}\t"
+                  f"behind={h['behind']}\tage={age}\ttx={h['transactional_id']}\t"
+                  f"state={h['state']}\tproducer={h['producer_id']}")
+        print(f"{len(hanging)} queue(s) held back by an open transaction", file=sys.stderr)
+    return 0
+
+
 def _cmd_demo(args) -> int:
     if args.storage:
         from raymq.tools import storage_demo
@@ -392,6 +418,18 @@ def _build_parser() -> argparse.ArgumentParser:
         ha = hsub.add_parser(action, help=f"{action} a pending or expired half (operator)")
         ha.add_argument("id", help="half id as printed by `half list`")
     half.set_defaults(func=_cmd_half)
+
+    tx = sub.add_parser("tx", help="Kafka-style transactions (KIP-664 operations)")
+    tsub = tx.add_subparsers(dest="tx_cmd", required=True, metavar="ACTION")
+    tsub.add_parser("list", help="every transactional id: state, epoch, age, queues")
+    td = tsub.add_parser("describe", help="one transactional id in full (JSON)")
+    td.add_argument("id", help="transactional id")
+    ta = tsub.add_parser("abort", help="abort a transactional id's open transaction "
+                                       "(operator): markers written, its data never visible")
+    ta.add_argument("id", help="transactional id")
+    tsub.add_parser("hanging", help="open transactions holding back a queue's last stable "
+                                    "offset, the furthest behind first")
+    tx.set_defaults(func=_cmd_tx)
 
     demo = sub.add_parser("demo", help="run the main demonstration",
                           description="The seeds' shopping scenario on an embedded local "

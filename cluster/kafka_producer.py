@@ -1,0 +1,244 @@
+"""Kafka-style transactional producer (seed 002): messages to any topics and queues, and
+a consumer group's offsets, committed or aborted as one.
+
+    kp = mq.transactional_producer("income-job")   # (producer id, epoch) from its coordinator
+    with kp.transaction():                          # begin; commit, or abort on an exception
+        kp.send(Message("income", b"..."))
+        kp.send_offsets({("orders", 0): 124}, group="income-job")
+
+The first write to a queue (and the first offsets of a group on a shard) asks the
+transactional id's coordinator to add it to the transaction; the coordinator registers
+it on the shard before answering, and the shard refuses a write to a queue not
+registered for this producer's current epoch (KIP-890).  Writes to a shard carry a
+sequence per (producer, epoch, shard): a retry is stored once, a gap is refused.
+``commit`` asks the coordinator to commit (PREPARE_COMMIT logged, markers written in
+every queue, COMPLETE_COMMIT logged); the producer's epoch moves on with every commit
+and abort.  A newer instance with the same transactional id fences this one: its
+calls raise ``ProducerFencedError`` and its open transaction is aborted.
+``TransactionAbortedError`` from ``commit`` means the transaction was aborted before
+it (its timeout passed, an operator aborted it); the producer can begin the next one.
+Messages read with ``read_committed`` appear when the commit marker is written.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from raymq import rpc
+from raymq.actors.coordinator import check_transactional_id, coordinator_for
+from raymq.message import (Message, SendResult, SendStatus, check_group, columns_to_batch,
+                           key_queue, validate_messages)
+from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
+                                  ProducerFencedError, RayMQError, TransactionAbortedError)
+
+log = logging.getLogger("raymq.kafka_producer")
+
+
+class TransactionalProducer:
+    def __init__(self, mq, transactional_id: str, *, timeout_ms: int | None = None):
+        check_transactional_id(transactional_id)
+        self._mq = mq
+        self.config = mq.config
+        self.transactional_id = transactional_id
+        self.timeout_ms = timeout_ms
+        index = coordinator_for(transactional_id, self.config.num_coordinators)
+        self._coordinator = rpc.CoordinatorClient(mq.coordinator_handle(index))
+        self._lock = threading.RLock()
+        self._state = "ready"      # ready | in_transaction | fenced | closed
+        self._queues: set[tuple[int, str, int]] = set()
+        self._groups: set[tuple[int, str]] = set()
+        self._seq: dict[int, int] = defaultdict(int)
+        self._rr = 0
+        self.producer_id, self.epoch = self._ask("init_producer", transactional_id, timeout_ms)
+
+    # ------------------------------------------------------------ the API
+    def begin(self) -> None:
+        with self._lock:
+            self._usable()
+            if self._state == "in_transaction":
+                raise InvalidTxnStateError(f"{self.transactional_id}: a transaction is "
+                                           f"already begun (commit or abort it first)")
+            self._state = "in_transaction"
+
+    def send(self, msg: Message) -> SendResult:
+        """Write one message in the transaction; its result once the shard stored it."""
+        return self.send_batch([msg])[0]
+
+    def send_batch(self, msgs: list[Message]) -> list[SendResult]:
+        """Write messages in the transaction (one request per shard); their results."""
+        if not msgs:
+            return []
+        for m in msgs:
+            if m.delay_level or m.deliver_at_ms is not None:
+                raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
+                                          "transaction")
+        cols = validate_messages(msgs, self.config.max_message_bytes,
+                                 len(self.config.delay_levels_ms))
+        with self._lock:
+            self._in_transaction()
+            routes = self._mq.routes_for(set(cols.topic))
+            qids, shards = self._assign(cols, routes)
+            self._register({(s, t, q) for s, t, q in zip(shards.tolist(), cols.topic,
+                                                          qids.tolist())}, set())
+            born_ms = int(time.time() * 1000)
+            results: list = [None] * cols.n
+            for shard in np.unique(shards).tolist():
+                idx = np.flatnonzero(shards == shard).tolist()
+                batch = columns_to_batch(cols, idx, qids[idx].tolist(), born_ms)
+                reply = self._write(shard, "ktx_send", batch)
+                status = SendStatus(reply.status)
+                for j, i in enumerate(idx):
+                    results[i] = SendResult.located(
+                        status, shard, reply.phys[j] if reply.phys else -1, int(qids[i]),
+                        reply.queue_offsets[j] if reply.queue_offsets else -1, cols.topic[i])
+            return results
+
+    def send_offsets(self, offsets: dict[tuple[str, int], int], group: str) -> None:
+        """Commit ``group``'s next offsets to read with this transaction (Kafka's
+        ``sendOffsetsToTransaction``): ``{(topic, queue id): offset}``, each a message's
+        ``queue_offset + 1``."""
+        check_group(group)
+        with self._lock:
+            self._in_transaction()
+            routes = self._mq.routes_for({t for t, _q in offsets})
+            by_shard: dict[int, dict] = defaultdict(dict)
+            for (topic, qid), off in offsets.items():
+                if not 0 <= qid < len(routes[topic]):
+                    raise InvalidMessageError(f"{topic} has no queue {qid}")
+                by_shard[routes[topic][qid]][(topic, qid)] = off
+            self._register(set(), {(s, group) for s in by_shard})
+            for shard, values in by_shard.items():
+                self._write(shard, "ktx_offsets", group, values, sequenced=False)
+
+    def commit(self) -> None:
+        """Commit the transaction: every message and offset of it becomes visible at once.
+        ``TransactionAbortedError`` if it was aborted first (nothing of it is visible)."""
+        self._end("COMMIT")
+
+    def abort(self) -> None:
+        """Abort the transaction: nothing of it is ever visible to read_committed readers."""
+        self._end("ABORT")
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """``begin``; ``commit`` at the end of the block, ``abort`` on an exception."""
+        self.begin()
+        try:
+            yield self
+        except BaseException:
+            with self._lock:
+                if self._state == "in_transaction":
+                    try:
+                        self.abort()
+                    except RayMQError as err:  # the block's error matters more
+                        log.warning("%s: abort after an error failed: %s",
+                                    self.transactional_id, err)
+            raise
+        self.commit()
+
+    def close(self) -> None:
+        """Abort an open transaction (best effort) and stop."""
+        with self._lock:
+            if self._state == "in_transaction":
+                try:
+                    self.abort()
+                except RayMQError as err:  # its coordinator aborts it on timeout anyway
+                    log.warning("%s: abort on close failed: %s", self.transactional_id, err)
+            self._state = "closed"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------ inside
+    def _usable(self) -> None:
+        if self._state == "fenced":
+            raise ProducerFencedError(f"{self.transactional_id}: fenced by a newer instance "
+                                      f"(producer {self.producer_id} epoch {self.epoch})")
+        if self._state == "closed":
+            raise RayMQError(f"{self.transactional_id}: producer closed")
+
+    def _in_transaction(self) -> None:
+        self._usable()
+        if self._state != "in_transaction":
+            raise InvalidTxnStateError(f"{self.transactional_id}: no transaction begun "
+                                       f"(begin() or transaction() first)")
+
+    def _assign(self, cols, routes):
+        qids = np.empty(cols.n, np.int64)
+        shards = np.empty(cols.n, np.int64)
+        for i, (topic, key) in enumerate(zip(cols.topic, cols.key)):
+            route = routes[topic]
+            if key:
+                q = key_queue(key, len(route))
+            else:
+                q = self._rr % len(route)
+                self._rr += 1
+            qids[i], shards[i] = q, route[q]
+        return qids, shards
+
+    def _register(self, queues: set, groups: set) -> None:
+        new_q, new_g = queues - self._queues, groups - self._groups
+        if new_q or new_g:
+            self._ask("add_to_transaction", self.transactional_id, self.producer_id,
+                      self.epoch, sorted(new_q), sorted(new_g))
+            self._queues |= new_q
+            self._groups |= new_g
+
+    def _write(self, shard: int, method: str, *args, sequenced: bool = True):
+        """A call to a shard with this producer's id and epoch (and the shard's next
+        sequence), retried while retriable (a retry keeps its sequence: stored once)."""
+        seq = self._seq[shard] + 1
+        call_args = (args[0], self.producer_id, self.epoch, seq) if sequenced else \
+            (self.producer_id, self.epoch, *args)
+        reply = self._retrying(lambda: self._mq.transport.call(
+            shard, method, *call_args, timeout_s=self.config.send_timeout_ms / 1000))
+        if sequenced:
+            self._seq[shard] = seq
+        return reply
+
+    def _ask(self, method: str, *args):
+        return self._retrying(lambda: self._coordinator.call(method, *args, timeout_s=60))
+
+    def _retrying(self, call):
+        deadline = time.monotonic() + max(30.0, self.config.send_timeout_ms / 1000 *
+                                          max(1, self.config.send_retries))
+        backoff = self.config.retry_backoff_ms / 1000
+        while True:
+            try:
+                return call()
+            except ProducerFencedError:
+                self._state = "fenced"
+                raise
+            except RayMQError as err:
+                if not err.retriable or time.monotonic() + backoff > deadline:
+                    raise
+                log.warning("%s: %s; retrying in %.2f s", self.transactional_id, err, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self.config.retry_backoff_max_ms / 1000)
+
+    def _end(self, outcome: str) -> None:
+        with self._lock:
+            self._in_transaction()
+            try:
+                self.epoch = self._ask("end_transaction", self.transactional_id,
+                                       self.producer_id, self.epoch, outcome)
+            except TransactionAbortedError:
+                # aborted before this commit: go on with the epoch after that abort
+                self.producer_id, self.epoch = self._ask("init_producer",
+                                                         self.transactional_id,
+                                                         self.timeout_ms)
+                raise
+            finally:
+                if self._state == "in_transaction":
+                    self._state = "ready"
+                self._queues.clear()
+                self._groups.clear()
+                self._seq.clear()
