@@ -115,10 +115,12 @@ class TransactionCoordinator:
             log.info("coordinator-%d: %d transactional ids from its log", self.index,
                      len(self._txns))
 
-    def _append(self, meta: TxnMetadata) -> None:
+    def _append(self, meta: TxnMetadata, *, wait: bool = True) -> None:
+        """Log ``meta`` (durably, unless ``wait`` is False: a COMPLETE state, which a
+        restart that lost it finds PREPARE_* and completes again) and keep it."""
         res = self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()],
-                                         keys=[meta.transactional_id]))
-        if res.status is not PutStatus.PUT_OK:
+                                         keys=[meta.transactional_id]), wait=wait)
+        if wait and res.status is not PutStatus.PUT_OK:
             raise RequestTimeoutError("the transaction log write did not reach the disk "
                                       "within flush_timeout_ms; retry")
         self._txns[meta.transactional_id] = meta
@@ -237,7 +239,7 @@ class TransactionCoordinator:
         # the markers carry the next epoch: a late write of this transaction is fenced
         self._on_shards(prepare, "ktx_end", lambda _q, _g: (prepare.producer_id, done.epoch,
                                                            outcome))
-        self._append(done)
+        self._append(done, wait=False)  # (markers are idempotent: a lost COMPLETE is redone)
         return done
 
     def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable) -> None:

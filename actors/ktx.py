@@ -222,10 +222,10 @@ class KafkaTxnQueues:
             log.info("Kafka-style transactions: %d open, %d aborted ranges, from %d index "
                      "records", len(self.state.open), self.state.aborted_count(), end)
 
-    def _append(self, rec: dict) -> int:
-        """Write an index record durably; its queue offset."""
-        res = self.store.put(RecordBatch(KTX_INDEX_TOPIC, 0, [encode(rec)]))
-        if res.status is not PutStatus.PUT_OK:
+    def _append(self, rec: dict, *, wait: bool = True) -> int:
+        """Write an index record (durably unless ``wait`` is False); its queue offset."""
+        res = self.store.put(RecordBatch(KTX_INDEX_TOPIC, 0, [encode(rec)]), wait=wait)
+        if wait and res.status is not PutStatus.PUT_OK:
             raise RequestTimeoutError("the transaction index write did not reach the disk "
                                       "within flush_timeout_ms; retry")
         return int(res.queue_offset_array[0])
@@ -259,7 +259,10 @@ class KafkaTxnQueues:
             rec = {"k": "begin", "pid": producer_id, "epoch": epoch, "ms": self.clock.now_ms(),
                    "queues": [[t, q, self.store.max_queue_offset(t, q)] for t, q in new],
                    "groups": new_groups}
-            self._append(rec)
+            # not waited for: the fsync of the first write it allows covers it (it is
+            # earlier in the log); lost with a crash before that, the shard refuses the
+            # transaction's writes as unregistered, and it is aborted
+            self._append(rec, wait=False)
             with self.lock:
                 self.state.apply(rec)
 
@@ -278,24 +281,29 @@ class KafkaTxnQueues:
                         producer_id, -1))
                     return {"markers": 0}
             queues = sorted(txn.queues)
-            markers = {}
-            if queues:
-                batch = RecordBatch.from_records([
-                    Record(t, q, outcome.encode(), flags=int(SysFlag.CONTROL),
-                           prepared_offset=producer_id) for t, q in queues])
-                res = self.store.put(batch)
-                markers = dict(zip(queues, res.queue_offset_array.tolist()))
+            # one put: a marker in each queue, then the end record (all or nothing).  The
+            # record names each queue's end before the put: the marker lands there or
+            # later, and every record of this producer's transaction lies before it
             rec = {"k": "end", "pid": producer_id, "epoch": txn.epoch, "fence": epoch,
                    "outcome": outcome,
-                   "markers": [[t, q, off] for (t, q), off in markers.items()]}
-            index_offset = self._append(rec)
+                   "markers": [[t, q, self.store.max_queue_offset(t, q)] for t, q in queues]}
+            res = self.store.put(RecordBatch.from_records(
+                [Record(t, q, outcome.encode(), flags=int(SysFlag.CONTROL),
+                        prepared_offset=producer_id) for t, q in queues] +
+                [Record(KTX_INDEX_TOPIC, 0, encode(rec))]))
+            if res.status is not PutStatus.PUT_OK:
+                raise RequestTimeoutError("the transaction markers did not reach the disk "
+                                          "within flush_timeout_ms; retry")
+            placed = res.queue_offset_array.tolist()
+            index_offset = placed[-1]
+            rec = {**rec, "markers": [[t, q, off] for (t, q), off in zip(queues, placed)]}
             offsets = txn.offsets
             with self.lock:
                 self.state.apply(rec)
             if outcome == "COMMIT" and any(offsets.values()):
                 self._apply_offsets(offsets, index_offset)
         self._wake()
-        return {"markers": len(markers)}
+        return {"markers": len(queues)}
 
     def _apply_offsets(self, offsets: dict[str, dict[Queue, int]], index_offset: int) -> None:
         for group, values in offsets.items():

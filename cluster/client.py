@@ -80,6 +80,8 @@ class RayMQ:
         self.config = ClusterConfig.from_dict(self.control.call("get_config", timeout_s=60))
         #: how producers and consumers reach the shards (``raymq.transport``)
         self.transport = make_transport(transport or self.config.transport, self.shard_handle)
+        self._transport_kind = transport or self.config.transport
+        self._coordinator_transport = None
         self._routes: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._clients: list = []
@@ -164,6 +166,16 @@ class RayMQ:
         """The Ray handle of transaction coordinator ``index``."""
         return deployment.get_coordinator(index)
 
+    @property
+    def coordinator_transport(self):
+        """How transactional producers reach the coordinators (``raymq.transport``, by
+        coordinator index: their data channels, as shards')."""
+        with self._lock:
+            if self._coordinator_transport is None:
+                self._coordinator_transport = make_transport(self._transport_kind,
+                                                             self.coordinator_handle)
+            return self._coordinator_transport
+
     def registry_handle(self, group: str):
         """The Ray handle of the registry of producer group ``group``."""
         from raymq.actors.checker import registry_for
@@ -193,6 +205,8 @@ class RayMQ:
                 log.warning("closing %s failed: %s", type(c).__name__, err)
         self._clients.clear()
         self.transport.close()
+        if self._coordinator_transport is not None:
+            self._coordinator_transport.close()
 
 
 class Admin:

@@ -117,11 +117,32 @@ class CheckerActor(CheckerWorker):
                          max_checks_per_group=cfg.txn_max_checks_per_group)
 
 
+#: What producers call on a coordinator's data channel (the rest: Ray calls).
+COORDINATOR_METHODS = frozenset({"init_producer", "add_to_transaction", "end_transaction"})
+
+
 class CoordinatorActor(TransactionCoordinator):
+    """Its calls to shards (registrations, markers) go over the shards' data channels,
+    and producers reach it over its own (``COORDINATOR_METHODS``), as clients reach
+    shards: a Ray call costs ~10 times as much."""
+
     def __init__(self, index: int, config: dict):
+        from raymq.transport import DirectTransport
+        transport = DirectTransport(get_shard, io_threads=8)
+
         def call_shard(i, method, *args):
-            return rpc.ShardClient(get_shard(i)).call(method, *args, timeout_s=60)
+            return transport.call(i, method, *args, timeout_s=60)
         super().__init__(index, config, call_shard=call_shard)
+        self._endpoint = Endpoint(self, host=rpc.node_ip(), methods=COORDINATOR_METHODS,
+                                  limits=ChannelLimits.from_config(self.config))
+
+    def endpoint(self) -> tuple[tuple[str, int], bytes]:
+        """Address and key of this coordinator's data channel."""
+        return self._endpoint.address, self._endpoint.authkey
+
+    def close(self) -> None:
+        self._endpoint.close()
+        super().close()
 
 
 class ControllerActor(Controller):

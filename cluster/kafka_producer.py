@@ -11,6 +11,7 @@ transactional id's coordinator to add it to the transaction; the coordinator reg
 it on the shard before answering, and the shard refuses a write to a queue not
 registered for this producer's current epoch (KIP-890).  Writes to a shard carry a
 sequence per (producer, epoch, shard): a retry is stored once, a gap is refused.
+A ``send_batch`` writes to all its shards at once (one request each).
 ``commit`` asks the coordinator to commit (PREPARE_COMMIT logged, markers written in
 every queue, COMPLETE_COMMIT logged); the producer's epoch moves on with every commit
 and abort.  A newer instance with the same transactional id fences this one: its
@@ -29,7 +30,6 @@ from collections import defaultdict
 
 import numpy as np
 
-from raymq import rpc
 from raymq.actors.coordinator import check_transactional_id, coordinator_for
 from raymq.message import (Message, SendResult, SendStatus, check_group, columns_to_batch,
                            key_queue, validate_messages)
@@ -46,8 +46,8 @@ class TransactionalProducer:
         self.config = mq.config
         self.transactional_id = transactional_id
         self.timeout_ms = timeout_ms
-        index = coordinator_for(transactional_id, self.config.num_coordinators)
-        self._coordinator = rpc.CoordinatorClient(mq.coordinator_handle(index))
+        self._coordinator_index = coordinator_for(transactional_id,
+                                                  self.config.num_coordinators)
         self._lock = threading.RLock()
         self._state = "ready"      # ready | in_transaction | fenced | closed
         self._queues: set[tuple[int, str, int]] = set()
@@ -87,10 +87,35 @@ class TransactionalProducer:
                                                           qids.tolist())}, set())
             born_ms = int(time.time() * 1000)
             results: list = [None] * cols.n
-            for shard in np.unique(shards).tolist():
+            parts = []
+            for shard in np.unique(shards).tolist():  # to every shard at once
                 idx = np.flatnonzero(shards == shard).tolist()
                 batch = columns_to_batch(cols, idx, qids[idx].tolist(), born_ms)
-                reply = self._write(shard, "ktx_send", batch)
+                seq = self._seq[shard] + 1
+                args = (batch, self.producer_id, self.epoch, seq)
+                parts.append((shard, idx, seq, args, self._mq.transport.begin(
+                    shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)))
+            for k, (shard, idx, seq, args, call) in enumerate(parts):
+                try:
+                    try:
+                        reply = call.result()
+                    except RayMQError as err:
+                        if not err.retriable:
+                            raise
+                        reply = self._retrying(lambda: self._mq.transport.call(
+                            shard, "ktx_send", *args,
+                            timeout_s=self.config.send_timeout_ms / 1000))
+                except BaseException as err:
+                    if isinstance(err, ProducerFencedError):
+                        self._state = "fenced"
+                    for other_shard, _i, other_seq, _a, other in parts[k + 1:]:
+                        try:  # their answers: connections back, sequences kept in step
+                            other.result()
+                            self._seq[other_shard] = other_seq
+                        except RayMQError:
+                            pass
+                    raise
+                self._seq[shard] = seq
                 status = SendStatus(reply.status)
                 for j, i in enumerate(idx):
                     results[i] = SendResult.located(
@@ -113,7 +138,7 @@ class TransactionalProducer:
                 by_shard[routes[topic][qid]][(topic, qid)] = off
             self._register(set(), {(s, group) for s in by_shard})
             for shard, values in by_shard.items():
-                self._write(shard, "ktx_offsets", group, values, sequenced=False)
+                self._write(shard, "ktx_offsets", group, values)
 
     def commit(self) -> None:
         """Commit the transaction: every message and offset of it becomes visible at once.
@@ -192,20 +217,16 @@ class TransactionalProducer:
             self._queues |= new_q
             self._groups |= new_g
 
-    def _write(self, shard: int, method: str, *args, sequenced: bool = True):
-        """A call to a shard with this producer's id and epoch (and the shard's next
-        sequence), retried while retriable (a retry keeps its sequence: stored once)."""
-        seq = self._seq[shard] + 1
-        call_args = (args[0], self.producer_id, self.epoch, seq) if sequenced else \
-            (self.producer_id, self.epoch, *args)
-        reply = self._retrying(lambda: self._mq.transport.call(
-            shard, method, *call_args, timeout_s=self.config.send_timeout_ms / 1000))
-        if sequenced:
-            self._seq[shard] = seq
-        return reply
+    def _write(self, shard: int, method: str, *args):
+        """A call to a shard with this producer's id and epoch, retried while retriable."""
+        return self._retrying(lambda: self._mq.transport.call(
+            shard, method, self.producer_id, self.epoch, *args,
+            timeout_s=self.config.send_timeout_ms / 1000))
 
     def _ask(self, method: str, *args):
-        return self._retrying(lambda: self._coordinator.call(method, *args, timeout_s=60))
+        """A call to the transactional id's coordinator (over its data channel)."""
+        return self._retrying(lambda: self._mq.coordinator_transport.call(
+            self._coordinator_index, method, *args, timeout_s=60))
 
     def _retrying(self, call):
         deadline = time.monotonic() + max(30.0, self.config.send_timeout_ms / 1000 *
