@@ -412,3 +412,40 @@ def test_randomized_producers_readers_and_kills_show_no_jepsen_anomaly(mq, name,
     for ms in by_queue.values():
         offsets = [m.queue_offset for m in sorted(ms, key=lambda m: m.body)]
         assert offsets == sorted(offsets)
+
+
+def test_operators_list_describe_abort_and_find_hanging_transactions(mq, name, capsys):
+    """``raymq tx list|describe|abort|hanging`` (KIP-664): an open transaction holding
+    back a queue is found with how far, described, and aborted by an operator."""
+    import json
+
+    from raymq.tools.cli import main
+    mq.create_topic(name, queues=1)
+    tid = f"p{name}"
+    kp = mq.transactional_producer(tid)
+    kp.begin()
+    kp.send(Message(name, b"stuck"))
+    mq.producer().send(Message(name, b"behind"))
+    capsys.readouterr()
+    assert main(["tx", "hanging"]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"{name}/0")]
+    fields = dict(f.split("=", 1) for f in line.split("\t") if "=" in f)
+    assert (fields["LSO"], fields["end"], fields["behind"], fields["tx"], fields["state"]) == \
+        ("0", "2", "2", tid, "ONGOING")
+    assert main(["tx", "list"]) == 0
+    [listed] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(tid + "\t")]
+    assert "\tONGOING\t" in listed and f"queues={name}/0" in listed
+    assert main(["tx", "describe", tid]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert (described["state"], described["epoch"]) == ("ONGOING", kp.epoch)
+    assert main(["tx", "abort", tid]) == 0
+    assert capsys.readouterr().out.strip() == "COMPLETE_ABORT"
+    assert main(["tx", "hanging"]) == 0
+    assert not [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"{name}/")]
+    assert bodies(read_all(mq, f"g{name}", [name])) == [b"behind"]
+    with pytest.raises(TransactionAbortedError):
+        kp.commit()
+    assert main(["tx", "describe", f"nobody{name}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "INVALID_TXN_STATE" in err and len(err.splitlines()) == 1
+    kp.close()
