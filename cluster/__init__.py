@@ -8,7 +8,7 @@ from raymq.message import Message, MessageExt, SendResult, SendStatus
 from raymq.storage.errors import (BrokerUnavailableError, ChannelRefusedError,
                                   ChannelTLSError, ConcurrentTransactionsError, ConfigError,
                                   ConfigMismatchError, CorruptLogError, InvalidMessageError,
-                                  InvalidTxnStateError, MessageTooLargeError,
+                                  InvalidTxnStateError, JavaMissingError, MessageTooLargeError,
                                   OutOfOrderSequenceError, ProducerFencedError,
                                   TransactionAbortedError,
                                   NotDeployedError, OffsetOutOfRangeError,
@@ -25,7 +25,8 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "NotDeployedError", "ConfigMismatchError", "RayUnreachableError", "RayAuthError",
            "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError",
            "QuotaExceededError", "ProducerFencedError", "TransactionAbortedError",
-           "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError"]
+           "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError",
+           "JavaMissingError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

@@ -173,3 +173,12 @@ class ChannelTLSError(RayMQError):
 
     code = "CHANNEL_TLS"
     retriable = False
+
+
+# -- pipelines
+
+
+class JavaMissingError(RayMQError):
+    """Spark needs Java 17 (or newer) on this machine's PATH."""
+
+    code = "JAVA_MISSING"

@@ -1,0 +1,127 @@
+"""Committed messages as a Ray Dataset: ``read_committed(mq, topics, group=...)``.
+
+The call fixes, for every queue of the topics, where the read starts (the group's
+committed offsets, ``"earliest"``, or given ones) and where it ends: the queue's last
+stable offset at this call, so the dataset holds exactly the messages a read_committed
+consumer of that range sees -- no open or aborted Kafka-style transaction, no control
+marker, no RocketMQ half, no system topic.  One Ray task per queue reads its range from
+its shard over the data channel (never through the driver) and returns one Arrow IPC
+stream (``raymq.jobs.schema``), which becomes one block of the dataset: RayDP's
+executors read such blocks straight from Ray's object store (``to_spark``).
+
+With a ``group``, the group's job producer (transactional id ``raymq-job-<group>``) is
+made first: its new epoch fences an earlier run of the job and aborts whatever that run
+left open, so the offsets read here cannot be committed by anyone else meanwhile.
+``write_transactionally`` commits the results with ``end_offsets`` through it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import ray
+
+from raymq.jobs.schema import message_record_batch, to_ipc_bytes
+from raymq.message import check_user_topic
+from raymq.storage.errors import InvalidMessageError, RayMQError
+
+log = logging.getLogger("raymq.jobs")
+
+Queue = tuple[str, int]
+#: Messages one pull of a read task asks for.
+PULL_MESSAGES = 20_000
+
+
+def job_transactional_id(group: str) -> str:
+    return f"raymq-job-{group}"
+
+
+@dataclass
+class ReadBatch:
+    """What ``read_committed`` read: the dataset and the offsets it covers."""
+
+    dataset: object                     # ray.data.Dataset
+    start_offsets: dict[Queue, int]
+    end_offsets: dict[Queue, int]       # {(topic, queue id): next offset}: commit these
+    group: str | None = None
+    producer: object = None             # the group's fenced job producer (with a group)
+    _refs: list = field(default_factory=list, repr=False)  # keeps the blocks alive
+
+    @property
+    def empty(self) -> bool:
+        """No new message in any queue."""
+        return all(self.end_offsets[q] <= self.start_offsets[q] for q in self.end_offsets)
+
+
+def read_committed(mq, topics, group: str | None = None, *, start=None) -> ReadBatch:
+    """Committed messages of ``topics`` from ``start`` (default: the group's committed
+    offsets; ``"earliest"``; or ``{(topic, queue id): offset}``) up to each queue's last
+    stable offset now, as a ``ReadBatch``."""
+    topics = [topics] if isinstance(topics, str) else list(topics)
+    for t in topics:
+        check_user_topic(t)
+    if start is None and group is None:
+        raise InvalidMessageError("read_committed needs a group (its committed offsets) or "
+                                  "a start ('earliest' or {(topic, queue id): offset})")
+    producer = mq.transactional_producer(job_transactional_id(group)) if group else None
+    routes = mq.routes_for(set(topics))
+    shard_of = {(t, q): s for t in topics for q, s in enumerate(routes[t])}
+    by_shard: dict[int, list[Queue]] = {}
+    for q, s in shard_of.items():
+        by_shard.setdefault(s, []).append(q)
+    starts, ends = {}, {}
+    for shard, queues in by_shard.items():
+        replies = mq.transport.call(shard, "pull", [(t, q, 0, 0) for t, q in queues], 0, None,
+                                    None, "read_committed", timeout_s=60)
+        ends.update({(t, q): end for t, q, _b, _n, end in replies})
+        if start is None:
+            got = mq.transport.call(shard, "get_offsets", group, queues, timeout_s=60)
+            starts.update({q: max(0, off) for q, off in got.items()})
+    if start == "earliest":
+        starts = {q: 0 for q in shard_of}
+    elif isinstance(start, dict):
+        starts = {q: int(start.get(q, 0)) for q in shard_of}
+    elif start is not None:
+        raise InvalidMessageError(f"start must be None, 'earliest' or a dict, not {start!r}")
+    refs = [_read_queue.remote(mq.shard_handle(shard_of[q]), shard_of[q], q[0], q[1],
+                               starts[q], ends[q])
+            for q in sorted(shard_of) if ends[q] > starts[q]]
+    if not refs:  # a dataset needs a block: an empty one
+        refs = [ray.put(to_ipc_bytes([]))]
+    dataset = ray.data.from_arrow_refs(refs)
+    return ReadBatch(dataset, starts, ends, group, producer, refs)
+
+
+@ray.remote(num_cpus=0.25, max_retries=3)
+def _read_queue(handle, shard: int, topic: str, qid: int, start: int, end: int) -> bytes:
+    """The committed messages of one queue in [start, end) as an Arrow IPC stream (a pure
+    read: safe to retry).  Runs in a Ray worker, near the data when it can."""
+    from raymq.transport import DirectTransport
+    transport = DirectTransport(lambda _i: handle, io_threads=1)
+    batches, offset = [], start
+    try:
+        while offset < end:
+            [(_t, _q, batch, nxt, _e)] = _pull(transport, shard, topic, qid, offset,
+                                               min(PULL_MESSAGES, end - offset))
+            if len(batch):
+                keep = batch.queue_offsets < end
+                if keep.any():
+                    batches.append(message_record_batch(shard, topic, qid, batch, keep))
+            if nxt <= offset:  # (never: a pull passes markers and aborted records)
+                raise RayMQError(f"{topic}/{qid}: no progress at offset {offset} of {end}")
+            offset = nxt
+    finally:
+        transport.close()
+    return to_ipc_bytes(batches)
+
+
+def _pull(transport, shard, topic, qid, offset, n, attempts: int = 20):
+    import time
+    for attempt in range(attempts):
+        try:
+            return transport.call(shard, "pull", [(topic, qid, offset, n)], 0, None, None,
+                                  "read_committed", timeout_s=60)
+        except RayMQError as err:  # its shard restarting: again
+            if not err.retriable or attempt == attempts - 1:
+                raise
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))

@@ -1,0 +1,94 @@
+"""The schema of committed message datasets, and Arrow record batches built from what a
+shard's pull returns (``MessageBatch``).  Pure pyarrow and numpy: no Ray, no Spark.
+
+Columns (README, "Spark pipelines"):
+
+==============  =====================  ==================================================
+topic           string                 the message's topic
+queue_id        int32                  its queue
+queue_offset    int64                  its offset in the queue (``queue_offset + 1`` is
+                                       what a group commits after it)
+msg_id          string                 the id its producer got (as consumers see it)
+key             string (null)          its key
+tags            string (null)          its tags
+properties      map<string, string>    its properties (the application's and RayMQ's)
+body            binary                 its body
+born_ms         int64                  when its producer made it (ms since the epoch)
+store_ms        int64                  when its shard stored it
+transaction_id  string (null)          a RocketMQ-style transaction's id
+==============  =====================  ==================================================
+
+Only standard Arrow types (never ``large_*``, unsigned or dictionary types): Spark 3.5
+reads the batches into vectors built from its own schema.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from raymq.actors.protocol import Prop, make_msg_id
+from raymq.storage.records import MessageBatch
+
+MESSAGE_SCHEMA = pa.schema([
+    ("topic", pa.string()), ("queue_id", pa.int32()), ("queue_offset", pa.int64()),
+    ("msg_id", pa.string()), ("key", pa.string()), ("tags", pa.string()),
+    ("properties", pa.map_(pa.string(), pa.string())), ("body", pa.binary()),
+    ("born_ms", pa.int64()), ("store_ms", pa.int64()), ("transaction_id", pa.string())])
+
+_KV, _SEP = "\x01", "\x02"  # a record's properties: "k\x01v\x02k\x01v" (storage/records.py)
+
+
+def properties_map(raw: list) -> pa.MapArray:
+    """The properties column from records' encoded properties (bytes, b"" for none)."""
+    s = pa.array([r or b"" for r in raw], pa.binary()).cast(pa.string())
+    s = pc.if_else(pc.equal(pc.binary_length(s), 0), pa.scalar(None, pa.string()), s)
+    parts = pc.split_pattern(s, _SEP)
+    lens = pc.fill_null(pc.list_value_length(parts), 0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(raw) + 1, np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    kv = pc.split_pattern(parts.flatten(), _KV, max_splits=1)
+    return pa.MapArray.from_arrays(pa.array(offsets), pc.list_element(kv, 0),
+                                   pc.list_element(kv, 1))
+
+
+def message_record_batch(shard: int, topic: str, queue_id: int, batch: MessageBatch,
+                         keep: np.ndarray | None = None) -> pa.RecordBatch:
+    """The rows of a pulled ``MessageBatch`` (those where ``keep`` is true) in
+    ``MESSAGE_SCHEMA``; ``msg_id`` as consumers get it (the producer's id of a retried or
+    committed copy, else the stored record's own)."""
+    idx = np.arange(len(batch)) if keep is None else np.flatnonzero(keep)
+    n = len(idx)
+    whole = n == len(batch)
+    h = batch.headers if whole else batch.headers[idx]
+
+    def pick(col):
+        return list(col) if whole else [col[i] for i in idx]
+
+    def ints(name, dtype):
+        return pa.array(np.ascontiguousarray(h[name]).astype(dtype))
+    props = properties_map(pick(batch.properties) if batch.properties else [b""] * n)
+    own = pa.array([make_msg_id(shard, p) for p in pick(batch.phys_offsets)], pa.string())
+    msg_id = pc.coalesce(pc.map_lookup(props, Prop.PRODUCER_MSG_ID, "first"), own)
+    return pa.record_batch([
+        pa.array([topic] * n, pa.string()), pa.array(np.full(n, queue_id, np.int32)),
+        ints("queue_offset", np.int64), msg_id,
+        pa.array(pick(batch.keys), pa.string()) if batch.keys else pa.nulls(n, pa.string()),
+        pa.array(pick(batch.tags), pa.string()) if batch.tags else pa.nulls(n, pa.string()),
+        props, pa.array(pick(batch.bodies), pa.binary()),
+        ints("born_ms", np.int64), ints("store_ms", np.int64),
+        pc.map_lookup(props, Prop.TRANSACTION_ID, "first")], schema=MESSAGE_SCHEMA)
+
+
+def to_ipc_bytes(batches) -> bytes:
+    """Record batches as one Arrow IPC stream (what RayDP's executors read from Ray's
+    object store directly: no pandas, no Python workers)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, MESSAGE_SCHEMA) as writer:
+        for b in batches:
+            writer.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc_bytes(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()

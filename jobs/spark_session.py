@@ -1,0 +1,89 @@
+"""Spark inside the RayMQ cluster: ``with spark_session(mq) as spark: ...`` starts Spark
+on Ray through RayDP (its executors are Ray actors of the same cluster) and stops it on
+exit.
+
+What Spark on Ray needs with Java 17 is set here: the interpreter of this process for
+PySpark's workers, and the ``--add-opens`` options in the driver's, the executors' and
+RayDP's app master's JVM options.  A missing or too old Java is one line naming the
+fix.  Executors leave a CPU to Ray's own tasks (Ray Data's reads and block metadata
+need one; Spark on every CPU makes them wait for ever).  Nested ``spark_session``
+blocks share the outer session (RayDP runs one per process).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+
+from raymq.storage.errors import JavaMissingError
+
+_OPENS = ("java.lang", "java.lang.invoke", "java.io", "java.net", "java.nio", "java.math",
+          "java.text", "java.util", "java.util.concurrent", "java.util.concurrent.atomic",
+          "sun.nio.ch", "sun.nio.cs", "sun.security.action", "sun.util.calendar")
+JAVA17_OPTIONS = " ".join(["-XX:+IgnoreUnrecognizedVMOptions"] +
+                          [f"--add-opens=java.base/{p}=ALL-UNNAMED" for p in _OPENS])
+JAVA_FIX = "apt-get install openjdk-17-jre-headless (make install does it)"
+
+_active = None
+
+
+def java_major(version_output: str) -> int:
+    """The major version in ``java -version``'s output (``1.8.0_x`` is 8); 0 if none."""
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', version_output)
+    if not m:
+        return 0
+    major = int(m.group(1))
+    return int(m.group(2) or 0) if major == 1 else major
+
+
+def check_java() -> None:
+    """``JavaMissingError`` (one line, with the fix) unless ``java`` 17+ is on PATH."""
+    java = shutil.which("java")
+    if java is None:
+        raise JavaMissingError(f"Spark needs Java 17 and there is no `java` on PATH: {JAVA_FIX}")
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
+    major = java_major(out.stderr + out.stdout)
+    if major < 17:
+        raise JavaMissingError(f"Spark needs Java 17, `{java}` is Java {major or 'unknown'}: "
+                               f"{JAVA_FIX}")
+
+
+def spark_configs(executors: int, cores: int, extra: dict | None = None) -> dict[str, str]:
+    return {"spark.driver.extraJavaOptions": JAVA17_OPTIONS,
+            "spark.executor.extraJavaOptions": JAVA17_OPTIONS,
+            "spark.ray.raydp_app_master.extraJavaOptions": JAVA17_OPTIONS,
+            "spark.pyspark.python": sys.executable,
+            "spark.sql.shuffle.partitions": str(max(2, 2 * executors * cores)),
+            "spark.sql.session.timeZone": "UTC",
+            "spark.ui.enabled": "false",
+            **(extra or {})}
+
+
+@contextlib.contextmanager
+def spark_session(mq=None, *, num_executors: int | None = None, executor_cores: int = 1,
+                  executor_memory: str = "1g", configs: dict | None = None):
+    """A SparkSession on this Ray cluster (``raydp.init_spark``), stopped on exit.  By
+    default one 1-core executor per Ray CPU but one (at least one executor)."""
+    global _active
+    if _active is not None:
+        yield _active
+        return
+    check_java()
+    import ray
+    import raydp
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    executors = num_executors or max(1, (cpus - 1) // executor_cores)
+    spark = raydp.init_spark(f"raymq-{os.getpid()}-{uuid.uuid4().hex[:6]}", executors,
+                             executor_cores, executor_memory,
+                             configs=spark_configs(executors, executor_cores, configs))
+    _active = spark
+    try:
+        yield spark
+    finally:
+        _active = None
+        raydp.stop_spark()

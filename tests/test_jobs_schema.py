@@ -1,0 +1,66 @@
+"""Committed message datasets' rows (``raymq.jobs.schema``): every column as a consumer
+sees the message, built from what a shard's pull returns.  No Ray, no Spark."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from raymq.actors.protocol import Prop
+from raymq.jobs.schema import (MESSAGE_SCHEMA, from_ipc_bytes, message_record_batch,
+                               properties_map, to_ipc_bytes)
+from raymq.message import messages_ext
+from raymq.storage import MessageStore, RecordBatch, StoreConfig
+
+
+def stored_batch(tmp_path):
+    """Messages of every kind of column, as a pull returns them."""
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="async"), background=False) as store:
+        store.put(RecordBatch("t", 0, [b"plain", b"\x00binary\xff", b"copy", b"tx"],
+                              keys=[None, "k1", "k2", None], tags=["a", None, "b", None],
+                              properties=[None, {"app": "1", "x": "y=z"},
+                                          {Prop.PRODUCER_MSG_ID: "0001000000000000002A"},
+                                          {Prop.TRANSACTION_ID: "tx-9"}],
+                              born_ms=[5, 6, 7, 8]))
+        store.put(RecordBatch("t", 0, [b"bare"]))  # no keys, tags or properties at all
+        entries = store.read_cq("t", 0, 0, 10)
+        return store.messages_at(entries)
+
+
+def test_each_row_is_the_message_a_consumer_gets(tmp_path):
+    batch = stored_batch(tmp_path)
+    rb = message_record_batch(3, "t", 0, batch)
+    assert rb.schema == MESSAGE_SCHEMA
+    rows = rb.to_pylist()
+    want = messages_ext(3, batch)
+    assert len(rows) == len(want) == 5
+    for row, m in zip(rows, want):
+        assert (row["topic"], row["queue_id"], row["queue_offset"], row["msg_id"], row["key"],
+                row["tags"], dict(row["properties"] or []), row["body"], row["born_ms"],
+                row["store_ms"], row["transaction_id"]) == \
+            (m.topic, m.queue_id, m.queue_offset, m.msg_id, m.key, m.tags, m.properties, m.body,
+             m.born_ms, m.store_ms, m.transaction_id)
+    assert rows[2]["msg_id"] == "0001000000000000002A"  # a copy: its producer's id
+    assert rows[3]["transaction_id"] == "tx-9"
+
+
+def test_rows_left_out_and_the_ipc_round_trip(tmp_path):
+    batch = stored_batch(tmp_path)
+    keep = np.array([True, False, True, False, True])
+    rb = message_record_batch(0, "t", 0, batch, keep)
+    assert rb.column("body").to_pylist() == [b"plain", b"copy", b"bare"]
+    assert rb.column("queue_offset").to_pylist() == [0, 2, 4]
+    table = from_ipc_bytes(to_ipc_bytes([rb, message_record_batch(0, "t", 0, batch)]))
+    assert table.schema == MESSAGE_SCHEMA and table.num_rows == 8
+    assert from_ipc_bytes(to_ipc_bytes([])).num_rows == 0  # an empty queue: a valid stream
+
+
+def test_the_schema_uses_only_types_spark_reads():
+    for field in MESSAGE_SCHEMA:
+        t = field.type
+        assert not (pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+                    or pa.types.is_unsigned_integer(t) or pa.types.is_dictionary(t)), field
+
+
+def test_properties_decode_like_the_store_does():
+    got = properties_map([b"", b"a\x01b", b"a\x01b\x02c\x01d=e\x01f"]).to_pylist()
+    assert [dict(x or []) for x in got] == [{}, {"a": "b"}, {"a": "b", "c": "d=e\x01f"}]
