@@ -36,6 +36,20 @@ def job_transactional_id(group: str) -> str:
     return f"raymq-job-{group}"
 
 
+#: The job producer of each (client, group) made by ``read_committed``: what
+#: ``write_transactionally`` commits through.
+_JOB_PRODUCERS: dict[tuple[int, str], object] = {}
+
+
+def job_producer(mq, group: str, *, fresh: bool = False):
+    """The group's job producer on this client; ``fresh``: a new one (a new epoch: an
+    earlier run's, here or anywhere, is fenced and its open transaction aborted)."""
+    key = (id(mq), group)
+    if fresh or key not in _JOB_PRODUCERS:
+        _JOB_PRODUCERS[key] = mq.transactional_producer(job_transactional_id(group))
+    return _JOB_PRODUCERS[key]
+
+
 @dataclass
 class ReadBatch:
     """What ``read_committed`` read: the dataset and the offsets it covers."""
@@ -63,7 +77,7 @@ def read_committed(mq, topics, group: str | None = None, *, start=None) -> ReadB
     if start is None and group is None:
         raise InvalidMessageError("read_committed needs a group (its committed offsets) or "
                                   "a start ('earliest' or {(topic, queue id): offset})")
-    producer = mq.transactional_producer(job_transactional_id(group)) if group else None
+    producer = job_producer(mq, group, fresh=True) if group else None
     routes = mq.routes_for(set(topics))
     shard_of = {(t, q): s for t in topics for q, s in enumerate(routes[t])}
     by_shard: dict[int, list[Queue]] = {}

@@ -40,3 +40,49 @@ def test_java_versions_are_read_as_java_prints_them():
     assert java_major('java version "1.8.0_392"') == 8
     assert java_major('openjdk version "21" 2023-09-19') == 21
     assert java_major("no java here") == 0
+
+
+def run_job(mq, spark, name, *, killed_before_commit=False) -> int:
+    """A small job: every ``src`` message's body upper-cased to ``out``, with the input
+    offsets in the same transaction.  ``killed_before_commit``: the process dies after
+    writing every result, before its commit (nothing after that runs)."""
+    from pyspark.sql import functions as F
+
+    from raymq.jobs import write_transactionally
+    batch = read_committed(mq, [f"src{name}"], group=f"job{name}")
+    if batch.empty:
+        return 0
+    out = batch.dataset.to_spark(spark).select(F.upper(F.col("body").cast("string")).alias("body"))
+    kp = batch.producer
+    if killed_before_commit:
+        class Killed(BaseException):
+            pass
+
+        def die(*_a, **_k):
+            raise Killed()
+        kp.send_offsets = die   # the last step before the commit ...
+        kp.abort = lambda: None  # ... and a dead process aborts nothing
+        with pytest.raises(Killed):
+            write_transactionally(mq, out, topic=f"out{name}", group=f"job{name}",
+                                  offsets=batch.end_offsets)
+        return -1
+    return write_transactionally(mq, out, topic=f"out{name}", group=f"job{name}",
+                                 offsets=batch.end_offsets)
+
+
+def test_a_job_killed_before_its_commit_and_run_again_outputs_each_input_once(mq, name, spark):
+    from raymq import Message
+    from tests.test_kafka_transactions import read_all
+    mq.create_topic(f"src{name}", queues=2)
+    mq.create_topic(f"out{name}", queues=2)
+    mq.producer().send_batch([Message(f"src{name}", b"m%02d" % i) for i in range(30)])
+    assert run_job(mq, spark, name, killed_before_commit=True) == -1
+    uncommitted = read_all(mq, f"peek{name}", [f"out{name}"], "read_uncommitted")
+    assert len(uncommitted) == 30  # the dead run wrote every result ...
+    assert read_all(mq, f"c1{name}", [f"out{name}"]) == []  # ... none committed
+    assert run_job(mq, spark, name) == 30  # the rerun fences it (aborted) and does it all
+    assert run_job(mq, spark, name) == 0  # nothing new: nothing written
+    mq.producer().send(Message(f"src{name}", b"late"))
+    assert run_job(mq, spark, name) == 1
+    got = read_all(mq, f"c2{name}", [f"out{name}"])
+    assert sorted(m.body for m in got) == sorted([b"M%02d" % i for i in range(30)] + [b"LATE"])
