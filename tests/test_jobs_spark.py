@@ -86,3 +86,73 @@ def test_a_job_killed_before_its_commit_and_run_again_outputs_each_input_once(mq
     assert run_job(mq, spark, name) == 1
     got = read_all(mq, f"c2{name}", [f"out{name}"])
     assert sorted(m.body for m in got) == sorted([b"M%02d" % i for i in range(30)] + [b"LATE"])
+
+
+def test_order_income_per_minute_equals_a_plain_recomputation_over_runs(mq, name, spark):
+    """Orders over three minutes and three shops, in two runs, among aborted Kafka-style
+    orders, rolled-back RocketMQ-style orders and a body that is no order: the income
+    messages sum to exactly what plain Python computes from the committed orders."""
+    import json
+
+    from raymq import LocalTransactionState as S
+    from raymq import Message
+    from raymq.jobs.order_income import income_totals, run_once
+    from tests.test_jobs_read import Decided
+    from tests.test_kafka_transactions import read_all
+    src, dst, group = f"orders{name}", f"income{name}", f"income-job{name}"
+    mq.create_topic(src, queues=2)
+    mq.create_topic(dst, queues=2)
+    base = 1_700_000_000_000 - 1_700_000_000_000 % 60_000
+
+    def order(i):
+        return {"order_id": f"o{i}", "amount": 10 + i % 7, "currency": ["EUR", "USD", "JPY"][i % 3],
+                "ts_ms": base + (i % 3) * 60_000 + i}
+    committed = [order(i) for i in range(40)]
+    p = mq.producer()
+    p.send_batch([Message(src, json.dumps(o).encode()) for o in committed[:25]])
+    p.send(Message(src, b"not an order"))
+    kp = mq.transactional_producer(f"k{name}")
+    kp.begin()
+    kp.send(Message(src, json.dumps(order(99)).encode()))
+    kp.abort()
+    tp = mq.transaction_producer(f"r{name}", Decided())
+    tp.send_in_transaction(Message(src, json.dumps(order(98)).encode()), S.ROLLBACK_MESSAGE)
+    assert run_once(mq, spark, source=src, target=dst, group=group)["orders_read"] >= 26
+    p.send_batch([Message(src, json.dumps(o).encode()) for o in committed[25:]])
+    assert run_once(mq, spark, source=src, target=dst, group=group)["messages"] > 0
+    assert run_once(mq, spark, source=src, target=dst, group=group)["messages"] == 0
+    want = {}
+    for o in committed:
+        t = want.setdefault((o["ts_ms"] // 60_000 * 60_000, o["currency"]),
+                            {"income": 0, "orders": 0})
+        t["income"] += o["amount"]
+        t["orders"] += 1
+    assert income_totals(read_all(mq, f"check{name}", [dst])) == want
+    kp.close()
+    tp.close()
+
+
+def test_raymq_job_order_income_runs_once_from_the_command_line(mq, name, spark, capsys):
+    import json
+
+    from raymq import Message
+    from raymq.tools.cli import main
+    from tests.test_kafka_transactions import read_all
+    mq.create_topic(f"o{name}", queues=1)
+    mq.create_topic(f"i{name}", queues=1)
+    mq.producer().send_batch([Message(f"o{name}", json.dumps(
+        {"amount": a, "shop": "s1", "ts_ms": 120_000}).encode()) for a in (5, 7)])
+    assert main(["job", "order-income", "--once", "--source", f"o{name}", "--target",
+                 f"i{name}", "--group", f"g{name}"]) == 0
+    assert "2 orders read, 1 income messages written" in capsys.readouterr().err
+    [m] = read_all(mq, f"c{name}", [f"i{name}"])
+    assert json.loads(m.body) == {"minute": 120_000, "shop": "s1", "income": 12, "orders": 2}
+
+
+def test_no_java_is_one_line_naming_the_fix(monkeypatch):
+    from raymq import JavaMissingError
+    from raymq.jobs import check_java
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(JavaMissingError) as err:
+        check_java()
+    assert "openjdk-17" in str(err.value) and "\n" not in str(err.value)

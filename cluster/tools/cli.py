@@ -25,6 +25,7 @@ deploys RayMQ there, the others say so when it is not deployed.
   msg show|find      look a message up by id, or by topic and key
   half list|commit|rollback  pending transactional half messages (and expired ones)
   tx list|describe|abort|hanging  Kafka-style transactions (coordinators and shards)
+  job order-income   the Spark order-income job (RayDP in this cluster), once or every N s
   demo               the main demonstration on an embedded local cluster
   bench              benchmark suites: JSON lines on stdout, progress on stderr
   config             every cluster setting (--describe), or the settings of --config
@@ -258,6 +259,20 @@ def _cmd_tx(args) -> int:
     return 0
 
 
+def _cmd_job(args) -> int:
+    from raymq.jobs import spark_session
+    from raymq.jobs.order_income import run
+    mq = _connect(args)
+    try:
+        with spark_session(mq) as spark:
+            run(mq, spark, every_s=None if args.once else args.every, source=args.source,
+                target=args.target, group=args.group,
+                say=lambda text: print(text, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("order-income: stopped", file=sys.stderr)
+    return 0
+
+
 def _cmd_demo(args) -> int:
     if args.storage:
         from raymq.tools import storage_demo
@@ -430,6 +445,20 @@ def _build_parser() -> argparse.ArgumentParser:
     tsub.add_parser("hanging", help="open transactions holding back a queue's last stable "
                                     "offset, the furthest behind first")
     tx.set_defaults(func=_cmd_tx)
+
+    job = sub.add_parser("job", help="Spark jobs over committed messages (RayDP)")
+    jsub = job.add_subparsers(dest="job_cmd", required=True, metavar="JOB")
+    oi = jsub.add_parser("order-income", help="income per minute and shop from the orders "
+                                              "topic to the income topic, exactly once")
+    when = oi.add_mutually_exclusive_group()
+    when.add_argument("--once", action="store_true", help="one run, then exit (the default)")
+    when.add_argument("--every", type=float, metavar="SECONDS",
+                      help="a run every SECONDS until interrupted")
+    oi.add_argument("--source", default="orders", help="topic of the orders")
+    oi.add_argument("--target", default="income", help="topic the income goes to")
+    oi.add_argument("--group", default="order-income",
+                    help="the job's group: its committed input offsets")
+    job.set_defaults(func=_cmd_job)
 
     demo = sub.add_parser("demo", help="run the main demonstration",
                           description="The seeds' shopping scenario on an embedded local "
