@@ -82,9 +82,14 @@ class QueueReads:
                 out.append((topic, qid, MessageBatch.empty(), min(offset, real_end), end))
                 continue
             entries = self.store.read_cq(topic, qid, offset, min(max_n, end - offset))
-            if len(entries) > 1:  # at most PULL_MAX_BYTES of bodies a queue (one at least)
-                upto = np.cumsum(entries["size"])
-                entries = entries[:max(1, int(np.searchsorted(upto, PULL_MAX_BYTES, "right")))]
+            if len(entries) > 1:  # at most PULL_MAX_BYTES of the log read a queue (one at
+                # least).  An entry's size runs from its record's header to the end of its
+                # body: in a frame of many records that spans the frame's other headers
+                # and bodies, so sizes overlap and their sum says nothing; the span read
+                # does (before, a pull of records sent in batches got ~150 messages)
+                span = np.maximum.accumulate(entries["phys"] + entries["size"]) \
+                    - entries["phys"][0]
+                entries = entries[:max(1, int(np.searchsorted(span, PULL_MAX_BYTES, "right")))]
             next_offset = offset + len(entries)
             wanted = tags.get(topic) if tags else None
             if wanted:

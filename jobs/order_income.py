@@ -19,6 +19,7 @@ import time
 
 from raymq.jobs.read_committed import read_committed
 from raymq.jobs.write_back import write_transactionally
+from raymq.storage.errors import UnknownTopicError
 
 log = logging.getLogger("raymq.jobs")
 
@@ -49,6 +50,10 @@ def run_once(mq, spark, *, source: str = SOURCE, target: str = TARGET,
              group: str = GROUP) -> dict:
     """One run: what it read and wrote (``{"orders_read", "messages", "seconds"}``)."""
     t0 = time.monotonic()
+    try:
+        mq.routes_for({target})
+    except UnknownTopicError:  # a first run: its output topic comes with it
+        mq.create_topic(target)
     batch = read_committed(mq, [source], group=group)
     if batch.empty:
         return {"orders_read": 0, "messages": 0, "seconds": round(time.monotonic() - t0, 2)}

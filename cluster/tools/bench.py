@@ -584,6 +584,64 @@ def bench_kafkatx(b: Bench) -> None:
         _teardown_cluster(data)
 
 
+# ---------------------------------------------------------------------- spark
+@suite("spark")
+def bench_spark(b: Bench) -> None:
+    """Committed messages -> Spark: ``spark.committed`` rows/s of read_committed +
+    ``to_spark`` + ``count()`` for 1M 256-byte messages, over ``spark.raw``, the same rows
+    already in memory as the same Ray blocks -> Spark ``count()`` (``spark.handoff_ratio``,
+    target >= 0.5); and the order-income job end to end (``spark.order_income`` rows/s)."""
+    import json
+
+    import ray
+
+    from raymq.jobs import read_committed, spark_session
+    from raymq.jobs.order_income import run_once
+    from raymq.message import Message
+    mq, data = _bench_cluster(b, "spark", flush_mode="async")
+    try:
+        n = b.n(1_000_000, 10_000)
+        mq.create_topic("spark", queues=4)
+        p = mq.producer("bench-spark")
+        body = os.urandom(256)
+        b.progress(f"spark: {n} committed messages of 256 bytes")
+        for lo in range(0, n, 10_000):
+            p.send_batch([Message("spark", body) for _ in range(min(10_000, n - lo))])
+        with spark_session(mq) as spark:
+            spark.range(10).count()  # (the JVM warm)
+            t0 = time.perf_counter()
+            batch = read_committed(mq, ["spark"], start="earliest")
+            counted = batch.dataset.to_spark(spark).count()
+            dt_committed = time.perf_counter() - t0
+            if counted != n:
+                raise RuntimeError(f"spark: counted {counted} of {n} committed messages")
+            raw = ray.data.from_arrow_refs([ray.put(ray.get(r)) for r in batch._refs])
+            t0 = time.perf_counter()
+            raw_counted = raw.to_spark(spark).count()
+            dt_raw = time.perf_counter() - t0
+            b.emit("spark.committed", n / dt_committed, "rows/s", n=n, size=256,
+                   blocks=len(batch._refs))
+            b.emit("spark.raw", raw_counted / dt_raw, "rows/s", n=raw_counted,
+                   blocks=len(batch._refs))
+            b.ratio("spark.handoff_ratio", "spark.committed", "spark.raw", target=0.5)
+            k = b.n(200_000, 2_000)
+            b.progress(f"spark: the order-income job over {k} orders")
+            mq.create_topic("orders", queues=4)
+            for lo in range(0, k, 10_000):
+                p.send_batch([Message("orders", json.dumps(
+                    {"amount": i % 100, "shop": f"s{i % 20}", "ts_ms": 60_000 * (i % 30)}
+                ).encode()) for i in range(lo, min(k, lo + 10_000))])
+            t0 = time.perf_counter()
+            stats = run_once(mq, spark)
+            dt = time.perf_counter() - t0
+            b.emit("spark.order_income", stats["orders_read"] / dt, "rows/s",
+                   n=stats["orders_read"], messages=stats["messages"])
+        p.close()
+    finally:
+        mq.close()
+        _teardown_cluster(data)
+
+
 # ------------------------------------------------------------------------ soak
 #: The soak's length at scale 1 (``--scale 0.05``: 30 s).
 SOAK_S = 600.0
