@@ -385,6 +385,11 @@ def undeploy() -> list[str]:
     except Exception:  # controller already gone: look for the actors by name
         names += [f(i) for f in (shard_name, registry_name, checker_name, coordinator_name)
                   for i in range(64)]
+    # the actors that call shards go first (a check round or a marker write in flight
+    # would otherwise meet a killed shard, and Ray logs a retry), the controller last
+    order = (checker_name, coordinator_name, registry_name, shard_name)
+    names = sorted(names, key=lambda n: next(
+        (k for k, f in enumerate(order) if n.startswith(f(0)[:-1])), len(order)))
     for name in names:
         try:
             rpc.kill(rpc.get_actor(name, NAMESPACE), no_restart=True)

@@ -282,7 +282,8 @@ def _cmd_demo(args) -> int:
         print(f"raymq demo: --orders must be at least {demo.MIN_ORDERS} (every failure the "
               "demo injects needs an order of its own)", file=sys.stderr)
         return 2
-    return demo.run(args.data_dir, orders=args.orders, sabotage=args.sabotage)
+    return demo.run(args.data_dir, orders=args.orders, sabotage=args.sabotage,
+                    spark=not args.no_spark)
 
 
 def _cmd_bench(args) -> int:
@@ -476,6 +477,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="break the order service on purpose (its check-back answers COMMIT "
                            "without looking at its database) to see the consistency report "
                            "catch it: the demo then exits 1")
+    demo.add_argument("--no-spark", action="store_true",
+                      help="leave out the order-income Spark job (RayDP) and its report line "
+                           "(income per minute from Spark = the order database's totals)")
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="run benchmarks (JSON lines on stdout)",

@@ -47,6 +47,10 @@ DEMO_CONFIG = dict(num_shards=2, txn_timeout_ms=1500, txn_check_interval_ms=500,
                    max_reconsume=6, heartbeat_interval_ms=300, session_timeout_ms=2000)
 
 
+#: The minute the demo's orders start in (they spread over three: the income job's minutes).
+DEMO_MINUTE_MS = 1_700_000_040_000
+
+
 def plan(n: int) -> dict[int, dict]:
     """What each order is and which failure it meets (deterministic)."""
     orders = {}
@@ -61,7 +65,7 @@ def plan(n: int) -> dict[int, dict]:
         elif i % 11 == 7:
             fault = "db_error"         # the local transaction raises
         orders[i] = {"order_id": f"o-{i:04d}", "account": account, "amount": amount,
-                     "fault": fault}
+                     "fault": fault, "ts_ms": DEMO_MINUTE_MS + (i % 3) * 60_000 + i}
     return orders
 
 
@@ -71,7 +75,7 @@ def init_order_db(path: str) -> None:
     with con:
         con.execute("CREATE TABLE IF NOT EXISTS accounts(id INTEGER PRIMARY KEY, balance INTEGER)")
         con.execute("CREATE TABLE IF NOT EXISTS orders(order_id TEXT PRIMARY KEY, tx TEXT, "
-                    "account INTEGER, amount INTEGER)")
+                    "account INTEGER, amount INTEGER, placed_ms INTEGER)")
         con.executemany("INSERT OR IGNORE INTO accounts VALUES (?, ?)",
                         [(a, START_BALANCE) for a in range(ACCOUNTS)])
     con.close()
@@ -108,9 +112,9 @@ def order_service(address: str, db: str, first: int, n: int, out,
                         return S.ROLLBACK_MESSAGE  # insufficient funds: nothing happens
                     con.execute("UPDATE accounts SET balance = balance - ? WHERE id = ?",
                                 (order["amount"], order["account"]))
-                    con.execute("INSERT INTO orders VALUES (?, ?, ?, ?)",
+                    con.execute("INSERT INTO orders VALUES (?, ?, ?, ?, ?)",
                                 (order["order_id"], msg.transaction_id, order["account"],
-                                 order["amount"]))
+                                 order["amount"], order["ts_ms"]))
             finally:
                 con.close()
             if order["fault"] == "crash":
@@ -193,8 +197,33 @@ class PointsService:
 
 
 # ------------------------------------------------------------------------- driver
+def _income_check(mq, order_db: str, say) -> tuple[bool, str]:
+    """The order-income Spark job (``raymq.jobs.order_income``) over the committed orders,
+    against the order database's own totals per minute and account."""
+    from raymq.jobs import spark_session
+    from raymq.jobs.order_income import income_totals, run_once
+    say("order-income job: Spark on Ray (RayDP) sums the committed orders per minute")
+    with spark_session(mq) as spark:
+        stats = run_once(mq, spark, source=TOPIC, target="income", group="order-income")
+    say(f"order-income job: {stats['orders_read']} orders read, {stats['messages']} income "
+        f"messages written with their offsets, in {stats['seconds']} s")
+    reader = mq.consumer("demo-income-check", ["income"], read_only=True)
+    got, deadline = [], time.monotonic() + 60
+    while len(got) < stats["messages"] and time.monotonic() < deadline:
+        got += reader.poll(1000, 1.0)
+    reader.close()
+    spark_totals = {k: v["income"] for k, v in income_totals(got).items()}
+    con = sqlite3.connect(order_db)
+    db_totals = {(minute, str(account)): total for minute, account, total in con.execute(
+        "SELECT placed_ms / 60000 * 60000, account, SUM(amount) FROM orders GROUP BY 1, 2")}
+    con.close()
+    return spark_totals == db_totals, (f"{len(spark_totals)} (minute, account) sums, "
+                                       f"{sum(spark_totals.values())} in all; database: "
+                                       f"{sum(db_totals.values())}")
+
+
 def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
-        timeout_s: float = 240.0, sabotage: str | None = None) -> int:
+        timeout_s: float = 240.0, sabotage: str | None = None, spark: bool = True) -> int:
     say = lambda text: print(f"[demo] {text}", file=out, flush=True)  # noqa: E731
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from raymq import connect, rpc
@@ -305,6 +334,8 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         points.thread.join(10)
         points.consumer.close()
 
+        income_ok, income_detail = _income_check(mq, order_db, say) if spark else (
+            True, "skipped (--no-spark)")
         checks = [
             ("orders paid = orders credited with points", paid == credited,
              f"{len(paid)} paid, {len(credited)} credited"),
@@ -318,6 +349,8 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
             ("no half message left unresolved", not halves and not expired,
              f"{len(halves)} pending, {len(expired)} expired"),
             ("no dead letter", not dlq, f"{len(dlq)} dead letters"),
+            ("income per minute from Spark = the order database's own totals", income_ok,
+             income_detail),
         ]
         states, answers = list(events.values()), [a for _o, a in list(answered)]
         say("what happened: %d orders committed locally, %d rolled back (insufficient funds), "
@@ -357,8 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir")
     ap.add_argument("--orders", type=int, default=60)
     ap.add_argument("--sabotage", choices=SABOTAGE)
+    ap.add_argument("--no-spark", action="store_true",
+                    help="leave out the order-income Spark job and its report line")
     args = ap.parse_args(argv)
-    return run(args.data_dir, orders=args.orders, sabotage=args.sabotage)
+    return run(args.data_dir, orders=args.orders, sabotage=args.sabotage,
+               spark=not args.no_spark)
 
 
 if __name__ == "__main__":
