@@ -44,3 +44,18 @@ def store_whose_queues_must_be_rebuilt(directory: str, config: StoreConfig = SMA
     with open(os.path.join(directory, "consumequeue", "B", "0"), "wb") as f:
         f.write(stray)
     return {("A", 0): [b"a0", b"a1", b"a2"], ("B", 0): [b"b%d" % i for i in range(5)]}
+
+
+def forget_checkpoint(path) -> None:
+    """As if the process died before checkpointing anything (scan from the start)."""
+    (path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
+                                     '"consume_queue_offset": 0, "producers": {}}')
+
+
+def flip(path: str, offset: int) -> None:
+    """Invert the byte at ``offset`` of the file at ``path`` (a bit rot)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

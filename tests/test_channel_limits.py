@@ -15,25 +15,9 @@ import pytest
 
 from raymq.actors import channel as channel_mod
 from raymq.actors.channel import ChannelLimits, Endpoint, connect
+from tests.channel_helpers import EchoTarget as Target
+from tests.channel_helpers import call
 from tests.conftest import wait_for
-
-
-class Target:
-    def __init__(self):
-        self.calls = 0
-
-    def send(self, x):
-        self.calls += 1
-        return {"echo": x}
-
-
-def call(link, method, *args):
-    import pickle
-    link.send_bytes(pickle.dumps((method, args)))
-    ok, value = pickle.loads(link.recv_bytes())
-    if not ok:
-        raise value
-    return value
 
 
 def raw(address, source: str = "127.0.0.1") -> socket.socket:

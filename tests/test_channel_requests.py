@@ -16,6 +16,7 @@ from raymq.actors.channel import ChannelLimits, Endpoint, connect, readable
 from raymq.actors.protocol import EndRequest, check_group
 from raymq.storage import RecordBatch
 from raymq.storage.errors import RayMQError
+from tests.channel_helpers import call
 
 
 class Target:
@@ -30,14 +31,6 @@ class Target:
     def pull(self, *args):
         self.pulled.append(args)
         return []
-
-
-def call(link, method, *args):
-    link.send_bytes(pickle.dumps((method, args), protocol=5))
-    ok, value = pickle.loads(link.recv_bytes())
-    if not ok:
-        raise value
-    return value
 
 
 def reply(link):

@@ -18,7 +18,8 @@ from raymq.storage.commitlog import segment_name
 from raymq.storage.errors import InvalidMessageError
 from raymq.storage.offsets import OffsetStore
 from raymq.storage.records import FRAME_HEADER_BYTES
-from tests.storage_helpers import SMALL, batch, body, commitlog_files
+from tests.storage_helpers import (SMALL, batch, body, commitlog_files, flip,
+                                  forget_checkpoint)
 
 
 def open_store(path, config=SMALL, **kw):
@@ -360,18 +361,6 @@ def test_stored_message_batch_views_agree(tmp_path):
         assert mb[0].tags == "x" and mb[1].tags is None
 
 
-def forget_checkpoint(path) -> None:
-    """As if the process died before checkpointing anything (scan from the start)."""
-    (path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
-                                     '"consume_queue_offset": 0}')
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def wait_until(cond, timeout_s: float = 10.0) -> None:

@@ -14,24 +14,14 @@ import pytest
 from raymq.storage import CorruptLogError, MessageStore
 from raymq.storage.records import FRAME_HEADER_BYTES
 from raymq.tools.cli import main
-from tests.storage_helpers import SMALL, batch, body, commitlog_files
+from tests.storage_helpers import (SMALL, batch, body, commitlog_files, flip,
+                                  forget_checkpoint)
 
 
 def open_store(path):
     return MessageStore(str(path), SMALL, background=False)
 
 
-def forget_checkpoint(path) -> None:
-    (path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '
-                                     '"consume_queue_offset": 0, "producers": {}}')
-
-
-def flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def corrupted_store(tmp_path):

@@ -3,7 +3,6 @@ allow-list, endpoint, client connection) and of the SDK's transports (``raymq.tr
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 from collections import Counter
 from multiprocessing import AuthenticationError
@@ -12,30 +11,16 @@ import pytest
 
 from raymq.actors.channel import ChannelRefusedError, Endpoint, connect
 from raymq.storage.errors import BrokerUnavailableError, UnknownTopicError
+from tests.channel_helpers import EchoTarget, call
 from tests.conftest import wait_for
 
 
-class Target:
-    def __init__(self):
-        self.calls = 0
-
-    def send(self, x):
-        self.calls += 1
-        return {"echo": x}
-
+class Target(EchoTarget):
     def pull(self, topic):
         raise UnknownTopicError(f"topic {topic!r} does not exist")
 
     def secret(self):
         return "must not be reachable"
-
-
-def call(conn, method, *args):
-    conn.send_bytes(pickle.dumps((method, args)))
-    ok, value = pickle.loads(conn.recv_bytes())
-    if not ok:
-        raise value
-    return value
 
 
 def test_endpoint_serves_its_methods_refuses_others_and_strangers():
