@@ -39,14 +39,15 @@ def keys_for_queues(queues: int) -> list[str]:
     return [found[q] for q in range(queues)]
 
 
-def queue_ends(mq, topic: str) -> dict[tuple[str, int], int]:
-    """The end (next offset) of every queue of ``topic``, as its shards answer now."""
+def queue_ends(mq, topic: str, isolation: str = "read_committed") -> dict[tuple[str, int], int]:
+    """The end (next offset) of every queue of ``topic`` for a reader of ``isolation``, as
+    its shards answer now."""
     ends = {}
     # a retry topic is read by its own group only
     group = topic[len("%RETRY%"):] if topic.startswith("%RETRY%") else None
     for qid, shard in enumerate(mq.routes_for({topic})[topic]):
         [(_t, _q, _batch, _next, end)] = mq.transport.call(shard, "pull", [(topic, qid, 0, 0)], 0,
-                                                           None, group, timeout_s=30)
+                                                           None, group, isolation, timeout_s=30)
         ends[(topic, qid)] = end
     return ends
 
@@ -61,7 +62,7 @@ def read_to_end(consumer, mq, topics, *, queues=None, timeout_s: float = 30.0) -
     """
     ends = {}
     for t in topics:
-        ends.update(queue_ends(mq, t))
+        ends.update(queue_ends(mq, t, consumer.isolation))
     if queues is not None:
         ends = {q: e for q, e in ends.items() if q in set(queues)}
     got = []

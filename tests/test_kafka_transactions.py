@@ -12,7 +12,7 @@ import ray
 from raymq import (Message, ProducerFencedError, TransactionAbortedError, rpc)
 from raymq.storage.errors import InvalidTxnStateError, RayMQError
 from tests.conftest import wait_for
-from tests.test_cluster import keys_for_queues
+from tests.test_cluster import keys_for_queues, queue_ends, read_to_end
 
 pytestmark = pytest.mark.ray
 
@@ -21,35 +21,15 @@ def ends_of(mq, topics, isolation):
     """The end every queue of ``topics`` has for a reader of ``isolation``, now."""
     ends = {}
     for topic in topics:
-        for qid, shard in enumerate(mq.routes_for({topic})[topic]):
-            [(_t, _q, _b, _n, end)] = mq.transport.call(
-                shard, "pull", [(topic, qid, 0, 0)], 0, None, None, isolation, timeout_s=30)
-            ends[(topic, qid)] = end
+        ends.update(queue_ends(mq, topic, isolation))
     return ends
-
-
-def poll_to_end(c, mq, topics) -> list:
-    """What consumer ``c`` polls until it holds every queue of ``topics`` and has read each
-    to the end it has now for ``c``'s isolation (proven by its positions, not by a quiet
-    window)."""
-    ends = ends_of(mq, topics, c.isolation)
-    got = []
-
-    def at_end():
-        got.extend(c.poll(500, 0.2))
-        with c._lock:
-            held = c._queues
-            return not c._buffered and all(q in held and held[q].fetch >= e
-                                           for q, e in ends.items())
-    wait_for(at_end, 30, f"the consumer at the ends {ends}")
-    return got
 
 
 def read_all(mq, group, topics, isolation="read_committed", **kw) -> list:
     """Everything a new consumer of ``group`` reads of ``topics`` up to their ends now."""
     c = mq.consumer(group, topics, isolation=isolation, **kw)
     try:
-        return poll_to_end(c, mq, topics)
+        return read_to_end(c, mq, topics)
     finally:
         c.close()
 
@@ -400,7 +380,7 @@ def test_randomized_producers_readers_and_kills_show_no_jepsen_anomaly(mq, name,
                          for s in range(mq.num_shards)), 90, "no transaction left open")
     stop.set()
     consumer_thread.join(30)
-    got += poll_to_end(reader, mq, topics)  # the rest, to the ends
+    got += read_to_end(reader, mq, topics)  # the rest, to the ends
     reader.close()
     seen = [m.body for m in got]
     assert len(seen) == len(set(seen)), "a message delivered twice"
