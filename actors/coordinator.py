@@ -26,6 +26,7 @@ from typing import Callable
 
 from raymq.actors.config import ClusterConfig
 from raymq.actors.faults import faults_named
+from raymq.actors.ktx import KeyedLocks
 from raymq.actors.protocol import check_group
 from raymq.actors.txn_state import TxnMetadata, TxnState, init_producer, transition
 from raymq.storage import MessageStore, RecordBatch
@@ -85,7 +86,7 @@ class TransactionCoordinator:
                                   background=background)
         self._txns: dict[str, TxnMetadata] = {}
         self._lock = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
+        self._txn_locks = KeyedLocks()  # one transactional id's calls in turn
         self._last_counter = 0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="raymq-markers")
         self._stop = threading.Event()
@@ -125,13 +126,6 @@ class TransactionCoordinator:
                                       "within flush_timeout_ms; retry")
         self._txns[meta.transactional_id] = meta
 
-    def _txn_lock(self, tid: str) -> threading.Lock:
-        with self._lock:
-            lock = self._locks.get(tid)
-            if lock is None:
-                lock = self._locks[tid] = threading.Lock()
-            return lock
-
     def _new_producer_id(self) -> int:
         with self._lock:
             self._last_counter += 1
@@ -147,7 +141,7 @@ class TransactionCoordinator:
         if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
             raise InvalidMessageError(f"transaction timeout must be a positive int of ms, "
                                       f"got {timeout_ms!r}")
-        with self._txn_lock(transactional_id):
+        with self._txn_locks.of(transactional_id):
             meta = self._txns.get(transactional_id)
             if meta is not None and meta.state in (TxnState.PREPARE_COMMIT,
                                                    TxnState.PREPARE_ABORT):
@@ -189,7 +183,7 @@ class TransactionCoordinator:
             entries.add(group_entry(int(shard), group))
         for shard, _t, _q in queues:
             self._check_shard(shard)
-        with self._txn_lock(transactional_id):
+        with self._txn_locks.of(transactional_id):
             meta = self._current(transactional_id, producer_id, epoch)
             if meta.state is TxnState.ONGOING and queues <= meta.queues and \
                     entries <= meta.groups:
@@ -211,7 +205,7 @@ class TransactionCoordinator:
         operator, fencing)."""
         if outcome not in OUTCOME_STATES:
             raise InvalidMessageError(f"outcome must be COMMIT or ABORT, got {outcome!r}")
-        with self._txn_lock(transactional_id):
+        with self._txn_locks.of(transactional_id):
             meta = self._txns.get(transactional_id)
             if meta is not None and meta.producer_id == producer_id \
                     and epoch == meta.epoch - 1 and meta.state in (TxnState.COMPLETE_COMMIT,
@@ -284,7 +278,7 @@ class TransactionCoordinator:
                 return
             for tid in pending:
                 try:
-                    with self._txn_lock(tid):
+                    with self._txn_locks.of(tid):
                         meta = self._txns[tid]
                         if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
                             self._complete(meta)
@@ -300,7 +294,7 @@ class TransactionCoordinator:
         aborted = []
         for tid, meta in list(self._txns.items()):
             if meta.state is TxnState.ONGOING and meta.expired(now):
-                with self._txn_lock(tid):
+                with self._txn_locks.of(tid):
                     meta = self._txns[tid]
                     if meta.state is TxnState.ONGOING and meta.expired(now):
                         log.warning("coordinator-%d: %r open for %d ms, past its timeout: "
@@ -331,7 +325,7 @@ class TransactionCoordinator:
 
     def abort_transaction(self, transactional_id: str) -> str:
         """An operator aborts an open transaction (KIP-664); its final state's name."""
-        with self._txn_lock(transactional_id):
+        with self._txn_locks.of(transactional_id):
             meta = self._txns.get(transactional_id)
             if meta is None:
                 raise InvalidTxnStateError(f"no transactional id {transactional_id!r} here")

@@ -186,6 +186,21 @@ def decode(body: bytes) -> dict | None:
         return None
 
 
+class KeyedLocks:
+    """A lock per key, made on first use (a producer's, a transactional id's)."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._locks: dict = {}
+
+    def of(self, key) -> threading.Lock:
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
+
 class KafkaTxnQueues:
     """A shard's Kafka-style transactions: ``KafkaTxns`` plus the store I/O (index
     records, markers, offsets).  ``lock`` guards the state; puts happen under it."""
@@ -198,7 +213,9 @@ class KafkaTxnQueues:
         self._wake = wake
         self.state = KafkaTxns()
         self.lock = threading.RLock()  # the state (short holds); producers' own locks below
-        self._locks: dict[int, threading.Lock] = {}
+        # one producer's writes, registrations and markers in turn (a write checked
+        # before a marker is stored before it); other producers' go on meanwhile
+        self._locks = KeyedLocks()
         self._recover()
 
     def _recover(self) -> None:
@@ -230,21 +247,12 @@ class KafkaTxnQueues:
                                       "within flush_timeout_ms; retry")
         return int(res.queue_offset_array[0])
 
-    def _producer_lock(self, producer_id: int) -> threading.Lock:
-        """Serialises one producer's writes, registrations and markers (a write checked
-        before a marker is stored before it); other producers' go on meanwhile."""
-        with self.lock:
-            lock = self._locks.get(producer_id)
-            if lock is None:
-                lock = self._locks[producer_id] = threading.Lock()
-            return lock
-
     # ------------------------------------------------------- coordinator calls
     def register(self, producer_id: int, epoch: int, queues: list[Queue],
                  groups: list[str]) -> None:
         """The coordinator adds queues (and groups) to a producer's open transaction."""
         check_producer(producer_id, epoch)
-        with self._producer_lock(producer_id):
+        with self._locks.of(producer_id):
             with self.lock:
                 self.state.check_epoch(producer_id, epoch)
                 txn = self.state.open.get(producer_id)
@@ -273,7 +281,7 @@ class KafkaTxnQueues:
         check_producer(producer_id, epoch)
         if outcome not in OUTCOMES:
             raise InvalidMessageError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
-        with self._producer_lock(producer_id):
+        with self._locks.of(producer_id):
             with self.lock:
                 txn = self.state.open.get(producer_id)
                 if txn is None or epoch < txn.epoch:
@@ -312,16 +320,14 @@ class KafkaTxnQueues:
         self.store.save_offsets({APPLIED_KEY: index_offset})
 
     # ---------------------------------------------------------- producer calls
-    def send(self, batch: RecordBatch, producer_id: int, epoch: int, sequence: int,
-             put: Callable) -> object:
-        """A transactional write: checked (epoch, registration, sequence), stamped, stored
-        idempotently per (producer, epoch); ``put(batch, store_pid, sequence)`` stores."""
-        queues = set(zip(batch.column("topics"), batch.column("queue_ids"))) \
-            if isinstance(batch.topics, list) or isinstance(batch.queue_ids, list) \
-            else {(batch.topics, batch.queue_ids)}
-        store_pid = ktx_store_pid(producer_id, epoch) if 0 < producer_id <= MAX_PRODUCER_ID \
-            else 0
-        with self._producer_lock(producer_id) if store_pid else self.lock:
+    def send(self, batch: RecordBatch, queues: set[Queue], producer_id: int, epoch: int,
+             sequence: int, put: Callable) -> object:
+        """A transactional write to ``queues`` (the batch's): checked (epoch, registration,
+        sequence), stamped, stored idempotently per (producer, epoch);
+        ``put(batch, store_pid, sequence)`` stores."""
+        check_producer(producer_id, epoch)
+        store_pid = ktx_store_pid(producer_id, epoch)
+        with self._locks.of(producer_id):
             with self.lock:
                 self.state.check_send(producer_id, epoch, queues)
             last = self.store.last_sequence(store_pid)
@@ -337,7 +343,7 @@ class KafkaTxnQueues:
                     offsets: dict[Queue, int]) -> None:
         """A group's next offsets, committed with the producer's transaction."""
         check_producer(producer_id, epoch)
-        with self._producer_lock(producer_id):
+        with self._locks.of(producer_id):
             with self.lock:
                 self.state.check_epoch(producer_id, epoch)
                 txn = self.state.open.get(producer_id)

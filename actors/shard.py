@@ -159,10 +159,7 @@ class BrokerShard:
 
     def _prepare(self, batch: RecordBatch) -> RecordBatch:
         """Check the routes of a producer batch; divert delayed and transactional records."""
-        keys = set(zip(batch.column("topics"), batch.column("queue_ids"))) \
-            if isinstance(batch.topics, list) or isinstance(batch.queue_ids, list) \
-            else {(batch.topics, batch.queue_ids)}
-        self.routes.check(keys)
+        self.routes.check(batch.queues())
         if batch.properties is not None:
             batch = divert_to_system_topics(batch, self._levels_ms, self.clock.now_ms())
         return batch
@@ -393,10 +390,11 @@ class BrokerShard:
         if batch.properties is not None and diverts(batch.properties):
             raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
                                       "transaction")
-        self.routes.check(set(zip(batch.column("topics"), batch.column("queue_ids"))))
+        queues = batch.queues()
+        self.routes.check(queues)
         t0 = self.clock.monotonic_ms()
-        res = self.ktx.send(batch, producer_id, epoch, sequence, lambda b, pid, seq: (
-            self.store.put(b, producer_id=pid, sequence=seq)))
+        res = self.ktx.send(batch, queues, producer_id, epoch, sequence,
+                            lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq))
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         return self._sent(batch, res, res.status)
 

@@ -286,6 +286,12 @@ class RecordBatch:
         col = getattr(self, name)
         return col if isinstance(col, list) else [col] * len(self.bodies)
 
+    def queues(self) -> set[tuple[str, int]]:
+        """The (topic, queue id) pairs its records go to."""
+        if isinstance(self.topics, list) or isinstance(self.queue_ids, list):
+            return set(zip(self.column("topics"), self.column("queue_ids")))
+        return {(self.topics, self.queue_ids)}
+
     def slice(self, lo: int, hi: int) -> "RecordBatch":
         if lo == 0 and hi == len(self.bodies):
             return self
