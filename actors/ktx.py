@@ -147,9 +147,6 @@ class KafkaTxns:
         held = self._holding.get(queue)
         return min(min(held.values()), end) if held else end
 
-    def holders(self, queue: Queue) -> dict[int, int]:
-        return dict(self._holding.get(queue, {}))
-
     def visible(self, queue: Queue, headers: np.ndarray, committed: bool) -> np.ndarray:
         """Which records of ``headers`` a reader gets: never a marker; with ``committed``,
         never a record of an aborted transaction."""

@@ -159,11 +159,6 @@ class CommitLog:
             fd, seg.fd = seg.fd, None
             os.close(fd)
 
-    @property
-    def open_segment_count(self) -> int:
-        """Segments whose descriptor is open now (the last one included)."""
-        return sum(1 for s in self._segments if s.fd is not None)
-
     def _open_segment(self, path: str, base: int, *, is_last: bool) -> None:
         fd = os.open(path, os.O_RDWR | os.O_APPEND)
         size = os.fstat(fd).st_size
