@@ -31,8 +31,8 @@ from collections import defaultdict
 import numpy as np
 
 from raymq.actors.coordinator import check_transactional_id, coordinator_for
-from raymq.message import (Message, SendResult, SendStatus, check_group, columns_to_batch,
-                           key_queue, validate_messages)
+from raymq.message import (Message, SendResult, SendStatus, assign_queues, check_group,
+                           columns_to_batch, validate_messages)
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
                                   ProducerFencedError, RayMQError, TransactionAbortedError)
 
@@ -53,7 +53,7 @@ class TransactionalProducer:
         self._queues: set[tuple[int, str, int]] = set()
         self._groups: set[tuple[int, str]] = set()
         self._seq: dict[int, int] = defaultdict(int)
-        self._rr = 0
+        self._rr: dict[str, int] = defaultdict(int)
         self.producer_id, self.epoch = self._ask("init_producer", transactional_id, timeout_ms)
 
     # ------------------------------------------------------------ the API
@@ -82,7 +82,8 @@ class TransactionalProducer:
         with self._lock:
             self._in_transaction()
             routes = self._mq.routes_for(set(cols.topic))
-            qids, shards = self._assign(cols, routes)
+            qids, shards = assign_queues(cols, routes, self._next_rr,
+                                         self.config.batch_max_messages)
             self._register({(s, t, q) for s, t, q in zip(shards.tolist(), cols.topic,
                                                           qids.tolist())}, set())
             born_ms = int(time.time() * 1000)
@@ -196,18 +197,10 @@ class TransactionalProducer:
             raise InvalidTxnStateError(f"{self.transactional_id}: no transaction begun "
                                        f"(begin() or transaction() first)")
 
-    def _assign(self, cols, routes):
-        qids = np.empty(cols.n, np.int64)
-        shards = np.empty(cols.n, np.int64)
-        for i, (topic, key) in enumerate(zip(cols.topic, cols.key)):
-            route = routes[topic]
-            if key:
-                q = key_queue(key, len(route))
-            else:
-                q = self._rr % len(route)
-                self._rr += 1
-            qids[i], shards[i] = q, route[q]
-        return qids, shards
+    def _next_rr(self, topic: str, count: int) -> int:
+        first = self._rr[topic]
+        self._rr[topic] += count
+        return first
 
     def _register(self, queues: set, groups: set) -> None:
         new_q, new_g = queues - self._queues, groups - self._groups

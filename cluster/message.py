@@ -10,6 +10,8 @@ import zlib
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 
+import numpy as np
+
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
 from raymq.actors.admission import properties_problem, text_problem
 # the client's names for what it shares with the broker (users import them from here)
@@ -271,6 +273,32 @@ def messages_ext(shard: int, msgs) -> list[MessageExt]:
 def key_queue(key: str, num_queues: int) -> int:
     """Same key -> same queue (stable across processes)."""
     return zlib.crc32(key.encode()) % num_queues
+
+
+def assign_queues(cols: Columns, routes: dict[str, list[int]], next_rr, chunk: int):
+    """Queue id and shard (two int arrays) of every message of ``cols``.
+
+    A key picks its queue by hash (same key, same queue, order kept).  Messages of one
+    topic without keys are spread round-robin -- one queue per ``chunk`` messages of the
+    batch (Kafka's sticky partitioning: whole batches, fewer and larger requests);
+    otherwise one queue per keyless message.  ``next_rr(topic, count)`` reserves
+    ``count`` round-robin slots of a topic and returns the first.
+    """
+    n = cols.n
+    if len(set(cols.topic)) == 1 and not cols.has("key"):
+        topic = cols.topic[0]
+        route = np.asarray(routes[topic])
+        first = next_rr(topic, -(-n // chunk))
+        qids = (first + np.arange(n) // chunk) % len(route)
+        return qids, route[qids]
+    qids = np.empty(n, np.int64)
+    shards = np.empty(n, np.int64)
+    for i, (topic, key) in enumerate(zip(cols.topic, cols.key)):
+        route = routes[topic]
+        q = key_queue(key, len(route)) if key else next_rr(topic, 1) % len(route)
+        qids[i] = q
+        shards[i] = route[q]
+    return qids, shards
 
 
 def record_properties(props: dict[str, str] | None, delay_level: int, deliver_at_ms: int | None,

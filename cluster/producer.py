@@ -35,8 +35,8 @@ from raymq.actors.protocol import EndOutcome, SendReply
 from raymq.clock import client_clock
 from raymq.storage.clock import Clock
 from raymq.transport import Outcome
-from raymq.message import (Columns, Message, SendResult, SendStatus, columns_to_batch,
-                             key_queue, record_properties, validate_messages)
+from raymq.message import (Columns, Message, SendResult, SendStatus, assign_queues,
+                           columns_to_batch, key_queue, record_properties, validate_messages)
 from raymq.storage.records import RecordBatch, none_if_empty, shared_value
 from raymq.storage.errors import InvalidMessageError, RayMQError
 
@@ -247,31 +247,9 @@ class Producer:
             return start
 
     def _assign(self, cols: Columns, routes: dict[str, list[int]]):
-        """Queue id and shard of every message.
-
-        A key picks its queue by hash (same key, same queue, order kept).
-        Messages without a key are spread round-robin -- one queue per chunk
-        of ``batch_max_messages`` of a ``send_batch`` call (Kafka's sticky
-        partitioning: whole batches, fewer and larger requests), one queue
-        per message for single sends.
-        """
-        n = cols.n
-        if len(set(cols.topic)) == 1 and not cols.has("key"):
-            topic = cols.topic[0]
-            route = np.asarray(routes[topic])
-            chunk = self.config.batch_max_messages
-            chunks = -(-n // chunk)
-            first = self._next_rr(topic, chunks)
-            qids = (first + np.arange(n) // chunk) % len(route)
-            return qids, route[qids]
-        qids = np.empty(n, np.int64)
-        shards = np.empty(n, np.int64)
-        for i, (topic, key) in enumerate(zip(cols.topic, cols.key)):
-            route = routes[topic]
-            q = key_queue(key, len(route)) if key else self._next_rr(topic, 1) % len(route)
-            qids[i] = q
-            shards[i] = route[q]
-        return qids, shards
+        """Queue id and shard of every message (``assign_queues``: sticky round-robin of
+        ``batch_max_messages`` chunks; one queue per message for single sends)."""
+        return assign_queues(cols, routes, self._next_rr, self.config.batch_max_messages)
 
     def _submit(self, msgs: list[Message], system_props: dict[str, str] | None = None
                 ) -> list[tuple[Future, list[int]]]:
