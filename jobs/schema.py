@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from raymq.actors.protocol import Prop, make_msg_id
+from raymq.actors.protocol import Prop
 from raymq.storage.records import MessageBatch
 
 MESSAGE_SCHEMA = pa.schema([
@@ -52,6 +52,22 @@ def properties_map(raw: list) -> pa.MapArray:
                                    pc.list_element(kv, 1))
 
 
+_HEX = np.frombuffer(b"0123456789ABCDEF", np.uint8)
+
+
+def msg_id_array(shard: int, phys_offsets: np.ndarray) -> pa.StringArray:
+    """``make_msg_id(shard, p)`` for every physical offset, as one string column (built
+    in numpy: a million ids in milliseconds, not a million Python strings)."""
+    n = len(phys_offsets)
+    nibbles = phys_offsets.astype(">u8").view(np.uint8).reshape(n, 8)
+    chars = np.empty((n, 20), np.uint8)
+    chars[:, :4] = np.frombuffer(f"{shard:04X}".encode(), np.uint8)
+    chars[:, 4::2] = _HEX[nibbles >> 4]
+    chars[:, 5::2] = _HEX[nibbles & 15]
+    offsets = np.arange(0, 20 * n + 1, 20, dtype=np.int32)
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(chars))
+
+
 def message_record_batch(shard: int, topic: str, queue_id: int, batch: MessageBatch,
                          keep: np.ndarray | None = None) -> pa.RecordBatch:
     """The rows of a pulled ``MessageBatch`` (those where ``keep`` is true) in
@@ -68,10 +84,10 @@ def message_record_batch(shard: int, topic: str, queue_id: int, batch: MessageBa
     def ints(name, dtype):
         return pa.array(np.ascontiguousarray(h[name]).astype(dtype))
     props = properties_map(pick(batch.properties) if batch.properties else [b""] * n)
-    own = pa.array([make_msg_id(shard, p) for p in pick(batch.phys_offsets)], pa.string())
+    own = msg_id_array(shard, np.asarray(pick(batch.phys_offsets), np.uint64))
     msg_id = pc.coalesce(pc.map_lookup(props, Prop.PRODUCER_MSG_ID, "first"), own)
     return pa.record_batch([
-        pa.array([topic] * n, pa.string()), pa.array(np.full(n, queue_id, np.int32)),
+        pa.repeat(pa.scalar(topic, pa.string()), n), pa.array(np.full(n, queue_id, np.int32)),
         ints("queue_offset", np.int64), msg_id,
         pa.array(pick(batch.keys), pa.string()) if batch.keys else pa.nulls(n, pa.string()),
         pa.array(pick(batch.tags), pa.string()) if batch.tags else pa.nulls(n, pa.string()),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from raymq.actors.protocol import Prop
+from raymq.actors.protocol import Prop, make_msg_id
 from raymq.jobs.schema import (MESSAGE_SCHEMA, from_ipc_bytes, message_record_batch,
-                               properties_map, to_ipc_bytes)
+                               msg_id_array, properties_map, to_ipc_bytes)
 from raymq.message import messages_ext
 from raymq.storage import MessageStore, RecordBatch, StoreConfig
 
@@ -64,3 +64,14 @@ def test_the_schema_uses_only_types_spark_reads():
 def test_properties_decode_like_the_store_does():
     got = properties_map([b"", b"a\x01b", b"a\x01b\x02c\x01d=e\x01f"]).to_pylist()
     assert [dict(x or []) for x in got] == [{}, {"a": "b"}, {"a": "b", "c": "d=e\x01f"}]
+
+
+def test_message_ids_built_in_numpy_are_the_ids_consumers_get():
+    rng = np.random.default_rng(7)
+    offsets = np.concatenate([[0, 1, 2**63 - 1, 2**64 - 1, 0xDEADBEEF],
+                              rng.integers(0, 2**63, 1000, dtype=np.uint64)]).astype(np.uint64)
+    for shard in (0, 3, 0xABCD):
+        ids = msg_id_array(shard, offsets)
+        assert ids.type == pa.string()
+        assert ids.to_pylist() == [make_msg_id(shard, int(p)) for p in offsets]
+    assert msg_id_array(1, np.zeros(0, np.uint64)).to_pylist() == []
