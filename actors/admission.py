@@ -13,19 +13,27 @@ from raymq.storage.records import (MAX_KEY_BYTES, MAX_TAGS_BYTES, MAX_USER_PROPE
                                    check_user_properties)
 
 #: System properties a client may set (the SDK sets these, and only these).
-CLIENT_PROPERTIES = frozenset({Prop.DELAY, Prop.DELIVER_AT, Prop.TRAN_MSG, Prop.PRODUCER_GROUP,
-                               Prop.TRANSACTION_ID, Prop.TXN_TIMEOUT_MS})
+CLIENT_PROPERTIES = frozenset({Prop.DELAY, Prop.DELIVER_AT, Prop.DELIVER_AFTER, Prop.TRAN_MSG,
+                               Prop.PRODUCER_GROUP, Prop.TRANSACTION_ID, Prop.TXN_TIMEOUT_MS})
 _TX_ONLY = (Prop.PRODUCER_GROUP, Prop.TRANSACTION_ID, Prop.TXN_TIMEOUT_MS)
 #: Longest transaction id a shard stores (the SDK's are about 40 characters).
 MAX_TRANSACTION_ID_CHARS = 256
 #: Longest per-message transaction timeout (a week).
 MAX_TXN_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+#: The default longest schedule (``ClusterConfig.max_delay_ms``): 40 days.
+DEFAULT_MAX_DELAY_MS = 40 * 24 * 3600 * 1000
+#: How far a deliver-at time may pass the maximum as the shard's clock sees it (the
+#: client checked it against its own clock).
+CLOCK_SLACK_MS = 60_000
 
 
-def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str]) -> dict[int, str]:
+def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
+             max_delay_ms: int = DEFAULT_MAX_DELAY_MS, now_ms: int | None = None
+             ) -> dict[int, str]:
     """Why each refused record of a client's batch is refused (index -> one line).
 
-    ``system``: every system property name (``SYSTEM_PROPERTIES``).
+    ``system``: every system property name (``SYSTEM_PROPERTIES``); ``now_ms``: the
+    shard's time, for deliver-at times past ``max_delay_ms``.
     """
     out: dict[int, str] = {}
     topics = batch.topics
@@ -43,7 +51,8 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str]) -> dic
     if batch.properties is not None:
         for i, p in enumerate(batch.properties):
             if p and i not in out:
-                why = properties_problem(p, num_levels, system)
+                why = properties_problem(p, num_levels, system, max_delay_ms=max_delay_ms,
+                                         now_ms=now_ms)
                 if why:
                     out[i] = why
     return out
@@ -64,7 +73,9 @@ def text_problem(value, limit: int, what: str) -> str | None:
     return f"{what} {value[:40]!r}... is longer than {limit} bytes" if size > limit else None
 
 
-def properties_problem(p, num_levels: int, system: frozenset[str]) -> str | None:
+def properties_problem(p, num_levels: int, system: frozenset[str], *,
+                       max_delay_ms: int = DEFAULT_MAX_DELAY_MS, now_ms: int | None = None
+                       ) -> str | None:
     """Why a record's properties cannot be stored from a client (None: they can)."""
     if not isinstance(p, dict):
         return f"properties must be a dict of str, got {type(p).__name__}"
@@ -84,19 +95,20 @@ def properties_problem(p, num_levels: int, system: frozenset[str]) -> str | None
         check_user_properties(p, MAX_USER_PROPERTIES_BYTES + 1024)
     except RayMQError as err:
         return str(err)
-    return _system_problem(p, num_levels, system)
+    return _system_problem(p, num_levels, system, max_delay_ms, now_ms)
 
 
-def _system_problem(p: dict, num_levels: int, system: frozenset[str]) -> str | None:
+def _system_problem(p: dict, num_levels: int, system: frozenset[str], max_delay_ms: int,
+                    now_ms: int | None) -> str | None:
     given = system.intersection(p)
     if not given:
         return None
     wrong = sorted(given - CLIENT_PROPERTIES)
     if wrong:
         return f"system properties {wrong} are set by the broker only"
-    if Prop.DELIVER_AT in p:
-        return ("deliver_at_ms is not supported yet; use delay_level "
-                "(arbitrary deliver-at times come with the timer issue)")
+    why = schedule_problem(p, max_delay_ms, now_ms)
+    if why:
+        return why
     if Prop.DELAY in p and not _int_in(p[Prop.DELAY], 1, num_levels):
         return f"delay level {p[Prop.DELAY]!r} is not 1..{num_levels}"
     if Prop.TRAN_MSG not in p:
@@ -104,6 +116,24 @@ def _system_problem(p: dict, num_levels: int, system: frozenset[str]) -> str | N
             return f"properties {sorted(given.intersection(_TX_ONLY))} belong to a transaction"
         return None
     return _transaction_problem(p)
+
+
+def schedule_problem(p: dict, max_delay_ms: int, now_ms: int | None) -> str | None:
+    """Why a record's deliver-at / deliver-after time cannot be stored (None: it can)."""
+    given = [k for k in (Prop.DELAY, Prop.DELIVER_AT, Prop.DELIVER_AFTER) if k in p]
+    if len(given) > 1:
+        return "give one of delay_level, deliver_at_ms and deliver_after_ms"
+    if Prop.DELIVER_AFTER in p:
+        if not _int_in(p[Prop.DELIVER_AFTER], 0, max_delay_ms):
+            return (f"deliver_after_ms {p[Prop.DELIVER_AFTER]!r} is not 0..{max_delay_ms} "
+                    f"(max_delay_ms)")
+    if Prop.DELIVER_AT in p:
+        if not _int_in(p[Prop.DELIVER_AT], 0, 2 ** 62):
+            return f"deliver_at_ms {p[Prop.DELIVER_AT]!r} is not epoch milliseconds"
+        if now_ms is not None and int(p[Prop.DELIVER_AT]) > now_ms + max_delay_ms + CLOCK_SLACK_MS:
+            return (f"deliver_at_ms {p[Prop.DELIVER_AT]} is more than max_delay_ms "
+                    f"({max_delay_ms}) ahead")
+    return None
 
 
 def _transaction_problem(p: dict) -> str | None:

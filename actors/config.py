@@ -128,6 +128,12 @@ class ClusterConfig(BaseModel):
                                "(long poll).")
     schedule_tick_ms: StrictInt = Field(
         100, ge=1, description="Longest wait of the delay scheduler between checks.")
+    max_delay_ms: StrictInt = Field(
+        40 * 24 * 3600 * 1000, ge=1, description="Longest deliver_at_ms / deliver_after_ms "
+        "schedule (40 days); past it a send fails with INVALID_MESSAGE.")
+    timer_bucket_ms: StrictInt = Field(
+        60_000, ge=1000, description="Due-time span of one timer-wheel bucket file: a shard "
+        "holds one bucket of scheduled messages in memory at a time.")
     max_open_queue_files: StrictInt = Field(
         1024, ge=1, description="Most consume-queue files a shard keeps open (least recently "
         "used closed and reopened on demand; at most half of ulimit -n).")

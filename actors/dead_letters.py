@@ -19,7 +19,8 @@ from raymq.storage.records import StoredMessage
 #: Dead-letter resends: this plus a 56-bit hash of the group (``dlq_resend_pid``).
 DLQ_RESEND_PID_BASE = INTERNAL_PRODUCER_BASE + (1 << 61)
 #: Properties a retry copy drops (it is no longer delayed or diverted).
-_DIVERSION_PROPS = (Prop.DELAY, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS)
+_DIVERSION_PROPS = (Prop.DELAY, Prop.DELIVER_AT, Prop.DELIVER_AFTER, Prop.REAL_TOPIC,
+                    Prop.REAL_QID, Prop.REAL_FLAGS)
 
 
 def dlq_resend_pid(group: str) -> int:
@@ -47,11 +48,12 @@ class DeadLetters:
         self._resend_lock = threading.Lock()  # one resend of all dead letters at a time
 
     def send_back(self, group: str, phys_offset: int, *, reason: str,
-                  dead_letter: bool) -> dict:
+                  dead_letter: bool, retry_after_ms: int | None = None) -> dict:
         """A consumer failed on a message: redeliver it later, or dead-letter it.
 
         The copy goes to the group's retry topic (queue = this shard) through
-        the delay levels (``retry_first_level`` + reconsume count); once the
+        the delay levels (``retry_first_level`` + reconsume count), or the timer when the
+        consumer asked for ``retry_after_ms``; once the
         reconsume count reaches ``max_reconsume`` it goes to the group's
         dead-letter topic instead.
         """
@@ -71,8 +73,11 @@ class DeadLetters:
             self.metrics.inc("dead_letters", 1, group=group)
         else:
             topic = retry_topic(group)
-            level = min(self.config.retry_first_level + count - 1, len(self.levels_ms))
-            props[Prop.DELAY] = str(level)
+            if retry_after_ms is not None:
+                props[Prop.DELIVER_AFTER] = str(retry_after_ms)
+            else:
+                level = min(self.config.retry_first_level + count - 1, len(self.levels_ms))
+                props[Prop.DELAY] = str(level)
             self.metrics.inc("retries", 1, group=group)
         batch = RecordBatch(topic, self.shard, [m.body], keys=[m.key], tags=[m.tags],
                             properties=[props], born_ms=m.born_ms, reconsume=count)

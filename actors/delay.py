@@ -1,4 +1,5 @@
-"""The delay scheduler of one shard: delay levels today (seed 001), the timer wheel later.
+"""The delay scheduler of one shard: delay levels (seed 001); any deliver-at time is
+``raymq.actors.timers``.
 
 Delayed messages wait in the schedule topic, one queue per level, in due
 order; ``deliver_due`` moves the due ones to their real queues.  A level's
@@ -13,9 +14,10 @@ from typing import Callable
 
 import numpy as np
 
-from raymq.actors.protocol import SCHEDULE_TOPIC, Prop, make_msg_id
+from raymq.actors.protocol import SCHEDULE_TOPIC, TIMER_DONE_TOPIC, Prop, make_msg_id
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock
+from raymq.storage.errors import AlreadyDeliveredError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import StoredMessage
 
@@ -31,7 +33,8 @@ class DelayScheduler:
     """Delivers due delayed messages of one shard; owns the background delivery thread."""
 
     def __init__(self, shard: int, store: MessageStore, levels_ms: tuple[int, ...],
-                 tick_ms: int, clock: Clock, metrics, on_delivered: Callable[[], None]):
+                 tick_ms: int, clock: Clock, metrics, on_delivered: Callable[[], None],
+                 cancellations=None):
         self.shard = shard
         self.store = store
         self.levels_ms = levels_ms
@@ -43,6 +46,7 @@ class DelayScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.max_lateness_ms = 0
+        self.cancels = cancellations  # ``timers.Cancellations`` (None: nothing cancels)
 
     def progress(self, level: int) -> int:
         """How many messages of a level (1-based) were delivered."""
@@ -86,8 +90,15 @@ class DelayScheduler:
                 total = np.cumsum(entries["size"][:due])
                 take = max(1, int(np.searchsorted(total, DELIVERY_MAX_BYTES, "right")))
             msgs = self.store.messages_at(entries[:take]).messages()
-            self.store.put(restore_real(self.shard, msgs), producer_id=SCHEDULER_PID_BASE + level,
-                           sequence=start + take)
+            gone = self._cancelled(level, start, take)
+            if gone:
+                msgs = [m for j, m in enumerate(msgs) if start + j not in gone]
+            # (all of them cancelled: a record of the skip keeps the level's progress)
+            batch = restore_real(self.shard, msgs) if msgs else \
+                RecordBatch(TIMER_DONE_TOPIC, 0, [b""])
+            self.store.put(batch, producer_id=SCHEDULER_PID_BASE + level, sequence=start + take)
+            for i in gone:
+                self.cancels.levels.discard((level, i))
             late = int(now - tags[:take].min())
             self.max_lateness_ms = max(self.max_lateness_ms, late)
             self.metrics.observe("delay_lateness_ms", float(late))
@@ -98,6 +109,22 @@ class DelayScheduler:
             if due < len(entries):
                 return int(tags[due] - now)
         return self.tick_ms
+
+    def _cancelled(self, level: int, start: int, take: int) -> set[int]:
+        if self.cancels is None or not self.cancels.levels:
+            return set()
+        return {i for lvl, i in self.cancels.levels if lvl == level and start <= i < start + take}
+
+    def cancel(self, level: int, index: int, msg_id: str) -> str:
+        """Cancel the delayed message at ``index`` of ``level``'s schedule queue:
+        'cancelled' or 'already cancelled'; ``AlreadyDeliveredError`` once delivered."""
+        with self._lock:  # not while its level delivers
+            if (level, index) in self.cancels.levels:
+                return "already cancelled"
+            if index < self.progress(level):
+                raise AlreadyDeliveredError(f"message {msg_id} was already delivered")
+            self.cancels.record({"kind": "level", "level": level, "index": index})
+        return "cancelled"
 
     # ------------------------------------------------------- background thread
     def start(self) -> None:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, Prop
+from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, Prop
 from raymq.storage import RecordBatch
 from raymq.storage.errors import InvalidMessageError
 from raymq.storage.records import SysFlag
 
 #: Properties that make ``divert_to_system_topics`` move a record (any of them).
-_DIVERTING = frozenset((Prop.DELAY, Prop.DELIVER_AT, Prop.TRAN_MSG))
-_NO_DELIVER_AT = ("deliver_at_ms is not supported yet; use delay_level "
-                  "(arbitrary deliver-at times come with the timer issue)")
+_DIVERTING = frozenset((Prop.DELAY, Prop.DELIVER_AT, Prop.DELIVER_AFTER, Prop.TRAN_MSG))
 
 
 def diverts(properties: Iterable[dict | None]) -> bool:
@@ -27,11 +25,13 @@ def diverts(properties: Iterable[dict | None]) -> bool:
 def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
                             now_ms: int) -> RecordBatch:
     """The batch with its delayed records moved to the schedule topic (queue = level - 1,
-    due time as tag code) and its transactional ones to the half topic.
+    due time as tag code), its timer records (deliver-at / deliver-after) to the timer
+    topic (due time as tag code; a time not ahead of ``now_ms`` stays in its real queue:
+    due now) and its transactional ones to the half topic.
 
-    A transactional message keeps its delay level as a property: the delay
-    is applied when it is committed, never while it is a half (RocketMQ 4.x
-    loops between the half and schedule topics here -- seed 000).  The
+    A transactional message keeps its delay as a property: the delay is applied when
+    it is committed (a deliver-after counts from then), never while it is a half
+    (RocketMQ 4.x loops between the half and schedule topics here -- seed 000).  The
     caller's batch stays as it was (an in-process caller may send it again).
     """
     props = batch.properties
@@ -48,8 +48,18 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
             new_props[i] = _with_real(p, topics[i], qids[i])
             topics[i], qids[i], flags[i] = HALF_TOPIC, 0, int(SysFlag.TRANSACTION_PREPARED)
             continue
-        if Prop.DELIVER_AT in p:
-            raise InvalidMessageError(_NO_DELIVER_AT)
+        if Prop.DELIVER_AT in p or Prop.DELIVER_AFTER in p:
+            due = due_time(p, now_ms)
+            q = dict(p)
+            q.pop(Prop.DELIVER_AFTER, None)
+            q[Prop.DELIVER_AT] = str(due)  # what the delivered copy says it was due
+            if due <= now_ms:  # due now: straight to its queue
+                new_props[i] = q
+                continue
+            new_props[i] = _with_real(q, topics[i], qids[i], flags[i])
+            topics[i], qids[i], flags[i] = TIMER_TOPIC, 0, int(SysFlag.SCHEDULED)
+            tag_codes[i] = due
+            continue
         if Prop.DELAY not in p:
             continue
         level = _level(p, levels_ms)
@@ -62,9 +72,14 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
                        tag_codes=tag_codes)
 
 
-def _check_half(p: dict, levels_ms: tuple[int, ...]) -> None:
+def due_time(p: dict, now_ms: int) -> int:
+    """When a timer record is due: its deliver-at time, or its deliver-after from now."""
     if Prop.DELIVER_AT in p:
-        raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level")
+        return int(p[Prop.DELIVER_AT])
+    return now_ms + int(p[Prop.DELIVER_AFTER])
+
+
+def _check_half(p: dict, levels_ms: tuple[int, ...]) -> None:
     if Prop.DELAY in p:
         _level(p, levels_ms, show_raw=True)
     if not p.get(Prop.PRODUCER_GROUP) or not p.get(Prop.TRANSACTION_ID):

@@ -20,14 +20,21 @@ CHECK_EXPIRED_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
 RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
 SYSTEM_TOPIC_PREFIXES = ("RMQ_SYS_", RETRY_PREFIX, DLQ_PREFIX)
-SYSTEM_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, CHECK_EXPIRED_TOPIC})
+#: Timer messages (any deliver-at time) wait here, due time as tag; deliveries and
+#: cancellations are recorded in the other two (``raymq.actors.timers``).
+TIMER_TOPIC = "RMQ_SYS_TIMER"
+TIMER_DONE_TOPIC = "RMQ_SYS_TIMER_DONE"
+TIMER_CANCEL_TOPIC = "RMQ_SYS_TIMER_CANCEL"
+SYSTEM_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, CHECK_EXPIRED_TOPIC,
+                           TIMER_TOPIC, TIMER_DONE_TOPIC, TIMER_CANCEL_TOPIC})
 
 
 class Prop:
     """System property names (RocketMQ's where there is one)."""
 
     DELAY = "DELAY"
-    DELIVER_AT = "DELIVER_AT_MS"
+    DELIVER_AT = "DELIVER_AT_MS"        # absolute due time (epoch ms)
+    DELIVER_AFTER = "DELIVER_AFTER_MS"  # due this long after it is stored (or committed)
     REAL_TOPIC = "REAL_TOPIC"
     REAL_QID = "REAL_QID"
     REAL_FLAGS = "REAL_FLAGS"

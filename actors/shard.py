@@ -44,15 +44,18 @@ from raymq.actors.group_offsets import GroupOffsets
 from raymq.actors.halves import HalfIndex, carries_halves
 from raymq.actors.ktx import KafkaTxnQueues
 from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
-                                   SYSTEM_PROPERTIES, CheckRequest, EndOutcome, EndRequest,
-                                   EndResult, SendReply, check_group, retry_topic)
+                                   SYSTEM_PROPERTIES, TIMER_TOPIC, CheckRequest, EndOutcome,
+                                   EndRequest, EndResult, Prop, SendReply, check_group,
+                                   make_msg_id, retry_topic)
 from raymq.actors.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_queues, check_send)
 from raymq.actors.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.routes import RouteTable
+from raymq.actors.timers import Cancellations, TimerScheduler
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, ReservedNameError
+from raymq.storage.errors import (AlreadyDeliveredError, InvalidMessageError,
+                                  NotScheduledError, OffsetOutOfRangeError, ReservedNameError)
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
@@ -81,9 +84,13 @@ class BrokerShard:
         self.halves = HalfIndex(index, self.store)
         self.checks = CheckRounds(index, self.store, self.halves, self._append, self._tx_lock,
                                   self.config, self.metrics)
+        self.cancels = Cancellations(self.store)
         self.delays = DelayScheduler(index, self.store, self._levels_ms,
                                      self.config.schedule_tick_ms, self.clock, self.metrics,
-                                     self.reads.wake)
+                                     self.reads.wake, self.cancels)
+        self.timers = TimerScheduler(index, self.store, os.path.join(self.directory, "timer"),
+                                     self.config.timer_bucket_ms, self.config.schedule_tick_ms,
+                                     self.clock, self.metrics, self.reads.wake, self.cancels)
         self.dead_letters = DeadLetters(index, self.store, self.config, self._levels_ms,
                                         lambda *a: self._store_request(*a), self.metrics)
         self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.commit, self.reads.wake)
@@ -92,6 +99,7 @@ class BrokerShard:
         self.halves.load()
         if background:
             self.delays.start()
+            self.timers.start()
 
     # ------------------------------------------------------------- routes
     def set_routes(self, routes: Iterable[tuple[str, int]]) -> None:
@@ -111,7 +119,8 @@ class BrokerShard:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
                                       f"(client ids are below 2**62)")
-        refused = refusals(batch, len(self._levels_ms), SYSTEM_PROPERTIES) \
+        refused = refusals(batch, len(self._levels_ms), SYSTEM_PROPERTIES,
+                           max_delay_ms=self.config.max_delay_ms, now_ms=self.clock.now_ms()) \
             if batch is not None and len(batch) else None
         if not refused:
             return self._store_request(batch, producer_id, sequence, ends)
@@ -173,10 +182,12 @@ class BrokerShard:
         queue_offsets = res.queue_offset_array[:n].tolist()
         if batch.properties is not None:  # only then can a record have been diverted
             topics = batch.column("topics")
-            if SCHEDULE_TOPIC in topics or HALF_TOPIC in topics:
+            waiting = (SCHEDULE_TOPIC, HALF_TOPIC, TIMER_TOPIC)
+            if any(t in topics for t in waiting):
                 # its queue offset in its real queue comes when it is delivered (committed)
-                queue_offsets = [-1 if t == SCHEDULE_TOPIC or t == HALF_TOPIC else o
-                                 for t, o in zip(topics, queue_offsets)]
+                queue_offsets = [-1 if t in waiting else o for t, o in zip(topics, queue_offsets)]
+                if TIMER_TOPIC in topics:
+                    self.timers.wake()
         status = self.faults.send_status(status)
         return SendReply("SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
                          res.phys_array[:n].tolist(), queue_offsets, res.duplicate)
@@ -346,19 +357,46 @@ class BrokerShard:
         return {"shard": self.index, "queues": depth, "lag": groups,
                 "schedule_pending": self.delays.pending(),
                 "max_delay_lateness_ms": self.delays.max_lateness_ms,
+                "timers": self.timers.status(),
                 "log_bytes": self.store.max_phys_offset}
 
     # -------------------------------------------------- delays and retries
     def deliver_due(self) -> int:
-        """Move every due scheduled message to its real queue; return the wait (ms) to the next."""
-        return self.delays.deliver_due()
+        """Move every due delayed and timer message to its real queue; return the wait (ms)
+        to the next."""
+        return min(self.delays.deliver_due(), self.timers.deliver_due())
+
+    def cancel_scheduled(self, phys_offset: int) -> str:
+        """Cancel a delayed or timer message before it is delivered (its send result's
+        physical offset): 'cancelled' or 'already cancelled'; ``AlreadyDeliveredError``
+        after it was delivered, ``NotScheduledError`` for a message that never waited."""
+        m = stored_message(self.store, self.index, phys_offset)
+        msg_id = make_msg_id(self.index, phys_offset)
+        if m.topic == TIMER_TOPIC:
+            return self.timers.cancel(m)
+        if m.topic == SCHEDULE_TOPIC:
+            return self.delays.cancel(m.queue_id + 1, m.queue_offset, msg_id)
+        if Prop.DELIVER_AT in m.properties:  # due when it was sent: stored in its queue
+            raise AlreadyDeliveredError(f"message {msg_id} was already delivered (due when "
+                                        f"it was sent)")
+        raise NotScheduledError(f"message {msg_id} is not a delayed or timer message")
+
+    def timer_list(self, due_before_ms: int, limit: int = 100) -> list[dict]:
+        """Timer messages not yet delivered that are due before ``due_before_ms``."""
+        return self.timers.list_due(int(due_before_ms), int(limit))
 
     def send_back(self, group: str, phys_offset: int, *, reason: str = "",
-                  dead_letter: bool = False) -> dict:
+                  dead_letter: bool = False, retry_after_ms: int | None = None) -> dict:
         """A consumer failed on a message: redeliver it later, or dead-letter it
         (``DeadLetters.send_back``)."""
+        if retry_after_ms is not None and (
+                isinstance(retry_after_ms, bool) or not isinstance(retry_after_ms, int)
+                or not 0 <= retry_after_ms <= self.config.max_delay_ms):
+            raise InvalidMessageError(f"retry_after_ms must be 0..{self.config.max_delay_ms} "
+                                      f"(max_delay_ms), got {retry_after_ms!r}")
         return self.dead_letters.send_back(group, phys_offset, reason=reason,
-                                           dead_letter=dead_letter)
+                                           dead_letter=dead_letter,
+                                           retry_after_ms=retry_after_ms)
 
     def dlq_list(self, group: str, offset: int = 0, max_messages: int = 100) -> list[StoredMessage]:
         """Dead letters of a group on this shard, from ``offset``."""
@@ -422,6 +460,7 @@ class BrokerShard:
 
     def close(self) -> None:
         self.delays.stop()
+        self.timers.stop()
         self.store.close()
 
 
@@ -430,7 +469,8 @@ class BrokerShard:
 _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
                  "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",
                  "get_message", "find_by_key", "send_back", "dlq_list", "dlq_resend",
-                 "ktx_register", "ktx_send", "ktx_offsets", "ktx_end")
+                 "ktx_register", "ktx_send", "ktx_offsets", "ktx_end", "cancel_scheduled",
+                 "timer_list")
 for _name in _PUBLIC_CALLS:
     setattr(BrokerShard, _name, answers_in_one_line(getattr(BrokerShard, _name)))
 

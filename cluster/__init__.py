@@ -5,13 +5,13 @@ This package (the card's ``cluster/`` folder) is the client layer; the broker is
 """
 from raymq.actors.config import ClusterConfig
 from raymq.message import Message, MessageExt, SendResult, SendStatus
-from raymq.storage.errors import (BrokerUnavailableError, ChannelRefusedError,
+from raymq.storage.errors import (AlreadyDeliveredError, BrokerUnavailableError, ChannelRefusedError,
                                   ChannelTLSError, ConcurrentTransactionsError, ConfigError,
                                   ConfigMismatchError, CorruptLogError, InvalidMessageError,
                                   InvalidTxnStateError, JavaMissingError, MessageTooLargeError,
                                   OutOfOrderSequenceError, ProducerFencedError,
                                   TransactionAbortedError,
-                                  NotDeployedError, OffsetOutOfRangeError,
+                                  NotDeployedError, NotScheduledError, OffsetOutOfRangeError,
                                   ProtocolVersionError, QuotaExceededError, RayAuthError,
                                   RayMQError, RayUnreachableError, RequestTimeoutError,
                                   ReservedNameError, StorageError, TopicExistsError,
@@ -26,7 +26,7 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError",
            "QuotaExceededError", "ProducerFencedError", "TransactionAbortedError",
            "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError",
-           "JavaMissingError"]
+           "JavaMissingError", "AlreadyDeliveredError", "NotScheduledError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

@@ -196,6 +196,14 @@ class RayMQ:
         self._clients.append(c)
         return c
 
+    def cancel_scheduled(self, msg_id: str) -> str:
+        """Cancel a delayed or timer message before it is delivered (the id its send gave):
+        'cancelled' (never delivered, also after a restart) or 'already cancelled';
+        ``AlreadyDeliveredError`` once it was delivered, ``NotScheduledError`` for a
+        message that never waited for a time."""
+        shard, phys = self.admin._located(msg_id)
+        return self.shard(shard).call("cancel_scheduled", phys, timeout_s=60)
+
     def close(self) -> None:
         """Close the producers and consumers made here (the cluster keeps running)."""
         for c in reversed(self._clients):
@@ -263,6 +271,16 @@ class Admin:
         for s in range(self._mq.num_shards):
             out += self._mq.shard(s).call("half_list", expired=expired, timeout_s=60)
         return out
+
+    def timer_list(self, due_before_ms: int, limit: int = 100) -> list[dict]:
+        """Timer messages not yet delivered that are due before ``due_before_ms`` (epoch
+        ms), soonest first: msg_id, topic, queue_id, due_ms, key, tags, shard."""
+        if isinstance(due_before_ms, bool) or not isinstance(due_before_ms, int):
+            raise InvalidMessageError(f"due_before_ms must be epoch ms, got {due_before_ms!r}")
+        out = []
+        for s in range(self._mq.num_shards):
+            out += self._mq.shard(s).call("timer_list", due_before_ms, limit, timeout_s=60)
+        return sorted(out, key=lambda t: (t["due_ms"], t["msg_id"]))[:limit]
 
     def half_resolve(self, half_id: str, state: str) -> str:
         """An operator commits ('commit') or rolls back ('rollback') a pending or expired half."""

@@ -416,10 +416,17 @@ class Consumer:
             self._drop_buffered({(topic, queue_id)})
 
     # ------------------------------------------------------------- push mode
-    def nack(self, msg: MessageExt, reason: str = "") -> dict:
-        """Give a message back: redelivered later through the retry topic, or dead-lettered."""
+    def nack(self, msg: MessageExt, reason: str = "", *,
+             retry_after_ms: int | None = None) -> dict:
+        """Give a message back: redelivered later through the retry topic (after the next
+        delay level, or after ``retry_after_ms``: any time up to ``max_delay_ms``), or
+        dead-lettered once ``max_reconsume`` is reached."""
+        if retry_after_ms is None:
+            return self._mq.shard(msg.shard).call("send_back", self.group, msg.phys,
+                                                  reason=reason, timeout_s=30)
         return self._mq.shard(msg.shard).call("send_back", self.group, msg.phys,
-                                              reason=reason, timeout_s=30)
+                                              reason=reason, retry_after_ms=retry_after_ms,
+                                              timeout_s=30)
 
     def run(self, handler: Callable[[MessageExt], object], *, threads: int = 4,
             batch: int = 64, idle_s: float = 0.5) -> None:

@@ -74,7 +74,7 @@ class TransactionalProducer:
         if not msgs:
             return []
         for m in msgs:
-            if m.delay_level or m.deliver_at_ms is not None:
+            if m.delay_level or m.deliver_at_ms is not None or m.deliver_after_ms is not None:
                 raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
                                           "transaction")
         cols = validate_messages(msgs, self.config.max_message_bytes,

@@ -6,6 +6,7 @@ into the columnar ``RecordBatch`` that crosses the Ray call.
 from __future__ import annotations
 
 import enum
+import time
 import zlib
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
@@ -13,7 +14,7 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
-from raymq.actors.admission import properties_problem, text_problem
+from raymq.actors.admission import DEFAULT_MAX_DELAY_MS, properties_problem, text_problem
 # the client's names for what it shares with the broker (users import them from here)
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC, ISOLATIONS,  # noqa: F401
                                    OP_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
@@ -26,7 +27,9 @@ from raymq.storage.records import (MAX_KEY_BYTES, MAX_TAGS_BYTES, MessageBatch, 
 # --- application messages ----------------------------------------------------------
 @dataclass
 class Message:
-    """A message to send.  ``delay_level`` (1-based) or ``deliver_at_ms`` delay it."""
+    """A message to send.  One of ``delay_level`` (1-based), ``deliver_at_ms`` (epoch ms;
+    a time not ahead delivers now) or ``deliver_after_ms`` (from when the shard stores it,
+    or from the commit of a transactional message) delays it, up to ``max_delay_ms``."""
 
     topic: str
     body: bytes
@@ -35,9 +38,11 @@ class Message:
     properties: dict[str, str] | None = None
     delay_level: int = 0
     deliver_at_ms: int | None = None
+    deliver_after_ms: int | None = None
     transaction_id: str | None = None  # set by the transaction producer
 
-    def validate(self, max_bytes: int, num_levels: int) -> None:
+    def validate(self, max_bytes: int, num_levels: int,
+                 max_delay_ms: int = DEFAULT_MAX_DELAY_MS) -> None:
         check_user_topic(self.topic)
         if not isinstance(self.body, (bytes, bytearray)):
             raise InvalidMessageError(f"message body must be bytes, got {type(self.body).__name__}")
@@ -64,19 +69,29 @@ class Message:
         if isinstance(self.delay_level, bool) or not isinstance(self.delay_level, int) \
                 or not 0 <= self.delay_level <= num_levels:
             raise InvalidMessageError(f"delay_level must be 0..{num_levels}, got {self.delay_level!r}")
-        if self.deliver_at_ms is not None:
-            if self.delay_level:
-                raise InvalidMessageError("give delay_level or deliver_at_ms, not both")
-            if isinstance(self.deliver_at_ms, bool) or not isinstance(self.deliver_at_ms, int) \
-                    or self.deliver_at_ms < 0:
-                raise InvalidMessageError("deliver_at_ms must be epoch milliseconds (int)")
-            # refused here, not by the shard: there it would fail every send sharing the
-            # request with this one
-            raise InvalidMessageError("deliver_at_ms is not supported yet; use delay_level "
-                                      "(arbitrary deliver-at times come with the timer issue)")
+        if bool(self.delay_level) + (self.deliver_at_ms is not None) \
+                + (self.deliver_after_ms is not None) > 1:
+            raise InvalidMessageError("give one of delay_level, deliver_at_ms and "
+                                      "deliver_after_ms")
+        # refused here as well as by the shard: there it would fail only this message,
+        # here the sender learns at once
+        for name, value in (("deliver_at_ms", self.deliver_at_ms),
+                            ("deliver_after_ms", self.deliver_after_ms)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise InvalidMessageError(f"{name} must be a non-negative int of milliseconds, "
+                                          f"got {value!r}")
+        if self.deliver_after_ms is not None and self.deliver_after_ms > max_delay_ms:
+            raise InvalidMessageError(f"deliver_after_ms {self.deliver_after_ms} is more than "
+                                      f"max_delay_ms ({max_delay_ms})")
+        if self.deliver_at_ms is not None and \
+                self.deliver_at_ms > time.time() * 1000 + max_delay_ms:
+            raise InvalidMessageError(f"deliver_at_ms {self.deliver_at_ms} is more than "
+                                      f"max_delay_ms ({max_delay_ms}) ahead")
 
 
-_ATTRS = ("topic", "body", "key", "tags", "properties", "delay_level", "deliver_at_ms")
+_ATTRS = ("topic", "body", "key", "tags", "properties", "delay_level", "deliver_at_ms",
+          "deliver_after_ms")
 _GETTERS = {name: attrgetter(name) for name in _ATTRS}
 _NONE = type(None)
 
@@ -97,7 +112,8 @@ class Columns:
 
 
 def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int,
-                      cols: Columns | None = None) -> Columns:
+                      cols: Columns | None = None,
+                      max_delay_ms: int = DEFAULT_MAX_DELAY_MS) -> Columns:
     """``Message.validate`` for many messages in a few passes; returns their columns."""
     cols = cols or Columns(messages)
     for topic in set(cols.topic):
@@ -107,10 +123,11 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
                   or (cols.has("key") and not _plain_texts(cols.key, MAX_KEY_BYTES))
                   or (cols.has("tags") and not _plain_texts(cols.tags, MAX_TAGS_BYTES))
                   or cols.properties.count(None) + cols.properties.count({}) != cols.n
-                  or cols.has("delay_level", 0) or cols.has("deliver_at_ms"))
+                  or cols.has("delay_level", 0) or cols.has("deliver_at_ms")
+                  or cols.has("deliver_after_ms"))
     if suspicious:
         for m in messages:
-            m.validate(max_bytes, num_levels)
+            m.validate(max_bytes, num_levels, max_delay_ms)
         cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
     return cols
 
@@ -302,13 +319,16 @@ def assign_queues(cols: Columns, routes: dict[str, list[int]], next_rr, chunk: i
 
 
 def record_properties(props: dict[str, str] | None, delay_level: int, deliver_at_ms: int | None,
-                      system_props: dict[str, str] | None = None) -> dict[str, str] | None:
+                      system_props: dict[str, str] | None = None,
+                      deliver_after_ms: int | None = None) -> dict[str, str] | None:
     """The stored properties of a message: its own, its delay, RayMQ's (None when empty)."""
     p = dict(props) if props else {}
     if delay_level:
         p[Prop.DELAY] = str(delay_level)
     elif deliver_at_ms is not None:
         p[Prop.DELIVER_AT] = str(deliver_at_ms)
+    elif deliver_after_ms is not None:
+        p[Prop.DELIVER_AFTER] = str(deliver_after_ms)
     if system_props:
         p.update(system_props)
     return p or None
@@ -327,9 +347,11 @@ def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
         pick = lambda col: list(getter(col))  # noqa: E731
     props_col = None
     if cols.properties.count(None) + cols.properties.count({}) != cols.n \
-            or cols.has("delay_level", 0) or cols.has("deliver_at_ms"):
+            or cols.has("delay_level", 0) or cols.has("deliver_at_ms") \
+            or cols.has("deliver_after_ms"):
         props_col = list(map(record_properties, pick(cols.properties), pick(cols.delay_level),
-                             pick(cols.deliver_at_ms)))
+                             pick(cols.deliver_at_ms), [None] * len(idx),
+                             pick(cols.deliver_after_ms)))
     return RecordBatch(shared_value(pick(cols.topic)), shared_value(queue_ids), pick(cols.body),
                        keys=pick(cols.key) if cols.has("key") else None,
                        tags=pick(cols.tags) if cols.has("tags") else None,

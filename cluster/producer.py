@@ -263,7 +263,8 @@ class Producer:
         if len(msgs) == 1:
             return [self._submit_one(msgs[0], system_props)]
         cols = validate_messages(msgs, self.config.max_message_bytes,
-                                 len(self.config.delay_levels_ms))
+                                 len(self.config.delay_levels_ms),
+                                 max_delay_ms=self.config.max_delay_ms)
         if system_props:
             cols.properties = [{**(p or {}), **system_props} for p in cols.properties]
         routes = self._mq.routes_for(set(cols.topic))
@@ -297,14 +298,15 @@ class Producer:
     def _submit_one(self, m: Message, system_props: dict[str, str] | None
                     ) -> tuple[Future, list[int]]:
         """The single-message path: no columns, no numpy (this is per message)."""
-        m.validate(self.config.max_message_bytes, self._num_levels)
+        m.validate(self.config.max_message_bytes, self._num_levels, self.config.max_delay_ms)
         route = self._mq.routes_for((m.topic,))[m.topic]
         qid = key_queue(m.key, len(route)) if m.key else self._sticky_queue(m.topic, len(route))
         shard = route[qid]
         props = None
-        if m.properties or m.delay_level or m.deliver_at_ms is not None or system_props:
+        if m.properties or m.delay_level or m.deliver_at_ms is not None \
+                or m.deliver_after_ms is not None or system_props:
             props = [record_properties(m.properties, m.delay_level, m.deliver_at_ms,
-                                       system_props)]
+                                       system_props, m.deliver_after_ms)]
         body = m.body if type(m.body) is bytes else bytes(m.body)
         row = (m.topic, qid, body, m.key or None, m.tags or None, props and props[0],
                self._now_ms())

@@ -219,9 +219,6 @@ class TransactionProducer:
         msgs = list(msg) if batch else [msg]
         if not msgs:
             raise RayMQError("a transaction needs at least one message")
-        if any(m.deliver_at_ms is not None for m in msgs):
-            raise InvalidMessageError("deliver_at_ms is not supported for transactional messages "
-                                      "yet; use delay_level")
         if timeout_ms is not None and (isinstance(timeout_ms, bool) or not isinstance(
                 timeout_ms, int) or timeout_ms <= 0):
             raise InvalidMessageError("timeout_ms must be a positive number of milliseconds")

@@ -83,6 +83,19 @@ class QuotaExceededError(RayMQError):
     code = "QUOTA_EXCEEDED"
 
 
+class AlreadyDeliveredError(RayMQError):
+    """A scheduled message cannot be cancelled: it was already delivered to its queue."""
+
+    code = "ALREADY_DELIVERED"
+
+
+class NotScheduledError(InvalidMessageError):
+    """``cancel_scheduled`` was given the id of a message that is not waiting for a
+    deliver time (not a timer or delay-level message)."""
+
+    code = "NOT_SCHEDULED"
+
+
 # -- Kafka-style transactions
 
 
