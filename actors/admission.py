@@ -49,10 +49,14 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
                 if why and i not in out:
                     out[i] = why
     if batch.properties is not None:
+        seen: dict[int, str | None] = {}  # a dict shared by many records: checked once
         for i, p in enumerate(batch.properties):
             if p and i not in out:
-                why = properties_problem(p, num_levels, system, max_delay_ms=max_delay_ms,
-                                         now_ms=now_ms)
+                if id(p) in seen:
+                    why = seen[id(p)]
+                else:
+                    why = seen[id(p)] = properties_problem(
+                        p, num_levels, system, max_delay_ms=max_delay_ms, now_ms=now_ms)
                 if why:
                     out[i] = why
     return out

@@ -37,9 +37,14 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
     props = batch.properties
     if not diverts(props):
         return batch
+    first = props[0]
+    if first and Prop.TRAN_MSG not in first and Prop.DELAY not in first \
+            and all(p is first for p in props):
+        return _divert_shared_timer(batch, first, now_ms)
     topics, qids = list(batch.column("topics")), list(batch.column("queue_ids"))
     flags, tag_codes = list(batch.column("flags")), list(batch.column("tag_codes"))
     new_props = list(props)
+    timed: dict[tuple, tuple] = {}  # a shared dict to the same queue: diverted once
     for i, p in enumerate(props):
         if not p:
             continue
@@ -49,16 +54,18 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
             topics[i], qids[i], flags[i] = HALF_TOPIC, 0, int(SysFlag.TRANSACTION_PREPARED)
             continue
         if Prop.DELIVER_AT in p or Prop.DELIVER_AFTER in p:
-            due = due_time(p, now_ms)
-            q = dict(p)
-            q.pop(Prop.DELIVER_AFTER, None)
-            q[Prop.DELIVER_AT] = str(due)  # what the delivered copy says it was due
-            if due <= now_ms:  # due now: straight to its queue
-                new_props[i] = q
-                continue
-            new_props[i] = _with_real(q, topics[i], qids[i], flags[i])
-            topics[i], qids[i], flags[i] = TIMER_TOPIC, 0, int(SysFlag.SCHEDULED)
-            tag_codes[i] = due
+            key = (id(p), topics[i], qids[i], flags[i])
+            if key not in timed:
+                due = due_time(p, now_ms)
+                q = dict(p)
+                q.pop(Prop.DELIVER_AFTER, None)
+                q[Prop.DELIVER_AT] = str(due)  # what the delivered copy says it was due
+                timed[key] = (due, q if due <= now_ms
+                              else _with_real(q, topics[i], qids[i], flags[i]))
+            due, new_props[i] = timed[key]
+            if due > now_ms:  # (else due now: straight to its queue)
+                topics[i], qids[i], flags[i] = TIMER_TOPIC, 0, int(SysFlag.SCHEDULED)
+                tag_codes[i] = due
             continue
         if Prop.DELAY not in p:
             continue
@@ -70,6 +77,34 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
                        properties=new_props, flags=flags, born_ms=batch.born_ms,
                        reconsume=batch.reconsume, prepared_offsets=batch.prepared_offsets,
                        tag_codes=tag_codes)
+
+
+def _divert_shared_timer(batch: RecordBatch, p: dict, now_ms: int) -> RecordBatch:
+    """``divert_to_system_topics`` of a batch whose records share one timer properties
+    dict (what the SDK sends for messages with the same delay): column operations."""
+    due = due_time(p, now_ms)
+    q = dict(p)
+    q.pop(Prop.DELIVER_AFTER, None)
+    q[Prop.DELIVER_AT] = str(due)  # what the delivered copy says it was due
+    n = len(batch)
+    if due <= now_ms:  # due now: straight to its queue
+        return RecordBatch(batch.topics, batch.queue_ids, batch.bodies, keys=batch.keys,
+                           tags=batch.tags, properties=[q] * n, flags=batch.flags,
+                           born_ms=batch.born_ms, reconsume=batch.reconsume,
+                           prepared_offsets=batch.prepared_offsets, tag_codes=batch.tag_codes)
+    topics, qids, flags = batch.column("topics"), batch.column("queue_ids"), \
+        batch.column("flags")
+    real: dict[tuple, dict] = {}
+    new_props = []
+    for t, qid, f in zip(topics, qids, flags):
+        r = real.get((t, qid, f))
+        if r is None:
+            r = real[(t, qid, f)] = _with_real(q, t, qid, f)
+        new_props.append(r)
+    return RecordBatch(TIMER_TOPIC, 0, batch.bodies, keys=batch.keys, tags=batch.tags,
+                       properties=new_props, flags=int(SysFlag.SCHEDULED),
+                       born_ms=batch.born_ms, reconsume=batch.reconsume,
+                       prepared_offsets=batch.prepared_offsets, tag_codes=[due] * n)
 
 
 def due_time(p: dict, now_ms: int) -> int:

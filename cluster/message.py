@@ -69,25 +69,30 @@ class Message:
         if isinstance(self.delay_level, bool) or not isinstance(self.delay_level, int) \
                 or not 0 <= self.delay_level <= num_levels:
             raise InvalidMessageError(f"delay_level must be 0..{num_levels}, got {self.delay_level!r}")
-        if bool(self.delay_level) + (self.deliver_at_ms is not None) \
-                + (self.deliver_after_ms is not None) > 1:
-            raise InvalidMessageError("give one of delay_level, deliver_at_ms and "
-                                      "deliver_after_ms")
-        # refused here as well as by the shard: there it would fail only this message,
-        # here the sender learns at once
-        for name, value in (("deliver_at_ms", self.deliver_at_ms),
-                            ("deliver_after_ms", self.deliver_after_ms)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise InvalidMessageError(f"{name} must be a non-negative int of milliseconds, "
-                                          f"got {value!r}")
-        if self.deliver_after_ms is not None and self.deliver_after_ms > max_delay_ms:
-            raise InvalidMessageError(f"deliver_after_ms {self.deliver_after_ms} is more than "
-                                      f"max_delay_ms ({max_delay_ms})")
-        if self.deliver_at_ms is not None and \
-                self.deliver_at_ms > time.time() * 1000 + max_delay_ms:
-            raise InvalidMessageError(f"deliver_at_ms {self.deliver_at_ms} is more than "
-                                      f"max_delay_ms ({max_delay_ms}) ahead")
+        check_schedule(self.delay_level, self.deliver_at_ms, self.deliver_after_ms,
+                       max_delay_ms)
+
+
+def check_schedule(delay_level, deliver_at_ms, deliver_after_ms, max_delay_ms: int) -> None:
+    """Refuse a message's delay: more than one kind, a bad value, past ``max_delay_ms``
+    (refused here as well as by the shard: the sender learns at once)."""
+    if deliver_at_ms is None and deliver_after_ms is None:
+        return
+    if bool(delay_level) + (deliver_at_ms is not None) + (deliver_after_ms is not None) > 1:
+        raise InvalidMessageError("give one of delay_level, deliver_at_ms and "
+                                  "deliver_after_ms")
+    for name, value in (("deliver_at_ms", deliver_at_ms),
+                        ("deliver_after_ms", deliver_after_ms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise InvalidMessageError(f"{name} must be a non-negative int of milliseconds, "
+                                      f"got {value!r}")
+    if deliver_after_ms is not None and deliver_after_ms > max_delay_ms:
+        raise InvalidMessageError(f"deliver_after_ms {deliver_after_ms} is more than "
+                                  f"max_delay_ms ({max_delay_ms})")
+    if deliver_at_ms is not None and deliver_at_ms > time.time() * 1000 + max_delay_ms:
+        raise InvalidMessageError(f"deliver_at_ms {deliver_at_ms} is more than "
+                                  f"max_delay_ms ({max_delay_ms}) ahead")
 
 
 _ATTRS = ("topic", "body", "key", "tags", "properties", "delay_level", "deliver_at_ms",
@@ -123,11 +128,17 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
                   or (cols.has("key") and not _plain_texts(cols.key, MAX_KEY_BYTES))
                   or (cols.has("tags") and not _plain_texts(cols.tags, MAX_TAGS_BYTES))
                   or cols.properties.count(None) + cols.properties.count({}) != cols.n
-                  or cols.has("delay_level", 0) or cols.has("deliver_at_ms")
-                  or cols.has("deliver_after_ms"))
+                  or cols.has("delay_level", 0))
     if suspicious:
         for m in messages:
             m.validate(max_bytes, num_levels, max_delay_ms)
+    elif cols.has("deliver_at_ms") or cols.has("deliver_after_ms"):
+        try:
+            whens = set(zip(cols.deliver_at_ms, cols.deliver_after_ms))  # (no delay level)
+        except TypeError:  # an unhashable value: each message says what is wrong
+            whens = list(zip(cols.deliver_at_ms, cols.deliver_after_ms))
+        for when in whens:
+            check_schedule(0, *when, max_delay_ms)
         cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
     return cols
 
@@ -334,6 +345,22 @@ def record_properties(props: dict[str, str] | None, delay_level: int, deliver_at
     return p or None
 
 
+def _properties_column(props: list, levels: list, ats: list, afters: list) -> list:
+    """``record_properties`` of each message; messages with no properties of their own and
+    the same delay share one dict (encoded, checked and diverted once by the shard)."""
+    out, shared = [], {}
+    for p, level, at, after in zip(props, levels, ats, afters):
+        if p:
+            out.append(record_properties(p, level, at, None, after))
+            continue
+        key = (level, at, after)
+        q = shared.get(key, False)
+        if q is False:
+            q = shared[key] = record_properties(None, level, at, None, after)
+        out.append(q)
+    return out
+
+
 def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
                      born_ms: int) -> RecordBatch:
     """The request batch of the messages at ``idx`` (validated columns)."""
@@ -349,9 +376,8 @@ def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
     if cols.properties.count(None) + cols.properties.count({}) != cols.n \
             or cols.has("delay_level", 0) or cols.has("deliver_at_ms") \
             or cols.has("deliver_after_ms"):
-        props_col = list(map(record_properties, pick(cols.properties), pick(cols.delay_level),
-                             pick(cols.deliver_at_ms), [None] * len(idx),
-                             pick(cols.deliver_after_ms)))
+        props_col = _properties_column(pick(cols.properties), pick(cols.delay_level),
+                                       pick(cols.deliver_at_ms), pick(cols.deliver_after_ms))
     return RecordBatch(shared_value(pick(cols.topic)), shared_value(queue_ids), pick(cols.body),
                        keys=pick(cols.key) if cols.has("key") else None,
                        tags=pick(cols.tags) if cols.has("tags") else None,

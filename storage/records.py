@@ -189,6 +189,20 @@ def encode_properties(props: dict[str, str] | None) -> bytes:
     return _encode_properties_checked(props)
 
 
+def encode_properties_list(props_list) -> list[bytes]:
+    """``encode_properties`` of each; a dict shared by many records is encoded once."""
+    out, seen = [], {}
+    for p in props_list:
+        if not p:
+            out.append(b"")
+            continue
+        enc = seen.get(id(p))
+        if enc is None:
+            enc = seen[id(p)] = encode_properties(p)
+        out.append(enc)
+    return out
+
+
 def _encode_properties_checked(props: dict[str, str]) -> bytes:
     parts = []
     for name, value in props.items():
@@ -486,7 +500,7 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
     if props is None:
         props_b, props_lens = None, 0
     else:
-        props_b = [encode_properties(p) for p in props]
+        props_b = encode_properties_list(props)
         props_lens = np.fromiter(map(len, props_b), np.int64, n)
 
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
@@ -606,8 +620,7 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
         shared_topic = False
     keys_b = _texts(batch.keys, MAX_KEY_BYTES, "key")
     tags_b = _texts(batch.tags, MAX_TAGS_BYTES, "tags")
-    props_b = None if batch.properties is None else \
-        [encode_properties(p) for p in batch.properties]
+    props_b = None if batch.properties is None else encode_properties_list(batch.properties)
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
     if shared_topic and keys_b is None and tags_b is None and props_b is None:
         meta = topics_b[0]  # every record points at the one copy

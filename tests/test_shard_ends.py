@@ -433,11 +433,13 @@ def test_a_delayed_message_keeps_the_id_its_producer_was_given(tmp_path):
         sh.close()
 
 
-def test_deliver_at_is_refused_by_the_client_before_it_can_fail_a_shared_request():
+def test_a_deliver_at_past_the_maximum_is_refused_by_the_client_before_it_is_sent():
+    # (issue 15 made deliver_at_ms work; this test refused it while it did not)
     from raymq.message import Message
     from raymq.storage.errors import InvalidMessageError
-    with pytest.raises(InvalidMessageError, match="not supported yet"):
-        Message("orders", b"x", deliver_at_ms=1_700_000_000_000).validate(1024, 18)
+    far = int(time.time() * 1000) + 41 * 24 * 3600 * 1000
+    with pytest.raises(InvalidMessageError, match="max_delay_ms"):
+        Message("orders", b"x", deliver_at_ms=far).validate(1024, 18)
 
 
 def test_a_client_cannot_write_as_one_of_the_shard_s_own_producers(tmp_path):

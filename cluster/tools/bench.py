@@ -488,6 +488,69 @@ def bench_txmsg(b: Bench) -> None:
         _teardown_cluster(data)
 
 
+# ---------------------------------------------------------------------- delay
+@suite("delay")
+def bench_delay(b: Bench) -> None:
+    """Timer messages: ``delay.schedule`` msgs/s of batched sends with ``deliver_after_ms``
+    over plain batched sends (alternating slices); then 10,000 messages due within the
+    same 2 seconds: lateness p50/p99/max (the delivered copy's store time minus its due
+    time, both on this machine's clock) and ``delay.early`` (must be 0)."""
+    from raymq.message import Message
+    mq, data = _bench_cluster(b, "delay", num_shards=2)
+    body = os.urandom(256)
+    try:
+        for t in ("timed", "plain", "burst"):
+            mq.create_topic(t, queues=4)
+        p = mq.producer("bench-delay")
+        per = 100
+        n_batches = max(2, b.n(40_000) // per // 4)  # per slice; 4 slices
+        sched = [Message("timed", body, deliver_after_ms=3_600_000) for _ in range(per)]
+        plain = [Message("plain", body) for _ in range(per)]
+        b.progress(f"delay: {4 * n_batches * per} scheduled and as many plain messages, "
+                   f"batches of {per}, 4 alternating slices")
+        dt_s, dt_p = _alternating(4, lambda: [p.send_batch(sched) for _ in range(n_batches)],
+                                  lambda: [p.send_batch(plain) for _ in range(n_batches)])
+        n = 4 * n_batches * per
+        b.emit("delay.schedule", n / dt_s, "msgs/s", n=n, batch=per, size=256,
+               deliver_after_ms=3_600_000)
+        b.emit("delay.plain", n / dt_p, "msgs/s", n=n, batch=per, size=256)
+        b.ratio("delay.schedule_ratio", "delay.schedule", "delay.plain", target=0.8)
+        k = b.n(10_000, 1_000)
+        b.progress(f"delay: {k} messages due within the same 2 seconds, 3 s from now")
+        c = mq.consumer("bench-delay-burst", ["burst"])
+        c.poll(1, 0.5)  # joined, queues taken
+        first_due = int(time.time() * 1000) + 3_000
+        dues = [first_due + (i * 2_000) // k for i in range(k)]
+        for lo in range(0, k, 1_000):
+            p.send_batch([Message("burst", body, deliver_at_ms=d, key=str(i % 64))
+                          for i, d in enumerate(dues[lo:lo + 1_000], lo)])
+        late, early, seen = [], 0, set()
+        deadline = time.monotonic() + 120
+        while len(seen) < k and time.monotonic() < deadline:
+            got = c.poll(2_000, 0.5)
+            now = int(time.time() * 1000)
+            for m in got:
+                due = int(m.properties["DELIVER_AT_MS"])
+                if m.msg_id in seen:
+                    continue
+                seen.add(m.msg_id)
+                late.append(m.store_ms - due)
+                early += (m.store_ms < due) + (now < due)  # (stored, or polled, early)
+        c.close()
+        if len(seen) < k:
+            raise RuntimeError(f"delay: {len(seen)} of {k} due messages delivered in 120 s")
+        late.sort()
+        b.emit("delay.lateness_p50_ms", late[len(late) // 2], "ms", n=k, window_ms=2_000)
+        b.emit("delay.lateness_p99_ms", late[min(k - 1, int(k * 0.99))], "ms", n=k,
+               window_ms=2_000, target=50)
+        b.emit("delay.lateness_max_ms", late[-1], "ms", n=k, window_ms=2_000)
+        b.emit("delay.early", early, "count", n=k)
+        p.close()
+    finally:
+        mq.close()
+        _teardown_cluster(data)
+
+
 # -------------------------------------------------------------------- kafkatx
 def _alternating(slices: int, a: Callable[[], None], b_: Callable[[], None]) -> tuple:
     """Total seconds of ``a`` and of ``b_``, run in ``slices`` alternating slices."""

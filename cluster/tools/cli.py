@@ -111,6 +111,12 @@ def _cmd_status(args) -> int:
               f"messages {depth}  log {info['log_bytes']} bytes  "
               f"delayed pending {sum(info['schedule_pending'].values())}  "
               f"max delay lateness {info['max_delay_lateness_ms']} ms")
+        tm = info.get("timers")
+        if tm:
+            print(f"    timers: {tm['scheduled']} scheduled (next minute {tm['next_minute']}, "
+                  f"hour {tm['next_hour']}, day {tm['next_day']}, later {tm['later']})  "
+                  f"delivery lag {tm['lag_ms']} ms  max lateness {tm['max_lateness_ms']} ms  "
+                  f"cancelled pending {tm['cancelled']}")
     print(f"topics: {len(st['topics'])}")
     for name, t in st["topics"].items():
         print(f"  {name}: {t['queues']} queues on shards {sorted(set(t['routes']))}")
@@ -148,7 +154,9 @@ def _cmd_send(args) -> int:
         print("raymq: nothing to send (no body given, or stdin was empty)", file=sys.stderr)
         return 1
     msgs = [Message(args.topic, b.encode(), key=args.key, tags=args.tags,
-                    delay_level=args.delay_level) for b in bodies for _ in range(args.repeat)]
+                    delay_level=args.delay_level, deliver_at_ms=args.deliver_at,
+                    deliver_after_ms=args.deliver_after_ms)
+            for b in bodies for _ in range(args.repeat)]
     p = mq.producer(args.group)
     try:
         for r in p.send_batch(msgs):
@@ -328,6 +336,47 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
     """Descriptions as written, and every option's default."""
 
 
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def _when_ms(text: str) -> int:
+    """A time for the CLI: epoch ms, an ISO 8601 time (UTC unless it says), or +DURATION
+    from now (``+500ms``, ``+90s``, ``+10m``, ``+2h``, ``+3d``)."""
+    import datetime
+    import re
+    import time
+    t = text.strip()
+    m = re.fullmatch(r"\+(\d+)(ms|s|m|h|d)", t)
+    if m:
+        return int(time.time() * 1000) + int(m.group(1)) * _UNITS_MS[m.group(2)]
+    if t.isdigit():
+        return int(t)
+    try:
+        when = datetime.datetime.fromisoformat(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (epoch ms, an ISO time, or +DURATION like +10m)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return int(when.timestamp() * 1000)
+
+
+def _cmd_timer(args) -> int:
+    mq = _connect(args)
+    if args.timer_cmd == "list":
+        timers = mq.admin.timer_list(args.due_before, args.limit)
+        now = int(time.time() * 1000)
+        for t in timers:
+            print(f"{t['msg_id']}	{t['topic']}/{t['queue_id']}	due_ms={t['due_ms']}	"
+                  f"in={(t['due_ms'] - now) / 1000:.1f}s	key={t['key'] or '-'}	"
+                  f"tags={t['tags'] or '-'}")
+        print(f"{len(timers)} scheduled message(s) due before {args.due_before}"
+              + (" (limit reached)" if len(timers) >= args.limit else ""), file=sys.stderr)
+    else:
+        print(mq.cancel_scheduled(args.id))
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -392,6 +441,11 @@ def _build_parser() -> argparse.ArgumentParser:
     send.add_argument("--key")
     send.add_argument("--tags")
     send.add_argument("--delay-level", type=int, default=0)
+    send.add_argument("--deliver-at", type=_when_ms, metavar="WHEN",
+                      help="deliver at this time: epoch ms, an ISO time, or +DURATION "
+                           "(e.g. +90s, +10m, +2h, +3d)")
+    send.add_argument("--deliver-after-ms", type=int, metavar="MS",
+                      help="deliver this many ms after the shard stores it")
     send.add_argument("--repeat", type=_positive_int, default=1,
                       help="send each body this many times")
     send.add_argument("--group", default="cli", help="producer group")
@@ -446,6 +500,18 @@ def _build_parser() -> argparse.ArgumentParser:
     tsub.add_parser("hanging", help="open transactions holding back a queue's last stable "
                                     "offset, the furthest behind first")
     tx.set_defaults(func=_cmd_tx)
+
+    timer = sub.add_parser("timer", help="scheduled messages (deliver_at_ms / deliver_after_ms)")
+    tisub = timer.add_subparsers(dest="timer_cmd", required=True, metavar="ACTION")
+    tl = tisub.add_parser("list", help="timer messages not yet delivered, soonest first")
+    tl.add_argument("--due-before", type=_when_ms, default="+1h", metavar="WHEN",
+                    help="only those due before WHEN: epoch ms, an ISO time (UTC unless it "
+                         "says), or +DURATION from now (+90s, +10m, +2h, +3d)")
+    tl.add_argument("--limit", type=_positive_int, default=100, help="most to list")
+    tc_ = tisub.add_parser("cancel", help="cancel a delayed or timer message before it is "
+                                          "delivered (the id its send printed)")
+    tc_.add_argument("id", help="message id")
+    timer.set_defaults(func=_cmd_timer)
 
     job = sub.add_parser("job", help="Spark jobs over committed messages (RayDP)")
     jsub = job.add_subparsers(dest="job_cmd", required=True, metavar="JOB")
