@@ -187,7 +187,9 @@ class BrokerShard:
                 # its queue offset in its real queue comes when it is delivered (committed)
                 queue_offsets = [-1 if t in waiting else o for t, o in zip(topics, queue_offsets)]
                 if TIMER_TOPIC in topics:
-                    self.timers.wake()
+                    codes = batch.column("tag_codes")
+                    self.timers.scheduled(min(codes) if batch.topics == TIMER_TOPIC else min(
+                        c for t, c in zip(topics, codes) if t == TIMER_TOPIC))
         status = self.faults.send_status(status)
         return SendReply("SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
                          res.phys_array[:n].tolist(), queue_offsets, res.duplicate)

@@ -40,6 +40,8 @@ TIMER_PID = INTERNAL_PRODUCER_BASE + (1 << 60)
 DELIVERY_MAX_BYTES = 32 << 20
 #: Timer-log entries indexed into the wheel per step.
 INDEX_CHUNK = 65_536
+#: Least wait between two rounds that delivered something (what a burst adds to lateness).
+ROUND_GAP_MS = 4
 #: Time buckets of ``status`` (name, ms from now).
 STATUS_BUCKETS = (("next_minute", 60_000), ("next_hour", 3_600_000),
                   ("next_day", 86_400_000))
@@ -95,6 +97,7 @@ class TimerScheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._next_round_ms = 0  # when the thread's next round is (0: now)
         ck = self.wheel.read_checkpoint()
         self._indexed = int(ck.get("indexed", 0))
         self._current: int | None = ck.get("current")
@@ -246,7 +249,6 @@ class TimerScheduler:
                 raise AlreadyDeliveredError(f"message {make_msg_id(self.shard, m.phys_offset)} "
                                             f"was already delivered (due at {due})")
             self.cancels.record({"kind": "timer", "index": index, "due": due})
-        self._wake.set()
         return "cancelled"
 
     def _was_delivered(self, index: int, due: int) -> bool:
@@ -328,23 +330,32 @@ class TimerScheduler:
                                         daemon=True)
         self._thread.start()
 
-    def wake(self) -> None:
-        """New timer messages were stored: index them (a due time may be close)."""
-        self._wake.set()
+    def scheduled(self, first_due_ms: int) -> None:
+        """Timer messages were stored, the first due at ``first_due_ms``: a round now if
+        that is before the thread's next one (else they are indexed on its next tick:
+        fewer, larger index steps while sends stream in)."""
+        if first_due_ms < self._next_round_ms:
+            self._wake.set()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # (a wake from here on ends the wait below at once)
+            delivered = self.delivered
             try:
                 wait_ms = self.deliver_due()
             except Exception:  # keep delivering; the next round retries
                 log.exception("shard-%d: timer delivery failed", self.shard)
                 wait_ms = 1000
+            if self.delivered != delivered:
+                # a burst: let more come due per round (each round costs a put and an
+                # fsync; rounds back to back would starve the shard's other work)
+                wait_ms = max(wait_ms, ROUND_GAP_MS)
+            self._next_round_ms = self.clock.now_ms() + wait_ms
             self._wake.wait(wait_ms / 1000.0)
-            self._wake.clear()
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self._wake.set()  # (ends the wait; the loop sees the stop)
         if self._thread is not None:
             self._thread.join()
 
