@@ -68,7 +68,7 @@ class TimerWheel:
                     f.truncate(f.tell() - f.tell() % WHEEL_ENTRY.itemsize)
                     f.seek(0, os.SEEK_END)
                 f.write(pairs.tobytes())
-            self.counts[key] = self.counts.get(key, 0) + (hi - lo)
+            self.counts[key] = self.counts.get(key, 0) + int(hi - lo)
             self._dirty.add(key)
 
     def sync(self) -> None:

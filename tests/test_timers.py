@@ -2,7 +2,11 @@
 never early, ordered, exactly once across restarts, cancellable, bounded wheel.  No Ray."""
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -318,3 +322,49 @@ def test_a_bucket_file_with_a_torn_tail_and_repeated_pairs_loads_each_once(tmp_p
     assert TimerWheel(str(tmp_path), 1_000).read_checkpoint() == {"indexed": 5}
     again.drop(5)
     assert again.keys() == [6] and again.load(5).tolist() == []
+
+
+_SCHEDULER_RSS = """
+import json, os, sys, time
+from raymq.actors.shard import BrokerShard
+from raymq.actors.protocol import Prop
+from raymq.storage import RecordBatch
+
+def rss_anon_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+
+sh = BrokerShard(0, {"data_dir": sys.argv[1], "num_shards": 1, "flush_mode": "async"},
+                 background=False)
+sh.set_routes([("t", q) for q in range(4)])
+now = int(time.time() * 1000)
+body = b"x" * 64
+marks = {}
+for lo in range(0, 220_000, 5_000):
+    dues = [now + 60_000 + (i * 86_400_000) // 220_000 for i in range(lo, lo + 5_000)]
+    sh.send(RecordBatch("t", [i % 4 for i in range(5_000)], [body] * 5_000,
+                        properties=[{Prop.DELIVER_AT: str(d)} for d in dues]))
+    sh.deliver_due()  # index them into the wheel, as the timer thread does
+    if lo + 5_000 in (20_000, 220_000):
+        import gc; gc.collect()
+        marks[lo + 5_000] = rss_anon_kib()
+print(json.dumps({"rss": marks, "scheduled": sh.queue_info()["timers"]["scheduled"],
+                  "loaded": len(sh.timers._loaded)}))
+sh.close()
+"""
+
+
+def test_two_hundred_thousand_scheduled_messages_do_not_grow_the_shard(tmp_path):
+    """The wheel lives on disk: scheduling 200k more messages over a day grows the shard
+    process's anonymous memory by a few MiB (an in-memory tracker holding an object per
+    message, as Pulsar's did, needs tens: ~100 bytes each)."""
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"}
+    out = subprocess.run([sys.executable, "-c", _SCHEDULER_RSS, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["scheduled"] == 220_000
+    assert res["loaded"] <= 220_000 // 1440 + 2  # one minute of them in memory
+    growth_mib = (res["rss"]["220000"] - res["rss"]["20000"]) / 1024
+    assert growth_mib < 8, f"RssAnon grew {growth_mib:.1f} MiB for 200k scheduled messages"
