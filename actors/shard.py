@@ -45,17 +45,15 @@ from raymq.actors.halves import HalfIndex, carries_halves
 from raymq.actors.ktx import KafkaTxnQueues
 from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
                                    SYSTEM_PROPERTIES, TIMER_TOPIC, CheckRequest, EndOutcome,
-                                   EndRequest, EndResult, Prop, SendReply, check_group,
-                                   make_msg_id, retry_topic)
+                                   EndRequest, EndResult, SendReply, check_group, retry_topic)
 from raymq.actors.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_queues, check_send)
 from raymq.actors.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.routes import RouteTable
-from raymq.actors.timers import Cancellations, TimerScheduler
+from raymq.actors.timers import Cancellations, TimerScheduler, cancel_scheduled
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import (AlreadyDeliveredError, InvalidMessageError,
-                                  NotScheduledError, OffsetOutOfRangeError, ReservedNameError)
+from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, ReservedNameError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
@@ -372,16 +370,8 @@ class BrokerShard:
         """Cancel a delayed or timer message before it is delivered (its send result's
         physical offset): 'cancelled' or 'already cancelled'; ``AlreadyDeliveredError``
         after it was delivered, ``NotScheduledError`` for a message that never waited."""
-        m = stored_message(self.store, self.index, phys_offset)
-        msg_id = make_msg_id(self.index, phys_offset)
-        if m.topic == TIMER_TOPIC:
-            return self.timers.cancel(m)
-        if m.topic == SCHEDULE_TOPIC:
-            return self.delays.cancel(m.queue_id + 1, m.queue_offset, msg_id)
-        if Prop.DELIVER_AT in m.properties:  # due when it was sent: stored in its queue
-            raise AlreadyDeliveredError(f"message {msg_id} was already delivered (due when "
-                                        f"it was sent)")
-        raise NotScheduledError(f"message {msg_id} is not a delayed or timer message")
+        return cancel_scheduled(stored_message(self.store, self.index, phys_offset),
+                                self.timers, self.delays)
 
     def timer_list(self, due_before_ms: int, limit: int = 100) -> list[dict]:
         """Timer messages not yet delivered that are due before ``due_before_ms``."""

@@ -27,7 +27,7 @@ from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DON
                                    TIMER_TOPIC, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock
-from raymq.storage.errors import AlreadyDeliveredError, InvalidMessageError
+from raymq.storage.errors import AlreadyDeliveredError, InvalidMessageError, NotScheduledError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.timerwheel import TimerWheel
@@ -380,8 +380,17 @@ def restore_timer(shard: int, msgs: list[StoredMessage]) -> RecordBatch:
                        prepared_offsets=[m.prepared_offset for m in msgs])
 
 
-def scheduled_kind(m: StoredMessage) -> str | None:
-    """'timer' or 'level' for a message waiting in the timer or schedule topic."""
-    return {TIMER_TOPIC: "timer", SCHEDULE_TOPIC: "level"}.get(m.topic)
+def cancel_scheduled(m: StoredMessage, timers: TimerScheduler, delays) -> str:
+    """Cancel the stored message ``m`` of a shard (``BrokerShard.cancel_scheduled``): a
+    timer message, or a delay-level one (``DelayScheduler``)."""
+    msg_id = make_msg_id(timers.shard, m.phys_offset)
+    if m.topic == TIMER_TOPIC:
+        return timers.cancel(m)
+    if m.topic == SCHEDULE_TOPIC:
+        return delays.cancel(m.queue_id + 1, m.queue_offset, msg_id)
+    if Prop.DELIVER_AT in m.properties:  # due when it was sent: stored in its queue
+        raise AlreadyDeliveredError(f"message {msg_id} was already delivered (due when it "
+                                    f"was sent)")
+    raise NotScheduledError(f"message {msg_id} is not a delayed or timer message")
 
 
