@@ -149,8 +149,9 @@ class DelayScheduler:
 
 
 def restore_real(shard: int, msgs: list[StoredMessage]) -> RecordBatch:
-    """The due delayed messages as consumers get them: real topic and queue back, and the id
-    the producer was given (its scheduled copy's, unless it carries an older one)."""
+    """The due delayed (or timer) messages as consumers get them: real topic and queue back,
+    and the id the producer was given (its scheduled copy's, unless it carries an older
+    one); a timer message keeps ``DELIVER_AT_MS``, when it was due."""
     props = []
     for m in msgs:
         p = dict(m.properties)

@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from raymq.actors.delay import restore_real
 from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC,
                                    TIMER_TOPIC, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
@@ -183,7 +184,7 @@ class TimerScheduler:
             part, part_skip = indexes[lo:lo + take], skip[lo:lo + take]
             live = entries[:take][~part_skip]
             msgs = self.store.messages_at(live).messages() if len(live) else []
-            batch = restore_timer(self.shard, msgs).with_records(
+            batch = restore_real(self.shard, msgs).with_records(
                 [Record(TIMER_DONE_TOPIC, 0, part.astype("<i8").tobytes())]) if msgs \
                 else RecordBatch(TIMER_DONE_TOPIC, 0, [part.astype("<i8").tobytes()])
             seq = self.store.last_sequence(TIMER_PID) + 1
@@ -358,26 +359,6 @@ class TimerScheduler:
         self._wake.set()  # (ends the wait; the loop sees the stop)
         if self._thread is not None:
             self._thread.join()
-
-
-def restore_timer(shard: int, msgs: list[StoredMessage]) -> RecordBatch:
-    """Due timer messages as consumers get them: real topic, queue and flags back, the id
-    the producer was given, and ``DELIVER_AT_MS`` (when it was due) kept."""
-    props = []
-    for m in msgs:
-        p = dict(m.properties)
-        for k in (Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS):
-            p.pop(k, None)
-        p.setdefault(Prop.PRODUCER_MSG_ID, make_msg_id(shard, m.phys_offset))
-        props.append(p)
-    return RecordBatch([m.properties[Prop.REAL_TOPIC] for m in msgs],
-                       [int(m.properties[Prop.REAL_QID]) for m in msgs],
-                       [m.body for m in msgs], keys=[m.key for m in msgs],
-                       tags=[m.tags for m in msgs], properties=props,
-                       flags=[int(m.properties.get(Prop.REAL_FLAGS, 0)) for m in msgs],
-                       born_ms=[m.born_ms for m in msgs],
-                       reconsume=[m.reconsume_count for m in msgs],
-                       prepared_offsets=[m.prepared_offset for m in msgs])
 
 
 def cancel_scheduled(m: StoredMessage, timers: TimerScheduler, delays) -> str:
