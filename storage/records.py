@@ -504,7 +504,8 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
         props_b, props_lens = None, 0
     else:
         props_b = encode_properties_list(props)
-        props_lens = np.fromiter(map(len, props_b), np.int64, n)
+        props_lens = np.full(n, len(props_b[0]), np.int64) \
+            if props_b.count(props_b[0]) == n else np.fromiter(map(len, props_b), np.int64, n)
 
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
     meta, meta_off, topic_lens = _column_meta(batch.topics, n, headers_end,
@@ -577,6 +578,8 @@ def _column_tag_codes(batch: RecordBatch, tags_b: list | None, n: int) -> np.nda
         if tags_b is None:
             return np.zeros(n, np.int64)
         return np.fromiter(map(tags_hash, batch.tags), np.int64, n)
+    if batch.tags is None and None not in tag_given:  # (e.g. a batch of timer records)
+        return np.array(tag_given, np.int64)
     tags_list = batch.column("tags")
     return np.fromiter(
         (t if t is not None else tags_hash(s) for t, s in zip(tag_given, tags_list)),
