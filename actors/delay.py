@@ -47,6 +47,9 @@ class DelayScheduler:
         self._thread: threading.Thread | None = None
         self.max_lateness_ms = 0
         self.cancels = cancellations  # ``timers.Cancellations`` (None: nothing cancels)
+        if cancellations is not None:  # passed by their level's delivery: forgotten
+            cancellations.levels = {(lvl, i) for lvl, i in cancellations.levels
+                                    if i >= self.progress(lvl)}
 
     def progress(self, level: int) -> int:
         """How many messages of a level (1-based) were delivered."""

@@ -105,6 +105,13 @@ class TimerScheduler:
         self._done = self._read_done(int(ck.get("done_offset", 0)))
         self._loaded: np.ndarray | None = None
         self._pos = 0
+        if self._current is not None:  # what a crash after the checkpoint left behind
+            for key in self.wheel.keys():
+                if key < self._current:
+                    self.wheel.drop(key)
+            for index, due in list(self.cancels.timer.items()):
+                if self.wheel.key_of(due) < self._current:  # passed: skipped back then
+                    del self.cancels.timer[index]
         self.max_lateness_ms = 0
         self.delivered = 0
 

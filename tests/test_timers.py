@@ -189,6 +189,12 @@ def test_cancel_before_due_is_never_delivered_also_after_a_restart(tmp_path):
         sh.cancel_scheduled(keep)
     assert sh.queue_info()["timers"]["cancelled"] == 0  # passed: forgotten
     sh.close()
+    sh = open_shard(tmp_path, clock)  # and still forgotten after the next restart
+    assert sh.queue_info()["timers"]["cancelled"] == 0
+    clock.advance(DAY)
+    sh.deliver_due()
+    assert bodies(sh) == [b"due-soon", b"plain", b"keep"]
+    sh.close()
 
 
 @pytest.mark.parametrize("fail", ["before_put", "after_put"])
