@@ -132,6 +132,7 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
     if suspicious:
         for m in messages:
             m.validate(max_bytes, num_levels, max_delay_ms)
+        cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
     elif cols.has("deliver_at_ms") or cols.has("deliver_after_ms"):
         try:
             whens = set(zip(cols.deliver_at_ms, cols.deliver_after_ms))  # (no delay level)
@@ -139,7 +140,6 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
             whens = list(zip(cols.deliver_at_ms, cols.deliver_after_ms))
         for when in whens:
             check_schedule(0, *when, max_delay_ms)
-        cols.body = [b if type(b) is bytes else bytes(b) for b in cols.body]
     return cols
 
 

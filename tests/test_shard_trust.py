@@ -197,3 +197,15 @@ def test_a_delayed_or_transactional_id_shows_the_message_as_delivered(shard):
         assert (m.topic, m.queue_id, m.queue_offset) == ("orders", 0, -1)
         assert Prop.REAL_TOPIC not in m.properties and Prop.TRAN_MSG not in m.properties
     assert shard.get_message(delayed).properties["user"] == "1"
+
+
+def test_the_client_hands_the_store_bytes_bodies_however_they_were_given():
+    """A body given as a bytearray is validated and sent as ``bytes``, also in a batch
+    that has timer messages in it."""
+    from raymq.message import validate_messages
+    for extra in ({}, {"deliver_after_ms": 1_000}):
+        cols = validate_messages([Message("orders", bytearray(b"ab"), **extra),
+                                  Message("orders", bytearray(b"cd"), **extra),
+                                  Message("orders", b"ef", **extra)], 1024, 18)
+        assert [type(b) for b in cols.body] == [bytes] * 3
+        assert cols.body == [b"ab", b"cd", b"ef"]
