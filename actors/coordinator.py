@@ -100,18 +100,14 @@ class TransactionCoordinator:
 
     # ------------------------------------------------------------- the log
     def _load(self) -> None:
-        end = self.store.max_queue_offset(TXN_LOG_TOPIC, 0)
-        offset = 0
-        while offset < end:
-            for m in self.store.read_queue(TXN_LOG_TOPIC, 0, offset, 1000):
-                offset = m.queue_offset + 1
-                try:
-                    meta = TxnMetadata.from_json(m.body)
-                except RayMQError as err:  # skip-and-log, as every recovery does
-                    log.error("coordinator-%d: skipped a log record: %s", self.index, err)
-                    continue
-                self._txns[meta.transactional_id] = meta
-                self._last_counter = max(self._last_counter, meta.producer_id >> 8)
+        for m in self.store.scan_queue(TXN_LOG_TOPIC, 0):
+            try:
+                meta = TxnMetadata.from_json(m.body)
+            except RayMQError as err:  # skip-and-log, as every recovery does
+                log.error("coordinator-%d: skipped a log record: %s", self.index, err)
+                continue
+            self._txns[meta.transactional_id] = meta
+            self._last_counter = max(self._last_counter, meta.producer_id >> 8)
         if self._txns:
             log.info("coordinator-%d: %d transactional ids from its log", self.index,
                      len(self._txns))

@@ -97,20 +97,16 @@ class HalfIndex:
     def load(self) -> None:
         """Rebuild the index: ops from the op progress, halves from the half progress."""
         store = self.store
-        op_start = max(0, store.offsets.get(OP_PROGRESS, 0))
-        for off in range(op_start, store.max_queue_offset(OP_TOPIC, 0), 1000):
-            for m in store.read_queue(OP_TOPIC, 0, off, 1000):
-                for origin, state in parsed(self.shard, m, op_entries, []):
-                    self.resolved[origin] = state
-        half_start = max(0, store.offsets.get(HALF_PROGRESS, 0))
-        for off in range(half_start, store.max_queue_offset(HALF_TOPIC, 0), 1000):
-            for m in store.read_queue(HALF_TOPIC, 0, off, 1000):
-                origin = parsed(self.shard, m, first_copy_offset, None, whole=True)
-                if origin is None:
-                    continue
-                self.latest_copy[origin] = m.queue_offset
-                if origin not in self.resolved:
-                    self.pending[origin] = m.queue_offset
+        for m in store.scan_queue(OP_TOPIC, 0, store.offsets.get(OP_PROGRESS, 0)):
+            for origin, state in parsed(self.shard, m, op_entries, []):
+                self.resolved[origin] = state
+        for m in store.scan_queue(HALF_TOPIC, 0, store.offsets.get(HALF_PROGRESS, 0)):
+            origin = parsed(self.shard, m, first_copy_offset, None, whole=True)
+            if origin is None:
+                continue
+            self.latest_copy[origin] = m.queue_offset
+            if origin not in self.resolved:
+                self.pending[origin] = m.queue_offset
 
     def note_new(self, batch: RecordBatch, res) -> None:
         """Track the halves just stored; keep what their end needs, so it reads nothing.
@@ -327,11 +323,10 @@ class HalfIndex:
             return [(o, copies[0]) for o, copies in found if copies]
         origins = {o for o, st in self.resolved.items() if st is HalfState.EXPIRED}
         out = []
-        for off in range(0, store.max_queue_offset(CHECK_EXPIRED_TOPIC, 0), 1000):
-            for m in store.read_queue(CHECK_EXPIRED_TOPIC, 0, off, 1000):
-                origin = parsed(self.shard, m, lambda p: int(p.get(Prop.ORIGIN_HALF, -1)), -1)
-                if origin in origins:
-                    out.append((origin, m))
+        for m in store.scan_queue(CHECK_EXPIRED_TOPIC, 0):
+            origin = parsed(self.shard, m, lambda p: int(p.get(Prop.ORIGIN_HALF, -1)), -1)
+            if origin in origins:
+                out.append((origin, m))
         return out
 
     def status(self) -> dict:

@@ -218,18 +218,16 @@ class KafkaTxnQueues:
     def _recover(self) -> None:
         end = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
         applied = self.store.offsets.get(APPLIED_KEY)
-        offset, redo = 0, []
-        while offset < end:
-            for m in self.store.read_queue(KTX_INDEX_TOPIC, 0, offset, 1000):
-                offset = m.queue_offset + 1
-                rec = decode(m.body)
-                if rec is None:
-                    continue
-                if rec["k"] == "end" and rec["outcome"] == "COMMIT" and m.queue_offset > applied:
-                    txn = self.state.open.get(rec["pid"])
-                    if txn is not None and txn.epoch == rec["epoch"] and txn.offsets:
-                        redo.append((m.queue_offset, txn.offsets))
-                self.state.apply(rec)
+        redo = []
+        for m in self.store.scan_queue(KTX_INDEX_TOPIC, 0):
+            rec = decode(m.body)
+            if rec is None:
+                continue
+            if rec["k"] == "end" and rec["outcome"] == "COMMIT" and m.queue_offset > applied:
+                txn = self.state.open.get(rec["pid"])
+                if txn is not None and txn.epoch == rec["epoch"] and txn.offsets:
+                    redo.append((m.queue_offset, txn.offsets))
+            self.state.apply(rec)
         for index_offset, offsets in redo:  # a commit whose offsets were not saved yet
             self._apply_offsets(offsets, index_offset)
         if end:

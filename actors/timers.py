@@ -72,12 +72,8 @@ class Cancellations:
             self.levels.add((entry["level"], entry["index"]))
 
     def _load(self) -> None:
-        offset, end = 0, self.store.max_queue_offset(TIMER_CANCEL_TOPIC, 0)
-        while offset < end:
-            batch = self.store.read_batch(TIMER_CANCEL_TOPIC, 0, offset, 10_000)
-            for body in batch.bodies:
-                self._keep(json.loads(body))
-            offset += max(1, len(batch))
+        for m in self.store.scan_queue(TIMER_CANCEL_TOPIC, 0):
+            self._keep(json.loads(m.body))
 
 
 class TimerScheduler:
@@ -237,12 +233,8 @@ class TimerScheduler:
 
     def _read_done(self, offset: int) -> set[int]:
         done: set[int] = set()
-        end = self.store.max_queue_offset(TIMER_DONE_TOPIC, 0)
-        while offset < end:
-            batch = self.store.read_batch(TIMER_DONE_TOPIC, 0, offset, 10_000)
-            for body in batch.bodies:
-                done.update(np.frombuffer(body, "<i8").tolist())
-            offset += max(1, len(batch))
+        for m in self.store.scan_queue(TIMER_DONE_TOPIC, 0, offset):
+            done.update(np.frombuffer(m.body, "<i8").tolist())
         return done
 
     # ---------------------------------------------------------- operators

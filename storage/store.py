@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -302,6 +302,13 @@ class MessageStore:
                    max_messages: int = 32) -> list[StoredMessage]:
         """Messages at logical offsets [offset, offset + max_messages) that exist."""
         return self.read_batch(topic, queue_id, offset, max_messages).messages()
+
+    def scan_queue(self, topic: str, queue_id: int, start: int = 0,
+                   step: int = 1000) -> Iterator[StoredMessage]:
+        """Every message of a queue from ``start`` to its end at this call, in order,
+        read ``step`` at a time (what recoveries replay: a system queue to its end)."""
+        for offset in range(max(0, start), self.max_queue_offset(topic, queue_id), step):
+            yield from self.read_queue(topic, queue_id, offset, step)
 
     def read_batch(self, topic: str, queue_id: int, offset: int,
                    max_messages: int = 32) -> MessageBatch:
