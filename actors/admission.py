@@ -48,12 +48,6 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
                 why = text_problem(v, limit, name[:-1] if name == "keys" else name)
                 if why and i not in out:
                     out[i] = why
-    props = batch.properties
-    if props is not None and props and props[0] and not out \
-            and all(p is props[0] for p in props):  # one dict shared by all: checked once
-        why = properties_problem(props[0], num_levels, system, max_delay_ms=max_delay_ms,
-                                 now_ms=now_ms)
-        return {i: why for i in range(len(props))} if why else out
     if batch.properties is not None:
         seen: dict[int, str | None] = {}  # a dict shared by many records: checked once
         for i, p in enumerate(batch.properties):

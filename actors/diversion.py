@@ -56,10 +56,7 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
         if Prop.DELIVER_AT in p or Prop.DELIVER_AFTER in p:
             key = (id(p), topics[i], qids[i], flags[i])
             if key not in timed:
-                due = due_time(p, now_ms)
-                q = dict(p)
-                q.pop(Prop.DELIVER_AFTER, None)
-                q[Prop.DELIVER_AT] = str(due)  # what the delivered copy says it was due
+                due, q = _timer_props(p, now_ms)
                 timed[key] = (due, q if due <= now_ms
                               else _with_real(q, topics[i], qids[i], flags[i]))
             due, new_props[i] = timed[key]
@@ -82,10 +79,7 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
 def _divert_shared_timer(batch: RecordBatch, p: dict, now_ms: int) -> RecordBatch:
     """``divert_to_system_topics`` of a batch whose records share one timer properties
     dict (what the SDK sends for messages with the same delay): column operations."""
-    due = due_time(p, now_ms)
-    q = dict(p)
-    q.pop(Prop.DELIVER_AFTER, None)
-    q[Prop.DELIVER_AT] = str(due)  # what the delivered copy says it was due
+    due, q = _timer_props(p, now_ms)
     n = len(batch)
     if due <= now_ms:  # due now: straight to its queue
         return RecordBatch(batch.topics, batch.queue_ids, batch.bodies, keys=batch.keys,
@@ -105,6 +99,16 @@ def _divert_shared_timer(batch: RecordBatch, p: dict, now_ms: int) -> RecordBatc
                        properties=new_props, flags=int(SysFlag.SCHEDULED),
                        born_ms=batch.born_ms, reconsume=batch.reconsume,
                        prepared_offsets=batch.prepared_offsets, tag_codes=[due] * n)
+
+
+def _timer_props(p: dict, now_ms: int) -> tuple[int, dict]:
+    """A timer record's due time, and its properties with that time as ``DELIVER_AT_MS``
+    (what the delivered copy says it was due) and no ``DELIVER_AFTER_MS``."""
+    due = due_time(p, now_ms)
+    q = dict(p)
+    q.pop(Prop.DELIVER_AFTER, None)
+    q[Prop.DELIVER_AT] = str(due)
+    return due, q
 
 
 def due_time(p: dict, now_ms: int) -> int:

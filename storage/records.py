@@ -191,9 +191,6 @@ def encode_properties(props: dict[str, str] | None) -> bytes:
 
 def encode_properties_list(props_list) -> list[bytes]:
     """``encode_properties`` of each; a dict shared by many records is encoded once."""
-    first = props_list[0] if len(props_list) else None
-    if first and all(p is first for p in props_list):
-        return [encode_properties(first)] * len(props_list)
     out, seen = [], {}
     for p in props_list:
         if not p:
