@@ -28,6 +28,7 @@ from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DON
                                    TIMER_TOPIC, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock
+from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.errors import AlreadyDeliveredError, InvalidMessageError, NotScheduledError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
@@ -137,6 +138,8 @@ class TimerScheduler:
     def _index_new(self, now: int) -> None:
         """Put timer-log entries not yet in the wheel into their buckets (a due time in a
         finished bucket goes to the current one: due now)."""
+        if self._current is None:  # the first round: from the bucket of now, or earlier
+            self._current = min([int(self.wheel.key_of(now))] + self.wheel.keys()[:1])
         end = self.store.max_queue_offset(TIMER_TOPIC, 0)
         while self._indexed < end:
             entries = self.store.read_cq(TIMER_TOPIC, 0, self._indexed, INDEX_CHUNK)
@@ -144,18 +147,12 @@ class TimerScheduler:
                 break
             dues = entries["tag"].astype(np.int64)
             indexes = np.arange(self._indexed, self._indexed + len(entries), dtype=np.int64)
-            if self._current is None:
-                self._current = int(min(self.wheel.key_of(now),
-                                        self.wheel.key_of(int(dues.min())),
-                                        *(self.wheel.keys()[:1] or [self.wheel.key_of(now)])))
             keys = np.maximum(self.wheel.key_of(dues), self._current)
             self.wheel.add(keys, indexes, dues)
             mine = keys == self._current
             if mine.any() and self._loaded is not None:
                 self._merge_current(indexes[mine], dues[mine])
             self._indexed += len(entries)
-        if self._current is None:
-            self._current = int(self.wheel.key_of(now))
 
     def _merge_current(self, indexes: np.ndarray, dues: np.ndarray) -> None:
         """New entries of the bucket being delivered: into the loaded part not yet
@@ -210,10 +207,8 @@ class TimerScheduler:
         if hi - lo <= 4 * len(indexes) + 1024:
             span = self.store.read_cq(TIMER_TOPIC, 0, lo, hi - lo)
             return span[indexes - lo]
-        order = np.argsort(indexes, kind="stable")
-        out = np.empty(len(indexes), self.store.read_cq(TIMER_TOPIC, 0, lo, 1).dtype)
-        for k in order:  # scattered: one entry each
-            i = int(indexes[k])
+        out = np.empty(len(indexes), CQ_ENTRY)
+        for k, i in enumerate(indexes.tolist()):  # scattered: one entry each
             out[k] = self.store.read_cq(TIMER_TOPIC, 0, i, 1)[0]
         return out
 

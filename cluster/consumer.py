@@ -421,9 +421,6 @@ class Consumer:
         """Give a message back: redelivered later through the retry topic (after the next
         delay level, or after ``retry_after_ms``: any time up to ``max_delay_ms``), or
         dead-lettered once ``max_reconsume`` is reached."""
-        if retry_after_ms is None:
-            return self._mq.shard(msg.shard).call("send_back", self.group, msg.phys,
-                                                  reason=reason, timeout_s=30)
         return self._mq.shard(msg.shard).call("send_back", self.group, msg.phys,
                                               reason=reason, retry_after_ms=retry_after_ms,
                                               timeout_s=30)
