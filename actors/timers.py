@@ -29,9 +29,10 @@ from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DON
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock
 from raymq.storage.consumequeue import CQ_ENTRY
-from raymq.storage.errors import AlreadyDeliveredError, InvalidMessageError, NotScheduledError
+from raymq.storage.errors import AlreadyDeliveredError, NotScheduledError, RequestTimeoutError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
+from raymq.storage.store import PutStatus
 from raymq.storage.timerwheel import TimerWheel
 
 log = logging.getLogger("raymq.shard")
@@ -62,8 +63,9 @@ class Cancellations:
     def record(self, entry: dict) -> None:
         """Write one cancellation durably, then keep it."""
         res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
-        if res.status.name != "PUT_OK":
-            raise InvalidMessageError("the cancellation did not reach the disk in time; retry")
+        if res.status is not PutStatus.PUT_OK:  # (as the coordinator's log write)
+            raise RequestTimeoutError("the cancellation did not reach the disk within "
+                                      "flush_timeout_ms; retry")
         self._keep(entry)
 
     def _keep(self, entry: dict) -> None:

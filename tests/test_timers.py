@@ -374,3 +374,25 @@ def test_two_hundred_thousand_scheduled_messages_do_not_grow_the_shard(tmp_path)
     assert res["loaded"] <= 220_000 // 1440 + 2  # one minute of them in memory
     growth_mib = (res["rss"]["220000"] - res["rss"]["20000"]) / 1024
     assert growth_mib < 8, f"RssAnon grew {growth_mib:.1f} MiB for 200k scheduled messages"
+
+
+def test_a_cancellation_the_disk_did_not_confirm_in_time_is_a_retriable_timeout(tmp_path,
+                                                                                   monkeypatch):
+    from raymq.storage.errors import RequestTimeoutError
+    from raymq.storage.store import PutStatus
+    clock = ManualClock()
+    sh = open_shard(tmp_path, clock)
+    phys = sh.send(RecordBatch("t", 0, [b"later"], properties=[after(60_000)])).phys[0]
+    real_put = sh.store.put
+
+    def slow_disk(batch, **kw):  # written, but the fsync did not come within the timeout
+        res = real_put(batch, **kw)
+        res.status = PutStatus.FLUSH_DISK_TIMEOUT
+        return res
+    monkeypatch.setattr(sh.store, "put", slow_disk)
+    with pytest.raises(RequestTimeoutError, match="retry") as err:
+        sh.cancel_scheduled(phys)
+    assert err.value.retriable
+    monkeypatch.setattr(sh.store, "put", real_put)
+    assert sh.cancel_scheduled(phys) == "cancelled"  # the retry
+    sh.close()
