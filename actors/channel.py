@@ -236,13 +236,16 @@ class Link:
     from its header alone (``FrameTooLarge``).  One descriptor per connection.
     """
 
-    __slots__ = ("sock", "tls", "max_request_bytes")
+    __slots__ = ("sock", "tls", "max_request_bytes", "trusted")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.tls = isinstance(sock, ssl.SSLSocket)
         #: the endpoint's largest request frame (a client's link, after the handshake)
         self.max_request_bytes: int | None = None
+        #: the peer is an authenticated shard (a client's link, after the handshake): a
+        #: large frame's buffer is allocated whole at once, not grown as data comes
+        self.trusted = False
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -280,7 +283,7 @@ class Link:
                 raise EOFError if first else OSError("got end of file during message")
             got, buf = len(chunk), bytearray(chunk)
         else:
-            got, buf = 0, bytearray(min(n, _GROW_FROM))
+            got, buf = 0, bytearray(n if self.trusted else min(n, _GROW_FROM))
         while got < n:
             if got == len(buf):  # full: double it (up to n)
                 buf.extend(bytes(min(max(len(buf), _GROW_FROM), n - len(buf))))
@@ -387,6 +390,7 @@ def connect(address: tuple[str, int], authkey: bytes, timeout_s: float, *,
         if theirs != version:
             raise _mismatch(version, theirs, address)
         link.max_request_bytes = _limits_of(link.recv_bytes(_LIMITS.size))
+        link.trusted = True
         sock.settimeout(None)  # blocking: the transport polls for its own timeouts
     except EOFError:
         sock.close()

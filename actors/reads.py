@@ -12,7 +12,7 @@ from raymq.storage import MessageStore
 from raymq.storage.clock import Clock
 from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, Prop, make_msg_id
 from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError
-from raymq.storage.records import MessageBatch, StoredMessage, tags_hash
+from raymq.storage.records import MessageBatch, RecordSpans, StoredMessage, tags_hash
 
 
 #: Most bytes of messages one pull reads from one queue (at least one message).
@@ -41,7 +41,8 @@ class QueueReads:
             self._new_data.notify_all()
 
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int,
-             tags: dict[str, list[str]] | None, committed: bool = True) -> list[tuple]:
+             tags: dict[str, list[str]] | None, committed: bool = True,
+             spans: bool = False) -> list[tuple]:
         """Read several queues: [(topic, qid, offset, max)] -> [(topic, qid, batch, next, end)].
 
         Waits up to ``wait_ms`` for new data when every queue is empty (long
@@ -50,7 +51,9 @@ class QueueReads:
         markers of Kafka-style transactions are never returned (``next`` passes
         them); with ``committed`` (read_committed) a queue is read only up to its
         last stable offset, which is its ``end`` then, and records of aborted
-        transactions are left out.
+        transactions are left out.  With ``spans`` each batch is ``RecordSpans`` (the
+        records undecoded, for columnar readers; no tag filter) instead of a
+        ``MessageBatch``.
         """
         wait_ms = min(wait_ms, MAX_PULL_WAIT_MS)
         requests = [(t, q, o, min(n, MAX_PULL_MESSAGES)) for t, q, o, n in requests]
@@ -58,7 +61,7 @@ class QueueReads:
         while True:
             with self._new_data:
                 version = self._data_version
-            out, total = self._pull_once(requests, tags, committed)
+            out, total = self._pull_once(requests, tags, committed, spans)
             remaining_ms = deadline_ms - self.clock.monotonic_ms()
             moved = any(r[3] > req[2] for r, req in zip(out, requests))  # past markers
             if total or moved or remaining_ms <= 0:
@@ -67,7 +70,7 @@ class QueueReads:
                 if self._data_version == version:
                     self._new_data.wait(remaining_ms / 1000.0)
 
-    def _pull_once(self, requests, tags, committed: bool = True):
+    def _pull_once(self, requests, tags, committed: bool = True, spans: bool = False):
         out, total = [], 0
         codes_of = {t: np.array([tags_hash(x) for x in wanted], np.int64)
                     for t, wanted in (tags or {}).items() if wanted}
@@ -79,7 +82,8 @@ class QueueReads:
             touched = txns is not None and txns.touched((topic, qid))
             end = txns.lso((topic, qid), real_end) if touched and committed else real_end
             if offset >= end:
-                out.append((topic, qid, MessageBatch.empty(), min(offset, real_end), end))
+                out.append((topic, qid, RecordSpans.empty() if spans else MessageBatch.empty(),
+                            min(offset, real_end), end))
                 continue
             entries = self.store.read_cq(topic, qid, offset, min(max_n, end - offset))
             if len(entries) > 1:  # at most PULL_MAX_BYTES of the log read a queue (one at
@@ -94,11 +98,12 @@ class QueueReads:
             wanted = tags.get(topic) if tags else None
             if wanted:
                 entries = entries[np.isin(entries["tag"], codes_of[topic])]
-            batch = self.store.messages_at(entries)
+            batch = self.store.records_at(entries)
             if touched and len(batch):
                 keep = txns.visible((topic, qid), batch.headers, committed)
                 if not keep.all():
-                    batch = _select(batch, np.nonzero(keep)[0].tolist())
+                    batch = batch.select(keep)
+            batch = batch.compact() if spans else batch.decode()
             if wanted and len(batch):
                 keep = [i for i, t in enumerate(batch.tags or [None] * len(batch)) if t in wanted]
                 if len(keep) != len(batch):
@@ -107,7 +112,7 @@ class QueueReads:
             out.append((topic, qid, batch, next_offset, end))
         if total:
             self.metrics.inc("messages_out", total)
-            self.metrics.inc("bytes_out", float(sum(sum(map(len, batch.bodies))
+            self.metrics.inc("bytes_out", float(sum(int(batch.headers["body_len"].sum())
                                                     for _t, _q, batch, _n, _e in out)))
         return out, total
 

@@ -295,20 +295,26 @@ class BrokerShard:
     # ------------------------------------------------- reads and offsets
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int = 0,
              tags: dict[str, list[str]] | None = None, group: str | None = None,
-             isolation: str = "read_committed") -> list[tuple]:
+             isolation: str = "read_committed", form: str = "messages") -> list[tuple]:
         """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``): user
         topics this shard serves, and the retry topic of the consumer's own ``group``
         (RayMQ's other topics have operator calls).  ``isolation`` ``read_committed``
         reads up to each queue's last stable offset and leaves out aborted Kafka-style
-        transactions; ``read_uncommitted`` reads everything written."""
+        transactions; ``read_uncommitted`` reads everything written.  ``form``
+        ``messages`` answers ``MessageBatch`` es, ``spans`` the records undecoded
+        (``RecordSpans``: for columnar readers, without a tag filter)."""
         check_pull(requests, wait_ms, tags)
         if group is not None:
             check_group(group)
         if isolation not in ISOLATIONS:
             raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, "
                                       f"got {isolation!r}")
+        if form not in ("messages", "spans") or (form == "spans" and tags):
+            raise InvalidMessageError(f"form must be 'messages' or 'spans' (without tags), "
+                                      f"got {form!r}")
         self._check_readable({(t, q) for t, q, _o, _n in requests}, group)
-        return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed")
+        return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed",
+                               form == "spans")
 
     def _check_readable(self, queues: set, group: str | None) -> None:
         for topic, qid in queues:

@@ -50,16 +50,28 @@ def connected() -> bool:
     return ray.is_initialized()
 
 
-def worker_priority() -> None:
-    """Have a Ray started from this process run its workers at normal priority.
+def worker_settings() -> None:
+    """Settings for the workers of a Ray started from this process (set before
+    ``ray.init`` starts a local Ray; an explicit setting wins).
 
-    Ray starts worker processes at nice 15 by default (``RAY_worker_niceness``),
-    so that its own daemons stay responsive.  A shard's actor is RayMQ's
-    broker, not background work: at nice 15 it starves behind a busy client on
-    the same machine (measured: ``txmsg.p8`` 716 -> 1,540 tx/s with 0).  Set
-    before ``ray.init`` starts a local Ray; an explicit setting wins.
+    - Normal priority: Ray starts worker processes at nice 15 by default
+      (``RAY_worker_niceness``), so that its own daemons stay responsive.  A shard's
+      actor is RayMQ's broker, not background work: at nice 15 it starves behind a busy
+      client on the same machine (measured: ``txmsg.p8`` 716 -> 1,540 tx/s with 0).
+    - Idle task workers kept: Ray kills an idle worker after a second once a node has
+      more workers than CPUs (``RAY_num_workers_soft_limit``), and RayMQ's own actors
+      (shards, coordinators, checkers, registries) and Spark's count.  Every
+      ``read_committed`` then started its read workers afresh, two at a time (measured
+      with Spark up, 500k messages: 3.8-4.7 s -> 1.1 s with ``WORKERS_SOFT_LIMIT_EXTRA``).
     """
     os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_num_workers_soft_limit",
+                          str((os.cpu_count() or 1) + WORKERS_SOFT_LIMIT_EXTRA))
+
+
+#: Workers a node keeps beyond one per CPU (``worker_settings``): RayMQ's and Spark's
+#: long-lived actors, and a read task per queue of a committed dataset.
+WORKERS_SOFT_LIMIT_EXTRA = 12
 
 
 #: How long ``init`` waits for a cluster to answer before saying it does not (seconds).
@@ -215,13 +227,13 @@ def init(address: str | None = None, **options: Any) -> bool:
     (``probe``: one try, ``PROBE_TIMEOUT_S``), so a wrong address, a cluster
     that wants a token, or a dead cluster's address file is a one-line
     ``RayUnreachableError`` / ``RayAuthError`` saying what to fix, never minutes
-    of Ray's retries.  A Ray started here runs its workers at normal priority
-    (``worker_priority``).  ``options`` go to ``ray.init``; ``namespace``
+    of Ray's retries.  A Ray started here runs its workers at normal priority and
+    keeps idle ones (``worker_settings``).  ``options`` go to ``ray.init``; ``namespace``
     defaults to RayMQ's, ``log_to_driver`` to False.
     """
     if ray.is_initialized():
         return False
-    worker_priority()
+    worker_settings()
     target = _reachable(address)
     options.setdefault("namespace", NAMESPACE)
     options.setdefault("log_to_driver", False)

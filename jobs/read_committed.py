@@ -134,7 +134,7 @@ def _pull(transport, shard, topic, qid, offset, n, attempts: int = 20):
     for attempt in range(attempts):
         try:
             return transport.call(shard, "pull", [(topic, qid, offset, n)], 0, None, None,
-                                  "read_committed", timeout_s=60)
+                                  "read_committed", "spans", timeout_s=60)
         except RayMQError as err:  # its shard restarting: again
             if not err.retriable or attempt == attempts - 1:
                 raise

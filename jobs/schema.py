@@ -1,5 +1,5 @@
 """The schema of committed message datasets, and Arrow record batches built from what a
-shard's pull returns (``MessageBatch``).  Pure pyarrow and numpy: no Ray, no Spark.
+shard's pull returns (``RecordSpans``: the records undecoded).  Pure pyarrow and numpy: no Ray, no Spark.
 
 Columns (README, "Spark pipelines"):
 
@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raymq.actors.protocol import Prop
-from raymq.storage.records import MessageBatch
+from raymq.storage.records import RecordSpans
 
 MESSAGE_SCHEMA = pa.schema([
     ("topic", pa.string()), ("queue_id", pa.int32()), ("queue_offset", pa.int64()),
@@ -39,10 +39,16 @@ MESSAGE_SCHEMA = pa.schema([
 _KV, _SEP = "\x01", "\x02"  # a record's properties: "k\x01v\x02k\x01v" (storage/records.py)
 
 
-def properties_map(raw: list) -> pa.MapArray:
-    """The properties column from records' encoded properties (bytes, b"" for none)."""
-    s = pa.array([r or b"" for r in raw], pa.binary()).cast(pa.string())
-    s = pc.if_else(pc.equal(pc.binary_length(s), 0), pa.scalar(None, pa.string()), s)
+def _null_if_empty(col: pa.Array) -> pa.Array:
+    return pc.if_else(pc.equal(pc.binary_length(col), 0), pa.scalar(None, col.type), col)
+
+
+def properties_map(raw) -> pa.MapArray:
+    """The properties column from records' encoded properties (a binary column, or a list
+    of bytes; empty or null for none)."""
+    if not isinstance(raw, pa.Array):
+        raw = pa.array([r or b"" for r in raw], pa.binary())
+    s = _null_if_empty(raw.cast(pa.string()))
     parts = pc.split_pattern(s, _SEP)
     lens = pc.fill_null(pc.list_value_length(parts), 0).to_numpy(zero_copy_only=False)
     offsets = np.zeros(len(raw) + 1, np.int32)
@@ -68,30 +74,53 @@ def msg_id_array(shard: int, phys_offsets: np.ndarray) -> pa.StringArray:
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(chars))
 
 
-def message_record_batch(shard: int, topic: str, queue_id: int, batch: MessageBatch,
-                         keep: np.ndarray | None = None) -> pa.RecordBatch:
-    """The rows of a pulled ``MessageBatch`` (those where ``keep`` is true) in
-    ``MESSAGE_SCHEMA``; ``msg_id`` as consumers get it (the producer's id of a retried or
-    committed copy, else the stored record's own)."""
-    idx = np.arange(len(batch)) if keep is None else np.flatnonzero(keep)
-    n = len(idx)
-    whole = n == len(batch)
-    h = batch.headers if whole else batch.headers[idx]
+def _cut(data: pa.Buffer, starts: np.ndarray, ends: np.ndarray, type_) -> pa.Array:
+    """The values ``data[starts[i]:ends[i]]`` as one binary/string column, cut in C++: an
+    array of the ranges and the gaps between them, filtered down to the ranges (each
+    range's bytes are copied once; no Python object per value).  Ranges that are not in
+    order take the slow way."""
+    n = len(starts)
+    bounds = np.empty(2 * n + 1, np.int64)
+    bounds[0], bounds[1::2], bounds[2::2] = 0, starts, ends
+    if n and len(data) < 2**31 and bounds[-1] <= len(data) and (np.diff(bounds) >= 0).all():
+        both = pa.Array.from_buffers(pa.binary(), 2 * n,
+                                     [None, pa.py_buffer(bounds.astype(np.int32)), data])
+        odd = np.zeros(2 * n, bool)
+        odd[1::2] = True
+        return both.filter(pa.array(odd)).view(type_)
+    return pa.array([data[a:b].to_pybytes() for a, b in zip(starts.tolist(), ends.tolist())],
+                    pa.binary()).view(type_)
 
-    def pick(col):
-        return list(col) if whole else [col[i] for i in idx]
+
+def message_record_batch(shard: int, topic: str, queue_id: int, spans: RecordSpans,
+                         keep: np.ndarray | None = None) -> pa.RecordBatch:
+    """The rows of pulled ``RecordSpans`` (those where ``keep`` is true) in
+    ``MESSAGE_SCHEMA``; ``msg_id`` as consumers get it (the producer's id of a retried or
+    committed copy, else the stored record's own).  Columns are cut straight out of the
+    read buffer."""
+    if keep is not None and not keep.all():
+        spans = spans.select(keep)
+    n, h, at = len(spans), spans.headers, spans.bounds
+    data = pa.py_buffer(spans.buf)
+
+    def text(starts, ends, present) -> pa.Array:
+        if not present.any():
+            return pa.nulls(n, pa.string())
+        return _null_if_empty(_cut(data, starts, ends, pa.string()))
 
     def ints(name, dtype):
         return pa.array(np.ascontiguousarray(h[name]).astype(dtype))
-    props = properties_map(pick(batch.properties) if batch.properties else [b""] * n)
-    own = msg_id_array(shard, np.asarray(pick(batch.phys_offsets), np.uint64))
+    if h["props_len"].any():
+        props = properties_map(_cut(data, at.props, at.props_end, pa.binary()))
+    else:
+        props = properties_map(pa.nulls(n, pa.binary()))
+    own = msg_id_array(shard, spans.phys_offsets)
     msg_id = pc.coalesce(pc.map_lookup(props, Prop.PRODUCER_MSG_ID, "first"), own)
     return pa.record_batch([
         pa.repeat(pa.scalar(topic, pa.string()), n), pa.array(np.full(n, queue_id, np.int32)),
         ints("queue_offset", np.int64), msg_id,
-        pa.array(pick(batch.keys), pa.string()) if batch.keys else pa.nulls(n, pa.string()),
-        pa.array(pick(batch.tags), pa.string()) if batch.tags else pa.nulls(n, pa.string()),
-        props, pa.array(pick(batch.bodies), pa.binary()),
+        text(at.key, at.tags, h["key_len"]), text(at.tags, at.props, h["tags_len"]),
+        props, _cut(data, at.body, at.body_end, pa.binary()),
         ints("born_ms", np.int64), ints("store_ms", np.int64),
         pc.map_lookup(props, Prop.TRANSACTION_ID, "first")], schema=MESSAGE_SCHEMA)
 

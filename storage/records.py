@@ -786,32 +786,135 @@ def decode_records(buf: bytes, rel_offsets: np.ndarray, phys_offsets: list[int])
 
     ``buf`` must hold each record whole: header, meta fields and body.
     """
-    n = len(rel_offsets)
-    if not n:
+    if not len(rel_offsets):
         return MessageBatch.empty()
-    raw = np.frombuffer(buf, np.uint8)
-    rel = np.asarray(rel_offsets, np.int64)
-    window = as_strided(raw, shape=(len(raw) - REC_HEADER_BYTES + 1, REC_HEADER_BYTES),
-                        strides=(1, 1), writeable=False)
-    h = window[rel].view(REC_DTYPE).reshape(n)
-    frame = rel - h["frame_delta"]
-    t0 = frame + h["meta_off"]
-    k0 = t0 + h["topic_len"]
-    g0 = k0 + h["key_len"]
-    p0 = g0 + h["tags_len"]
-    b0 = frame + h["body_off"]
-    b1 = b0 + h["body_len"]
-    topics = _decode_topics(raw, buf, t0, h["topic_len"])
-    keys = tags = props = None
-    if h["key_len"].any():
-        keys = [buf[a:b].decode() if b > a else None for a, b in zip(k0.tolist(), g0.tolist())]
-    if h["tags_len"].any():
-        tags = [buf[a:b].decode() if b > a else None for a, b in zip(g0.tolist(), p0.tolist())]
-    if h["props_len"].any():
-        p1 = p0 + h["props_len"]
-        props = [buf[a:b] for a, b in zip(p0.tolist(), p1.tolist())]
-    bodies = [buf[a:b] for a, b in zip(b0.tolist(), b1.tolist())]
-    return MessageBatch(h, list(phys_offsets), topics, keys, tags, props, bodies)
+    return RecordSpans.read(buf, rel_offsets, phys_offsets).decode()
+
+
+def _decode(buf: bytes, h: np.ndarray, at: "FieldBounds", phys_offsets) -> MessageBatch:
+    def cut(starts, ends, text: bool):
+        if text:
+            return [buf[a:b].decode() if b > a else None
+                    for a, b in zip(starts.tolist(), ends.tolist())]
+        return [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+    topics = _decode_topics(np.frombuffer(buf, np.uint8), buf, at.topic, h["topic_len"])
+    keys = cut(at.key, at.tags, True) if h["key_len"].any() else None
+    tags = cut(at.tags, at.props, True) if h["tags_len"].any() else None
+    props = cut(at.props, at.props_end, False) if h["props_len"].any() else None
+    return MessageBatch(h, list(phys_offsets), topics, keys, tags, props,
+                        cut(at.body, at.body_end, False))
+
+
+@dataclass(frozen=True)
+class FieldBounds:
+    """Where each record's fields start in a buffer of whole records (numpy int64 arrays):
+    its topic at ``topic``, key at ``key``, tags at ``tags``, properties at ``props``, each
+    running to the next field's start; its body from ``body`` to ``body_end``."""
+
+    topic: np.ndarray
+    key: np.ndarray
+    tags: np.ndarray
+    props: np.ndarray
+    props_end: np.ndarray
+    body: np.ndarray
+    body_end: np.ndarray
+
+    @classmethod
+    def of(cls, h: np.ndarray, rel: np.ndarray) -> "FieldBounds":
+        frame = rel - h["frame_delta"]
+        t0 = frame + h["meta_off"]
+        k0 = t0 + h["topic_len"]
+        g0 = k0 + h["key_len"]
+        p0 = g0 + h["tags_len"]
+        b0 = frame + h["body_off"]
+        return cls(t0, k0, g0, p0, p0 + h["props_len"], b0, b0 + h["body_len"])
+
+
+class RecordSpans:
+    """Records as read from the log, undecoded: the buffer holding them whole, where each
+    one's header sits in it (``rel``), the headers and the physical offsets.  What a
+    columnar reader takes (``raymq.jobs.schema`` cuts Arrow columns straight out of the
+    buffer): no Python object per message on either side of the wire."""
+
+    __slots__ = ("buf", "rel", "headers", "phys_offsets")
+
+    def __init__(self, buf: bytes, rel: np.ndarray, headers: np.ndarray,
+                 phys_offsets: np.ndarray):
+        self.buf = buf
+        self.rel = rel
+        self.headers = headers
+        self.phys_offsets = phys_offsets
+
+    def __reduce__(self):  # (the headers are in the buffer: read again, not sent twice)
+        return (RecordSpans.read, (self.buf, self.rel, self.phys_offsets))
+
+    @classmethod
+    def read(cls, buf: bytes, rel_offsets, phys_offsets) -> "RecordSpans":
+        """The records whose headers sit at ``rel_offsets`` in ``buf``."""
+        if not len(rel_offsets):
+            return cls.empty()
+        raw = np.frombuffer(buf, np.uint8)
+        rel = np.asarray(rel_offsets, np.int64)
+        window = as_strided(raw, shape=(len(raw) - REC_HEADER_BYTES + 1, REC_HEADER_BYTES),
+                            strides=(1, 1), writeable=False)
+        return cls(buf, rel, window[rel].view(REC_DTYPE).reshape(len(rel)),
+                   np.asarray(phys_offsets, np.uint64))
+
+    @classmethod
+    def empty(cls) -> "RecordSpans":
+        return cls(b"", np.zeros(0, np.int64), np.empty(0, REC_DTYPE), np.zeros(0, np.uint64))
+
+    def __len__(self) -> int:
+        return len(self.rel)
+
+    @property
+    def queue_offsets(self) -> np.ndarray:
+        return self.headers["queue_offset"]
+
+    @property
+    def bounds(self) -> FieldBounds:
+        return FieldBounds.of(self.headers, self.rel)
+
+    def select(self, keep) -> "RecordSpans":
+        """Only the records at indexes ``keep`` (or where a boolean mask is true)."""
+        return RecordSpans(self.buf, self.rel[keep], self.headers[keep], self.phys_offsets[keep])
+
+    def compact(self) -> "RecordSpans":
+        """The same records in a buffer of only their bytes (a read of one queue also gets
+        the records of others written between its own): per frame, from its first such
+        record's header to the end of its last one's body (the frame's headers, meta
+        fields and bodies lie in that order)."""
+        rel, n = self.rel, len(self.rel)
+        if n < 2 or not (np.diff(rel) > 0).all():
+            return self
+        frame = rel - self.headers["frame_delta"]
+        first = np.flatnonzero(np.r_[True, frame[1:] != frame[:-1]])
+        lo = rel[first]
+        hi = np.maximum.reduceat(self.bounds.body_end, first)
+        if int((hi - lo).sum()) * 4 > len(self.buf) * 3:
+            return self  # (little to gain)
+        moved = np.zeros(len(first), np.int64)
+        np.cumsum((hi - lo)[:-1], out=moved[1:])
+        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, n]))
+        with memoryview(self.buf) as view:
+            buf = b"".join(view[a:b] for a, b in zip(lo.tolist(), hi.tolist()))
+        return RecordSpans(buf, rel - lo[group] + moved[group], self.headers, self.phys_offsets)
+
+    @classmethod
+    def join(cls, pieces: list["RecordSpans"]) -> "RecordSpans":
+        """The records of ``pieces`` in order, in one buffer."""
+        if len(pieces) <= 1:
+            return pieces[0] if pieces else cls.empty()
+        starts = np.cumsum([0] + [len(p.buf) for p in pieces[:-1]])
+        return cls(b"".join(p.buf for p in pieces),
+                   np.concatenate([p.rel + s for p, s in zip(pieces, starts)]),
+                   np.concatenate([p.headers for p in pieces]),
+                   np.concatenate([p.phys_offsets for p in pieces]))
+
+    def decode(self) -> MessageBatch:
+        if not len(self.rel):
+            return MessageBatch.empty()
+        return _decode(self.buf, self.headers, self.bounds, self.phys_offsets.tolist())
 
 
 def _decode_topics(raw: np.ndarray, buf: bytes, starts: np.ndarray,

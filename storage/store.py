@@ -29,7 +29,8 @@ from raymq.storage.putframes import TOPIC_RE, check_topic_name  # noqa: F401  (w
 from raymq.storage.queueindex import QueueIndex
 from raymq.storage.recovery import recover
 from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
-                                   StoredMessage, decode_records, record_sizes)
+                                   RecordSpans, StoredMessage, decode_records,
+                                   record_sizes)
 
 _SPAN_READ_SLACK_BYTES = 256 * 1024
 
@@ -316,22 +317,32 @@ class MessageStore:
         return self.messages_at(self.read_cq(topic, queue_id, offset, max_messages))
 
     def messages_at(self, entries: np.ndarray) -> MessageBatch:
-        """Decode the records that consume-queue ``entries`` point to, in order.
+        """Decode the records that consume-queue ``entries`` point to, in order."""
+        return self.records_at(entries).decode()
+
+    def records_at(self, entries: np.ndarray) -> RecordSpans:
+        """The records that consume-queue ``entries`` point to, in order, undecoded.
 
         Records close together in the commit log are fetched with one read.
         """
+        pieces: list[RecordSpans] = []
+        self._read_spans(entries, pieces)
+        return RecordSpans.join(pieces)
+
+    def _read_spans(self, entries: np.ndarray, pieces: list) -> None:
         if not len(entries):
-            return MessageBatch.empty()
+            return
         phys = entries["phys"]
         ends = phys + entries["size"]
         lo, hi = int(phys.min()), int(ends.max())
         span, payload = hi - lo, int(entries["size"].sum())
         if len(entries) == 1 or (hi <= self._log.segment_end(lo)
                                  and span <= 4 * payload + _SPAN_READ_SLACK_BYTES):
-            buf = self._log.read(lo, span)
-            return decode_records(buf, phys - lo, phys.tolist())
+            pieces.append(RecordSpans.read(self._log.read(lo, span), phys - lo, phys))
+            return
         mid = len(entries) // 2
-        return self.messages_at(entries[:mid]).concat(self.messages_at(entries[mid:]))
+        self._read_spans(entries[:mid], pieces)
+        self._read_spans(entries[mid:], pieces)
 
     @property
     def max_phys_offset(self) -> int:

@@ -113,3 +113,18 @@ def test_connect_past_a_dead_clusters_address_file_starts_the_embedded_ray(stale
     assert res.rc == 0, f"rc {res.rc} after {res.seconds:.0f} s: {res.err[-3000:]}"
     assert "embedded True" in res.out and "queues 3" in res.out
     assert path in res.err  # the warning says which file it passed by
+
+
+def test_a_ray_started_here_keeps_idle_workers_and_runs_them_at_normal_priority(monkeypatch):
+    """Past its soft limit Ray kills a worker idle for a second, and RayMQ's and Spark's
+    actors count: every committed dataset would start its read workers afresh."""
+    from raymq import rpc
+    for var in ("RAY_worker_niceness", "RAY_num_workers_soft_limit"):
+        monkeypatch.delenv(var, raising=False)
+    rpc.worker_settings()
+    assert os.environ["RAY_worker_niceness"] == "0"
+    assert int(os.environ["RAY_num_workers_soft_limit"]) == \
+        os.cpu_count() + rpc.WORKERS_SOFT_LIMIT_EXTRA
+    monkeypatch.setenv("RAY_num_workers_soft_limit", "3")  # an operator's own setting wins
+    rpc.worker_settings()
+    assert os.environ["RAY_num_workers_soft_limit"] == "3"

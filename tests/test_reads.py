@@ -1,12 +1,18 @@
 """How much one pull reads (``raymq.actors.reads``): as many messages as asked, up to
-``PULL_MAX_BYTES`` of the log a queue.  In-process shard, no Ray."""
+``PULL_MAX_BYTES`` of the log a queue; and what it answers in each ``form``.  In-process
+shard, no Ray."""
 from __future__ import annotations
 
 import os
+import pickle
+
+import pytest
 
 from raymq.actors import reads
 from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
+from raymq.storage.errors import InvalidMessageError
+from raymq.storage.records import RecordSpans
 
 
 def test_a_pull_of_batched_records_reads_as_many_as_asked(tmp_path):
@@ -35,5 +41,27 @@ def test_a_pull_stops_at_pull_max_bytes_of_the_log_and_reads_one_at_least(tmp_pa
         sh.send(RecordBatch("t", 0, [os.urandom(2 << 20)]))
         [(_t, _q, batch, _n, _e)] = sh.pull([("t", 0, 8, 100)])
         assert len(batch) == 1  # larger than the cap alone: still read
+    finally:
+        sh.close()
+
+
+def test_a_spans_pull_holds_the_records_a_messages_pull_decodes(tmp_path):
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    try:
+        sh.set_routes([("t", 0)])
+        sh.send(RecordBatch("t", 0, [os.urandom(100) for _ in range(50)],
+                            keys=[f"k{i}" for i in range(50)]))
+        [(_t, _q, batch, nxt, end)] = sh.pull([("t", 0, 10, 30)])
+        [(_t, _q, spans, nxt2, end2)] = sh.pull([("t", 0, 10, 30)], form="spans")
+        assert isinstance(spans, RecordSpans) and (nxt2, end2) == (nxt, end) == (40, 50)
+        got = pickle.loads(pickle.dumps(spans, 5)).decode()  # as the channel carries it
+        assert (got.bodies, got.keys, got.queue_offsets.tolist()) == \
+            (batch.bodies, batch.keys, list(range(10, 40)))
+        [(_t, _q, none, nxt3, _e)] = sh.pull([("t", 0, 50, 10)], form="spans")
+        assert isinstance(none, RecordSpans) and len(none) == 0 and nxt3 == 50
+        assert len(pickle.loads(pickle.dumps(none, 5))) == 0
+        for bad in ({"form": "arrow"}, {"form": "spans", "tags": {"t": ["a"]}}):
+            with pytest.raises(InvalidMessageError, match="form must be"):
+                sh.pull([("t", 0, 0, 10)], **bad)
     finally:
         sh.close()
