@@ -97,19 +97,42 @@ def read_committed(mq, topics, group: str | None = None, *, start=None) -> ReadB
         starts = {q: int(start.get(q, 0)) for q in shard_of}
     elif start is not None:
         raise InvalidMessageError(f"start must be None, 'earliest' or a dict, not {start!r}")
-    refs = [_read_queue.remote(mq.shard_handle(shard_of[q]), shard_of[q], q[0], q[1],
-                               starts[q], ends[q])
-            for q in sorted(shard_of) if ends[q] > starts[q]]
-    if not refs:  # a dataset needs a block: an empty one
+    pairs = [_read_queue.options(num_returns=2).remote(
+                 mq.shard_handle(shard_of[q]), shard_of[q], q[0], q[1], starts[q], ends[q])
+             for q in sorted(shard_of) if ends[q] > starts[q]]
+    if pairs:
+        refs = [block for block, _meta in pairs]
+        dataset = _dataset(refs, ray.get([meta for _block, meta in pairs]))
+    else:  # a dataset needs a block: an empty one
         refs = [ray.put(to_ipc_bytes([]))]
-    dataset = ray.data.from_arrow_refs(refs)
+        dataset = ray.data.from_arrow_refs(refs)
     return ReadBatch(dataset, starts, ends, group, producer, refs)
 
 
+def _dataset(refs: list, metadata: list):
+    """``ray.data.from_arrow_refs(refs)`` without its metadata tasks, which read every
+    block again (a task per block, each wanting a whole CPU: with Spark up, one at a
+    time): the read tasks measured their blocks (``from_arrow_refs`` of the pinned Ray,
+    through Ray Data's internals; their public entry when those moved)."""
+    try:
+        from ray.data._internal.logical.interfaces import LogicalPlan
+        from ray.data._internal.logical.operators import FromArrow
+        from ray.data._internal.stats import DatasetStats
+        from ray.data.context import DataContext
+        from ray.data.dataset import MaterializedDataset
+    except ImportError:  # (another Ray)
+        return ray.data.from_arrow_refs(refs)
+    context = DataContext.get_current().copy()
+    stats = DatasetStats(metadata={"FromArrow": metadata}, parent=None)
+    return MaterializedDataset(LogicalPlan(FromArrow(refs, metadata), context), context, stats)
+
+
 @ray.remote(num_cpus=0.25, max_retries=3)
-def _read_queue(handle, shard: int, topic: str, qid: int, start: int, end: int) -> bytes:
-    """The committed messages of one queue in [start, end) as an Arrow IPC stream (a pure
-    read: safe to retry).  Runs in a Ray worker, near the data when it can."""
+def _read_queue(handle, shard: int, topic: str, qid: int, start: int, end: int):
+    """The committed messages of one queue in [start, end) as an Arrow IPC stream, and
+    its Ray Data block metadata (a pure read: safe to retry).  Runs in a Ray worker, near
+    the data when it can."""
+    from ray.data.block import BlockMetadataWithSchema
     from raymq.transport import DirectTransport
     transport = DirectTransport(lambda _i: handle, io_threads=1)
     batches, offset = [], start
@@ -126,7 +149,8 @@ def _read_queue(handle, shard: int, topic: str, qid: int, start: int, end: int) 
             offset = nxt
     finally:
         transport.close()
-    return to_ipc_bytes(batches)
+    block = to_ipc_bytes(batches)
+    return block, BlockMetadataWithSchema.from_block(block)
 
 
 def _pull(transport, shard, topic, qid, offset, n, attempts: int = 20):

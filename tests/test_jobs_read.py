@@ -65,6 +65,12 @@ def test_the_dataset_is_what_a_read_committed_consumer_sees(mq, name):
     ends = {q: max(r["queue_offset"] + 1 for r in rows if (r["topic"], r["queue_id"]) == q)
             for q in {(r["topic"], r["queue_id"]) for r in rows}}
     assert all(batch.end_offsets[q] >= e for q, e in ends.items())  # (markers after them)
+    # the blocks' metadata came with them from the read tasks: as Ray Data measures it
+    import ray
+    theirs = ray.data.from_arrow_refs(batch._refs)
+    assert batch.dataset.count() == theirs.count() == len(rows)
+    assert batch.dataset.schema() == theirs.schema()
+    assert batch.dataset.size_bytes() == theirs.size_bytes() > 0
 
 
 def test_a_group_reads_from_its_committed_offsets_and_fences_the_job_before(mq, name):
