@@ -110,29 +110,35 @@ def message_record_batch(shard: int, topic: str, queue_id: int, spans: RecordSpa
 
     def ints(name, dtype):
         return pa.array(np.ascontiguousarray(h[name]).astype(dtype))
+    msg_id = msg_id_array(shard, spans.phys_offsets)
     if h["props_len"].any():
         props = properties_map(_cut(data, at.props, at.props_end, pa.binary()))
-    else:
-        props = properties_map(pa.nulls(n, pa.binary()))
-    own = msg_id_array(shard, spans.phys_offsets)
-    msg_id = pc.coalesce(pc.map_lookup(props, Prop.PRODUCER_MSG_ID, "first"), own)
+        msg_id = pc.coalesce(pc.map_lookup(props, Prop.PRODUCER_MSG_ID, "first"), msg_id)
+        transaction_id = pc.map_lookup(props, Prop.TRANSACTION_ID, "first")
+    else:  # (no properties: no copy's id, no transaction)
+        props = pa.nulls(n, MESSAGE_SCHEMA.field("properties").type)
+        transaction_id = pa.nulls(n, pa.string())
     return pa.record_batch([
         pa.repeat(pa.scalar(topic, pa.string()), n), pa.array(np.full(n, queue_id, np.int32)),
         ints("queue_offset", np.int64), msg_id,
         text(at.key, at.tags, h["key_len"]), text(at.tags, at.props, h["tags_len"]),
         props, _cut(data, at.body, at.body_end, pa.binary()),
-        ints("born_ms", np.int64), ints("store_ms", np.int64),
-        pc.map_lookup(props, Prop.TRANSACTION_ID, "first")], schema=MESSAGE_SCHEMA)
+        ints("born_ms", np.int64), ints("store_ms", np.int64), transaction_id],
+        schema=MESSAGE_SCHEMA)
 
 
 def to_ipc_bytes(batches) -> bytes:
     """Record batches as one Arrow IPC stream (what RayDP's executors read from Ray's
     object store directly: no pandas, no Python workers)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, MESSAGE_SCHEMA) as writer:
-        for b in batches:
-            writer.write_batch(b)
-    return sink.getvalue().to_pybytes()
+    def write(sink) -> None:
+        with pa.ipc.new_stream(sink, MESSAGE_SCHEMA) as writer:
+            for b in batches:
+                writer.write_batch(b)
+    size = pa.MockOutputStream()  # (measured first: written once into its own size)
+    write(size)
+    out = pa.allocate_buffer(size.size())
+    write(pa.FixedSizeBufferWriter(out))
+    return out.to_pybytes()
 
 
 def from_ipc_bytes(data: bytes) -> pa.Table:

@@ -117,3 +117,15 @@ def test_compacted_spans_keep_only_their_records_bytes_and_decode_the_same(tmp_p
         (b.bodies, b.keys, b.properties, b.phys_offsets)
     assert len(a) == 6 * 50 - 25
     assert message_record_batch(0, "t", 0, small).equals(message_record_batch(0, "t", 0, spans))
+
+
+def test_a_pull_without_any_properties_has_null_maps_and_the_records_own_ids(tmp_path):
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="async"), background=False) as store:
+        store.put(RecordBatch("t", 0, [b"a", b"b"], keys=["k", None]))
+        spans = store.records_at(store.read_cq("t", 0, 0, 10))
+    rb = message_record_batch(2, "t", 0, spans)
+    assert rb.schema == MESSAGE_SCHEMA
+    want = messages_ext(2, spans.decode())
+    assert [(r["msg_id"], r["key"], r["properties"], r["transaction_id"]) for r in rb.to_pylist()] \
+        == [(m.msg_id, m.key, None, None) for m in want]
+    assert [m.properties for m in want] == [{}, {}]
