@@ -103,8 +103,7 @@ class QueueReads:
                 keep = txns.visible((topic, qid), batch.headers, committed)
                 if not keep.all():
                     batch = batch.select(keep)
-            if not spans:
-                batch = batch.decode()
+            batch = batch.compact() if spans else batch.decode()
             if wanted and len(batch):
                 keep = [i for i, t in enumerate(batch.tags or [None] * len(batch)) if t in wanted]
                 if len(keep) != len(batch):

@@ -879,16 +879,37 @@ class RecordSpans:
         """Only the records at indexes ``keep`` (or where a boolean mask is true)."""
         return RecordSpans(self.buf, self.rel[keep], self.headers[keep], self.phys_offsets[keep])
 
+    def compact(self) -> "RecordSpans":
+        """The same records in a buffer of only their bytes (a read of one queue also gets
+        the records of others written between its own): per frame, from its first such
+        record's header to the end of its last one's body (the frame's headers, meta
+        fields and bodies lie in that order)."""
+        rel, n = self.rel, len(self.rel)
+        if n < 2 or not (np.diff(rel) > 0).all():
+            return self
+        frame = rel - self.headers["frame_delta"]
+        first = np.flatnonzero(np.r_[True, frame[1:] != frame[:-1]])
+        lo = rel[first]
+        hi = np.maximum.reduceat(self.bounds.body_end, first)
+        if int((hi - lo).sum()) * 4 > len(self.buf) * 3:
+            return self  # (little to gain)
+        moved = np.zeros(len(first), np.int64)
+        np.cumsum((hi - lo)[:-1], out=moved[1:])
+        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, n]))
+        with memoryview(self.buf) as view:
+            buf = b"".join(view[a:b] for a, b in zip(lo.tolist(), hi.tolist()))
+        return RecordSpans(buf, rel - lo[group] + moved[group], self.headers, self.phys_offsets)
+
     @classmethod
     def join(cls, pieces: list["RecordSpans"]) -> "RecordSpans":
         """The records of ``pieces`` in order, in one buffer."""
         if len(pieces) <= 1:
             return pieces[0] if pieces else cls.empty()
         starts = np.cumsum([0] + [len(p.buf) for p in pieces[:-1]])
-        rel = np.concatenate([p.rel + s for p, s in zip(pieces, starts)])
-        # (the headers read again from the joined buffer: cheaper than joining them)
-        return cls.read(b"".join(p.buf for p in pieces), rel,
-                        np.concatenate([p.phys_offsets for p in pieces]))
+        return cls(b"".join(p.buf for p in pieces),
+                   np.concatenate([p.rel + s for p, s in zip(pieces, starts)]),
+                   np.concatenate([p.headers for p in pieces]),
+                   np.concatenate([p.phys_offsets for p in pieces]))
 
     def decode(self) -> MessageBatch:
         if not len(self.rel):

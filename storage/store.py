@@ -33,9 +33,6 @@ from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Re
                                    record_sizes)
 
 _SPAN_READ_SLACK_BYTES = 256 * 1024
-#: Records of one read this close may share a read (``records_at``): reading the bytes
-#: between them costs less than another read.
-_RUN_GAP_BYTES = 64 * 1024
 
 
 class PutStatus(enum.Enum):
@@ -326,19 +323,10 @@ class MessageStore:
     def records_at(self, entries: np.ndarray) -> RecordSpans:
         """The records that consume-queue ``entries`` point to, in order, undecoded.
 
-        Entries in log order are read in runs: records at most ``_RUN_GAP_BYTES`` apart
-        with one read each (a queue's records come in runs, between other queues').
         Records close together in the commit log are fetched with one read.
         """
         pieces: list[RecordSpans] = []
-        phys = entries["phys"]
-        if len(entries) > 1 and (phys[1:] > phys[:-1]).all():
-            reach = np.maximum.accumulate(phys + entries["size"])
-            cuts = np.flatnonzero(phys[1:] > reach[:-1] + _RUN_GAP_BYTES) + 1
-            for run in np.split(entries, cuts):
-                self._read_spans(run, pieces)
-        else:
-            self._read_spans(entries, pieces)
+        self._read_spans(entries, pieces)
         return RecordSpans.join(pieces)
 
     def _read_spans(self, entries: np.ndarray, pieces: list) -> None:
