@@ -1,5 +1,6 @@
 """The schema of committed message datasets, and Arrow record batches built from what a
-shard's pull returns (``RecordSpans``: the records undecoded).  Pure pyarrow and numpy: no Ray, no Spark.
+shard's pull returns (``RecordSpans``: the records undecoded).  Pure pyarrow and numpy:
+no Ray, no Spark.
 
 Columns (README, "Spark pipelines"):
 

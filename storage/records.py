@@ -767,19 +767,6 @@ class MessageBatch:
 
     __iter__ = lambda self: iter(self.messages())  # noqa: E731
 
-    def concat(self, other: "MessageBatch") -> "MessageBatch":
-        def join(a, b, n_a, n_b, fill):
-            if a is None and b is None:
-                return None
-            return (a or [fill] * n_a) + (b or [fill] * n_b)
-        na, nb = len(self), len(other)
-        return MessageBatch(np.concatenate([self.headers, other.headers]),
-                            self.phys_offsets + other.phys_offsets, self.topics + other.topics,
-                            join(self.keys, other.keys, na, nb, None),
-                            join(self.tags, other.tags, na, nb, None),
-                            join(self.properties, other.properties, na, nb, b""),
-                            self.bodies + other.bodies)
-
 
 def decode_records(buf: bytes, rel_offsets: np.ndarray, phys_offsets: list[int]) -> MessageBatch:
     """Decode the records whose headers sit at ``rel_offsets`` in ``buf``.
@@ -906,10 +893,10 @@ class RecordSpans:
         if len(pieces) <= 1:
             return pieces[0] if pieces else cls.empty()
         starts = np.cumsum([0] + [len(p.buf) for p in pieces[:-1]])
-        return cls(b"".join(p.buf for p in pieces),
-                   np.concatenate([p.rel + s for p, s in zip(pieces, starts)]),
-                   np.concatenate([p.headers for p in pieces]),
-                   np.concatenate([p.phys_offsets for p in pieces]))
+        rel = np.concatenate([p.rel + s for p, s in zip(pieces, starts)])
+        # (the headers read again from the joined buffer: cheaper than joining them)
+        return cls.read(b"".join(p.buf for p in pieces), rel,
+                        np.concatenate([p.phys_offsets for p in pieces]))
 
     def decode(self) -> MessageBatch:
         if not len(self.rel):
