@@ -300,9 +300,11 @@ class TimerScheduler:
         return out
 
     def list_due(self, due_before_ms: int, limit: int = 100) -> list[dict]:
-        """Timer messages due before ``due_before_ms`` not yet delivered, soonest first."""
+        """Timer messages due before ``due_before_ms`` not yet delivered, soonest first
+        (those stored but not yet indexed too: indexed first, as ``status`` does)."""
         out: list[dict] = []
         with self._lock:
+            self._index_new(self.clock.now_ms())
             keys = [k for k in self.wheel.keys() if k * self.wheel.bucket_ms < due_before_ms]
             for key in keys:
                 pairs = self.wheel.load(key)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from raymq.actors import timers as timers_mod
+from raymq.actors.protocol import make_msg_id
 from raymq.actors.shard import BrokerShard
 from raymq.message import Message, Prop
 from raymq.storage import RecordBatch
@@ -332,6 +333,7 @@ def test_a_bucket_file_with_a_torn_tail_and_repeated_pairs_loads_each_once(tmp_p
 
 _SCHEDULER_RSS = """
 import json, os, sys, time
+from raymq.actors.protocol import make_msg_id
 from raymq.actors.shard import BrokerShard
 from raymq.actors.protocol import Prop
 from raymq.storage import RecordBatch
@@ -395,4 +397,17 @@ def test_a_cancellation_the_disk_did_not_confirm_in_time_is_a_retriable_timeout(
     assert err.value.retriable
     monkeypatch.setattr(sh.store, "put", real_put)
     assert sh.cancel_scheduled(phys) == "cancelled"  # the retry
+    sh.close()
+
+
+def test_a_timer_just_sent_is_listed_before_the_timer_thread_indexed_it(tmp_path):
+    """The timer thread indexes a far-off send only on its next tick; an operator's list
+    right after the send still shows it (CI caught the list empty in that gap)."""
+    clock = ManualClock()
+    sh = open_shard(tmp_path, clock)  # (no background thread: nothing indexes by itself)
+    reply = sh.send(RecordBatch("t", 0, [b"later", b"tomorrow"], keys=["k1", None],
+                                properties=[after(30 * 60_000), after(30 * 3_600_000)]))
+    listed = sh.timer_list(clock.now_ms() + 3_600_000)
+    assert [(x["msg_id"], x["key"], x["topic"], x["queue_id"]) for x in listed] == \
+        [(make_msg_id(0, reply.phys[0]), "k1", "t", 0)]
     sh.close()
