@@ -13,7 +13,9 @@ choice; pooling and retries are the SDK's too.
 
 Wire format, after the handshake: a request is one length-prefixed frame (the
 framing of ``multiprocessing.connection``) holding the pickle ``(method, args)``,
-the reply one pickle ``(ok, value)`` (``value`` the result, or the error raised).
+the reply one pickle ``(ok, value)`` (``value`` the result, or the error raised); a
+reply whose value offers large pickle-5 buffers (a pull's undecoded records) is the pickle
+after ``RMQB`` and their count, then each buffer as a frame (``encode_reply``).
 A request is decoded by a restricted unpickler that builds only the classes of
 ``REQUEST_GLOBALS`` (a ``RecordBatch`` and an ``EndRequest``; tuples, lists,
 dicts, sets, str, bytes, numbers need none): a pickle naming anything else (say
@@ -75,7 +77,8 @@ log = logging.getLogger("raymq.channel")
 #: Version of the wire format above; raise it with any change to the framing, the
 #: handshake or the meaning of a data method's arguments or result.
 #: 2: TLS with Ray's TLS; the LIMITS frame; requests decoded with an allow-list.
-PROTOCOL_VERSION = 2
+#: 3: large reply buffers out of band (``RMQB`` replies).
+PROTOCOL_VERSION = 3
 
 #: The shard methods callable on the channel (all idempotent or reads, see ``raymq.actors.shard``).
 DATA_METHODS = frozenset({"send", "end_transactions", "pull", "commit_offsets", "get_offsets",
@@ -168,16 +171,44 @@ def decode_request(data) -> tuple[str, tuple]:
     return request
 
 
-#: ``(ok, value)`` of a reply frame (the client trusts the shard: a plain pickle).
-decode_reply = pickle.loads
+#: A reply whose large buffers follow it out of band starts with this and their count.
+_BUFFERS = struct.Struct("!4sI")
+_BUFFERS_MAGIC = b"RMQB"
+#: From this size a buffer pickle 5 offers (a pull's ``RecordSpans``) is sent out of band.
+OUT_OF_BAND_FROM = 1 << 20
 
 
-def encode_reply(ok: bool, value: Any) -> bytes:
+def encode_reply(ok: bool, value: Any) -> list:
+    """The frames of a reply: the pickle ``(ok, value)``, alone; or, when the value offers
+    pickle 5 buffers of ``OUT_OF_BAND_FROM`` bytes or more, the pickle after ``RMQB`` and
+    their count, then each buffer as a frame of its own (written from where it lies, read
+    into the buffer the client keeps: no copy into or out of the pickle)."""
+    buffers: list = []
+
+    def out_of_band(buf: pickle.PickleBuffer):
+        if buf.raw().nbytes < OUT_OF_BAND_FROM:
+            return True  # (in band)
+        buffers.append(buf.raw())
+        return False
     try:
-        return pickle.dumps((ok, value), protocol=5)
+        data = pickle.dumps((ok, value), protocol=5, buffer_callback=out_of_band)
     except Exception as err:  # an unpicklable error: send what it says
-        return pickle.dumps((False, RuntimeError(f"{type(value).__name__}: {value} "
-                                                 f"(not picklable: {err})")), protocol=5)
+        return [pickle.dumps((False, RuntimeError(f"{type(value).__name__}: {value} "
+                                                  f"(not picklable: {err})")), protocol=5)]
+    if not buffers:
+        return [data]
+    return [_BUFFERS.pack(_BUFFERS_MAGIC, len(buffers)) + data, *buffers]
+
+
+def read_reply(link: "Link") -> tuple:
+    """``(ok, value)`` of the next reply on a client's link (the client trusts the shard:
+    a plain pickle, and its out-of-band buffers)."""
+    data = link.recv_bytes()
+    if data[:4] != _BUFFERS_MAGIC:
+        return pickle.loads(data)
+    count = _BUFFERS.unpack_from(data)[1]
+    buffers = [link.recv_bytes() for _ in range(count)]
+    return pickle.loads(memoryview(data)[_BUFFERS.size:], buffers=buffers)
 
 
 def _hello(version: int) -> bytes:
@@ -260,6 +291,10 @@ class Link:
         else:
             self.sock.sendall(_HEADER.pack(-1) + _HEADER_LONG.pack(n))
             self.sock.sendall(data)
+
+    def send_frames(self, frames: list) -> None:
+        for data in frames:
+            self.send_bytes(data)
 
     def recv_bytes(self, maxlength: int | None = None):
         size = _HEADER.unpack(self._exactly(4, first=True))[0]
@@ -684,7 +719,7 @@ class Endpoint:
         theirs = _hello_version(link.recv_bytes(self.limits.max_request_bytes))
         if theirs is None:  # a request: a client from before versions, waiting for a reply
             said = _mismatch(None, self.protocol_version, self.address)
-            link.send_bytes(encode_reply(False, RayMQError(str(said))))
+            link.send_frames(encode_reply(False, RayMQError(str(said))))
         else:
             link.send_bytes(_hello(self.protocol_version))
         if theirs == self.protocol_version:
@@ -708,17 +743,17 @@ class Endpoint:
                 except FrameTooLarge as err:  # refused from its header: nothing more is read
                     self._note("too-large", "refused a request of %d bytes (the limit is %d)",
                                err.size, err.limit)
-                    link.send_bytes(encode_reply(False, ChannelRefusedError(
+                    link.send_frames(encode_reply(False, ChannelRefusedError(
                         f"request refused: {err.size} bytes, more than the data channel takes "
                         f"({err.limit}: channel_max_request_bytes); connection closed")))
                     return
                 except (EOFError, OSError):
                     return  # the client closed, stayed idle, or the endpoint is closing
-                link.send_bytes(self._dispatch(data))
+                link.send_frames(self._dispatch(data))
         except OSError as err:  # the client went away before its reply
             log.info("endpoint %s: client gone: %s", self.address, err)
 
-    def _dispatch(self, data) -> bytes:
+    def _dispatch(self, data) -> list:
         try:
             method, args = decode_request(data)
             handler = self._handlers.get(method)

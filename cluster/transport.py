@@ -31,7 +31,7 @@ from multiprocessing.connection import AuthenticationError
 from typing import Any, Callable
 
 from raymq import rpc
-from raymq.actors.channel import (TLS_FROM_RAY, Link, connect, decode_reply, encode_request,
+from raymq.actors.channel import (TLS_FROM_RAY, Link, connect, encode_request, read_reply,
                                   ray_tls_enabled, readable, tls_context)
 from raymq.actors.config import TRANSPORTS
 from raymq.storage.errors import (BrokerUnavailableError, ChannelTLSError, ProtocolVersionError,
@@ -243,7 +243,7 @@ class DirectTransport:
                 if not readable(c.conn, c.timeout_s):
                     raise RequestTimeoutError(f"shard-{c.shard} did not answer {c.method} "
                                               f"within {c.timeout_s:.1f} s")
-                ok, value = decode_reply(c.conn.recv_bytes())
+                ok, value = read_reply(c.conn)
                 break
             except RayMQError:  # a RequestTimeoutError is a TimeoutError (an OSError) too:
                 c.conn.close()  # its late reply must not be read as the next call's

@@ -24,6 +24,8 @@ reads the batches into vectors built from its own schema.
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -59,18 +61,17 @@ def properties_map(raw) -> pa.MapArray:
                                    pc.list_element(kv, 1))
 
 
-_HEX = np.frombuffer(b"0123456789ABCDEF", np.uint8)
+#: Every byte's two hex digits, as the uint16 whose memory holds them.
+_HEX2 = np.frombuffer(b"".join(b"%02X" % i for i in range(256)), np.uint16)
 
 
 def msg_id_array(shard: int, phys_offsets: np.ndarray) -> pa.StringArray:
     """``make_msg_id(shard, p)`` for every physical offset, as one string column (built
     in numpy: a million ids in milliseconds, not a million Python strings)."""
     n = len(phys_offsets)
-    nibbles = phys_offsets.astype(">u8").view(np.uint8).reshape(n, 8)
-    chars = np.empty((n, 20), np.uint8)
-    chars[:, :4] = np.frombuffer(f"{shard:04X}".encode(), np.uint8)
-    chars[:, 4::2] = _HEX[nibbles >> 4]
-    chars[:, 5::2] = _HEX[nibbles & 15]
+    chars = np.empty((n, 10), np.uint16)  # 20 characters an id
+    chars[:, :2] = np.frombuffer(f"{shard:04X}".encode(), np.uint16)
+    np.take(_HEX2, phys_offsets.astype(">u8").view(np.uint8).reshape(n, 8), out=chars[:, 2:])
     offsets = np.arange(0, 20 * n + 1, 20, dtype=np.int32)
     return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(chars))
 
@@ -128,18 +129,29 @@ def message_record_batch(shard: int, topic: str, queue_id: int, spans: RecordSpa
         schema=MESSAGE_SCHEMA)
 
 
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+
 def to_ipc_bytes(batches) -> bytes:
     """Record batches as one Arrow IPC stream (what RayDP's executors read from Ray's
-    object store directly: no pandas, no Python workers)."""
+    object store directly: no pandas, no Python workers).  The stream is measured first,
+    then written straight into a new ``bytes`` object (CPython's
+    ``PyBytes_FromStringAndSize(NULL, n)``: a bytes object to fill before it is shared):
+    no second copy of a block of a hundred megabytes."""
     def write(sink) -> None:
         with pa.ipc.new_stream(sink, MESSAGE_SCHEMA) as writer:
             for b in batches:
                 writer.write_batch(b)
-    size = pa.MockOutputStream()  # (measured first: written once into its own size)
+    size = pa.MockOutputStream()
     write(size)
-    out = pa.allocate_buffer(size.size())
-    write(pa.FixedSizeBufferWriter(out))
-    return out.to_pybytes()
+    n = size.size()
+    out = _new_bytes(None, n)
+    write(pa.FixedSizeBufferWriter(pa.py_buffer((ctypes.c_char * n).from_address(
+        _bytes_data(out)))))
+    return out
 
 
 def from_ipc_bytes(data: bytes) -> pa.Table:

@@ -23,6 +23,7 @@ header (``meta_off``, ``body_off``) are relative to the frame start, which is
 from __future__ import annotations
 
 import enum
+import pickle
 import struct
 import zlib
 from dataclasses import dataclass
@@ -832,8 +833,11 @@ class RecordSpans:
         self.headers = headers
         self.phys_offsets = phys_offsets
 
-    def __reduce__(self):  # (the headers are in the buffer: read again, not sent twice)
-        return (RecordSpans.read, (self.buf, self.rel, self.phys_offsets))
+    def __reduce_ex__(self, protocol):
+        # (the headers are in the buffer: read again, not sent twice; with pickle 5 the
+        # buffer may travel out of band: the data channel sends it as a frame of its own)
+        buf = pickle.PickleBuffer(self.buf) if protocol >= 5 else self.buf
+        return (RecordSpans.read, (buf, self.rel, self.phys_offsets))
 
     @classmethod
     def read(cls, buf: bytes, rel_offsets, phys_offsets) -> "RecordSpans":
@@ -901,7 +905,8 @@ class RecordSpans:
     def decode(self) -> MessageBatch:
         if not len(self.rel):
             return MessageBatch.empty()
-        return _decode(self.buf, self.headers, self.bounds, self.phys_offsets.tolist())
+        buf = self.buf if isinstance(self.buf, bytes) else bytes(self.buf)  # (out of band)
+        return _decode(buf, self.headers, self.bounds, self.phys_offsets.tolist())
 
 
 def _decode_topics(raw: np.ndarray, buf: bytes, starts: np.ndarray,

@@ -65,3 +65,37 @@ def test_a_spans_pull_holds_the_records_a_messages_pull_decodes(tmp_path):
                 sh.pull([("t", 0, 0, 10)], **bad)
     finally:
         sh.close()
+
+
+def test_a_large_spans_pull_crosses_the_channel_out_of_band_and_unchanged(tmp_path):
+    """Its buffer is a frame of its own after the pickle (no copy into or out of it); a
+    small reply stays one plain pickle."""
+    from raymq.actors.channel import (OUT_OF_BAND_FROM, Endpoint, connect, encode_reply,
+                                      encode_request, read_reply)
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    ep = Endpoint(sh)
+    link = connect(ep.address, ep.authkey, 5)
+    try:
+        sh.set_routes([("t", 0)])
+        sh.send(RecordBatch("t", 0, [os.urandom(300) for _ in range(10_000)],
+                            keys=[f"k{i}" for i in range(10_000)]))
+        local = sh.pull([("t", 0, 0, 10_000)], form="spans")
+        assert len(local[0][2].buf) > OUT_OF_BAND_FROM
+        frames = encode_reply(True, local)
+        assert len(frames) == 2 and frames[0][:4] == b"RMQB" and \
+            bytes(frames[1]) == bytes(local[0][2].buf)
+        link.send_bytes(encode_request("pull", ([("t", 0, 0, 10_000)], 0, None, None,
+                                                "read_uncommitted", "spans")))
+        ok, [(_t, _q, spans, nxt, end)] = read_reply(link)
+        want = sh.pull([("t", 0, 0, 10_000)])[0][2]
+        got = spans.decode()
+        assert ok and (nxt, end) == (10_000, 10_000)
+        assert (got.bodies, got.keys, got.queue_offsets.tolist()) == \
+            (want.bodies, want.keys, list(range(10_000)))
+        small = encode_reply(True, sh.pull([("t", 0, 0, 10)], form="spans"))
+        assert len(small) == 1 and pickle.loads(small[0])[1][0][2].decode().bodies == \
+            want.bodies[:10]
+    finally:
+        link.close()
+        ep.close()
+        sh.close()
