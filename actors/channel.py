@@ -69,6 +69,7 @@ import time
 from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Any
 
+from raymq.storage.buffers import fresh_buffer
 from raymq.storage.errors import (ChannelRefusedError, ChannelTLSError, ProtocolVersionError,
                                   RayMQError)
 
@@ -307,7 +308,7 @@ class Link:
         return self._exactly(size)
 
     def _exactly(self, n: int, *, first: bool = False):
-        """``n`` bytes (bytes, or a bytearray when they came in pieces).  Past
+        """``n`` bytes (bytes; a bytearray, or an mmap, when they came in pieces).  Past
         ``_GROW_FROM`` the buffer grows with what arrives: an announced size costs no
         memory until it is sent."""
         if n <= _SMALL:  # most frames: one read
@@ -317,8 +318,10 @@ class Link:
             if not chunk:
                 raise EOFError if first else OSError("got end of file during message")
             got, buf = len(chunk), bytearray(chunk)
+        elif self.trusted:  # (in huge pages when large)
+            got, buf = 0, fresh_buffer(n)
         else:
-            got, buf = 0, bytearray(n if self.trusted else min(n, _GROW_FROM))
+            got, buf = 0, bytearray(min(n, _GROW_FROM))
         while got < n:
             if got == len(buf):  # full: double it (up to n)
                 buf.extend(bytes(min(max(len(buf), _GROW_FROM), n - len(buf))))

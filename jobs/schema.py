@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from raymq.actors.protocol import Prop
+from raymq.storage.buffers import advise_huge_pages
 from raymq.storage.records import RecordSpans
 
 MESSAGE_SCHEMA = pa.schema([
@@ -139,8 +140,8 @@ def to_ipc_bytes(batches) -> bytes:
     """Record batches as one Arrow IPC stream (what RayDP's executors read from Ray's
     object store directly: no pandas, no Python workers).  The stream is measured first,
     then written straight into a new ``bytes`` object (CPython's
-    ``PyBytes_FromStringAndSize(NULL, n)``: a bytes object to fill before it is shared):
-    no second copy of a block of a hundred megabytes."""
+    ``PyBytes_FromStringAndSize(NULL, n)``: a bytes object to fill before it is shared),
+    in huge pages: no second copy of a block of a hundred megabytes."""
     def write(sink) -> None:
         with pa.ipc.new_stream(sink, MESSAGE_SCHEMA) as writer:
             for b in batches:
@@ -149,8 +150,9 @@ def to_ipc_bytes(batches) -> bytes:
     write(size)
     n = size.size()
     out = _new_bytes(None, n)
-    write(pa.FixedSizeBufferWriter(pa.py_buffer((ctypes.c_char * n).from_address(
-        _bytes_data(out)))))
+    address = _bytes_data(out)
+    advise_huge_pages(address, n)
+    write(pa.FixedSizeBufferWriter(pa.py_buffer((ctypes.c_char * n).from_address(address))))
     return out
 
 

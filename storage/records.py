@@ -836,7 +836,7 @@ class RecordSpans:
     def __reduce_ex__(self, protocol):
         # (the headers are in the buffer: read again, not sent twice; with pickle 5 the
         # buffer may travel out of band: the data channel sends it as a frame of its own)
-        buf = pickle.PickleBuffer(self.buf) if protocol >= 5 else self.buf
+        buf = pickle.PickleBuffer(self.buf) if protocol >= 5 else bytes(self.buf)
         return (RecordSpans.read, (buf, self.rel, self.phys_offsets))
 
     @classmethod

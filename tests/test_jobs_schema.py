@@ -52,6 +52,10 @@ def test_rows_left_out_and_the_ipc_round_trip(tmp_path):
     table = from_ipc_bytes(to_ipc_bytes([rb, message_record_batch(0, "t", 0, batch)]))
     assert table.schema == MESSAGE_SCHEMA and table.num_rows == 8
     assert from_ipc_bytes(to_ipc_bytes([])).num_rows == 0  # an empty queue: a valid stream
+    big = rb.take(np.zeros(80_000, np.int64))  # a block of some MB (written in huge pages)
+    data = to_ipc_bytes([big, rb])
+    assert type(data) is bytes and len(data) > 5 << 20
+    assert from_ipc_bytes(data).equals(pa.Table.from_batches([big, rb]))
 
 
 def test_the_schema_uses_only_types_spark_reads():

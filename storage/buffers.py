@@ -1,0 +1,37 @@
+"""Large buffers about to be filled by a reader (a frame of a pull's records arriving on
+the data channel, a dataset block): fresh memory in huge pages where the kernel has them
+(Linux transparent huge pages, ``madvise`` mode).  Filling 90 MB of fresh memory took
+57-60 ms in 4 KiB pages and 13-16 ms in 2 MiB ones on this kind of machine (page faults,
+not copying, were the cost); smaller buffers gain nothing and stay plain.  (Not on the
+shard's side: its reads and compacted pulls in huge pages cost the shard process more
+CPU per pull, not less, measured in a cluster.)
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_madvise = getattr(ctypes.CDLL(None), "madvise", None)
+
+
+def fresh_buffer(size: int):
+    """``size`` writable bytes to fill (a ``bytearray``, or from ``HUGE_PAGE_BYTES`` on an
+    anonymous private ``mmap`` in huge pages, not zeroed first)."""
+    if size < HUGE_PAGE_BYTES or _MADV_HUGEPAGE is None:
+        return bytearray(size)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (not shmem)
+    with contextlib.suppress(OSError):
+        buf.madvise(_MADV_HUGEPAGE)
+    return buf
+
+
+def advise_huge_pages(address: int, size: int) -> None:
+    """Ask for huge pages under ``size`` bytes at ``address`` (memory just allocated and
+    not yet written, e.g. a new ``bytes`` object's); the whole huge pages inside only."""
+    lo = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    hi = (address + size) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if hi > lo and _madvise is not None and _MADV_HUGEPAGE is not None:
+        _madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
