@@ -24,14 +24,12 @@ reads the batches into vectors built from its own schema.
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from raymq.actors.protocol import Prop
-from raymq.storage.buffers import advise_huge_pages
+from raymq.storage.buffers import fresh_bytes
 from raymq.storage.records import RecordSpans
 
 MESSAGE_SCHEMA = pa.schema([
@@ -130,29 +128,19 @@ def message_record_batch(shard: int, topic: str, queue_id: int, spans: RecordSpa
         schema=MESSAGE_SCHEMA)
 
 
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
-_bytes_data = ctypes.pythonapi.PyBytes_AsString
-_bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
-
-
 def to_ipc_bytes(batches) -> bytes:
     """Record batches as one Arrow IPC stream (what RayDP's executors read from Ray's
     object store directly: no pandas, no Python workers).  The stream is measured first,
-    then written straight into a new ``bytes`` object (CPython's
-    ``PyBytes_FromStringAndSize(NULL, n)``: a bytes object to fill before it is shared),
-    in huge pages: no second copy of a block of a hundred megabytes."""
+    then written straight into a new ``bytes`` object (``fresh_bytes``, in huge pages):
+    no second copy of a block of a hundred megabytes."""
     def write(sink) -> None:
         with pa.ipc.new_stream(sink, MESSAGE_SCHEMA) as writer:
             for b in batches:
                 writer.write_batch(b)
     size = pa.MockOutputStream()
     write(size)
-    n = size.size()
-    out = _new_bytes(None, n)
-    address = _bytes_data(out)
-    advise_huge_pages(address, n)
-    write(pa.FixedSizeBufferWriter(pa.py_buffer((ctypes.c_char * n).from_address(address))))
+    out, memory = fresh_bytes(size.size())
+    write(pa.FixedSizeBufferWriter(pa.py_buffer(memory)))
     return out
 
 

@@ -28,9 +28,26 @@ def fresh_buffer(size: int):
     return buf
 
 
-def advise_huge_pages(address: int, size: int) -> None:
+def fresh_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` object of ``size`` and a writable view of its memory (valid while
+    the object lives), to fill before the object is shared (CPython's
+    ``PyBytes_FromStringAndSize(NULL, n)``), in huge pages: for a result that must be
+    ``bytes`` (a dataset block) without a second copy into one."""
+    out = _new_bytes(None, size)
+    address = _bytes_data(out)
+    _advise_huge_pages(address, size)
+    return out, memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype, _bytes_data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+
+
+def _advise_huge_pages(address: int, size: int) -> None:
     """Ask for huge pages under ``size`` bytes at ``address`` (memory just allocated and
-    not yet written, e.g. a new ``bytes`` object's); the whole huge pages inside only."""
+    not yet written); the whole huge pages inside only."""
     lo = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     hi = (address + size) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if hi > lo and _madvise is not None and _MADV_HUGEPAGE is not None:

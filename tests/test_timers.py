@@ -333,7 +333,6 @@ def test_a_bucket_file_with_a_torn_tail_and_repeated_pairs_loads_each_once(tmp_p
 
 _SCHEDULER_RSS = """
 import json, os, sys, time
-from raymq.actors.protocol import make_msg_id
 from raymq.actors.shard import BrokerShard
 from raymq.actors.protocol import Prop
 from raymq.storage import RecordBatch
