@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -72,6 +73,41 @@ def worker_settings() -> None:
 #: Workers a node keeps beyond one per CPU (``worker_settings``): RayMQ's and Spark's
 #: long-lived actors, and a read task per queue of a committed dataset.
 WORKERS_SOFT_LIMIT_EXTRA = 12
+
+
+#: The largest object store ``init`` gives an embedded Ray (Ray's own default is 30% of
+#: the machine's memory), so that reserving it at start (``embedded_store_settings``) is
+#: quick: about a second for 3 GiB here, against 8 s for 7.5 GB.
+EMBEDDED_OBJECT_STORE_MAX = 3 << 30
+
+
+def embedded_store_settings(options: dict, total_memory: int, shm_free: int) -> dict:
+    """The ``ray.init`` options of a Ray that ``init`` starts here: the object store Ray
+    would give it (30% of ``total_memory``) at most ``EMBEDDED_OBJECT_STORE_MAX`` unless
+    ``options`` size it, and reserved at start (Ray's ``preallocate_plasma_memory``) when
+    ``/dev/shm`` has room for it (``shm_free``; else Ray keeps its store in a file on
+    disk, not to be written whole).  A ``_system_config`` in ``options`` wins.
+
+    Why reserve it: until the whole store has been used once, Ray places each new object
+    in store memory that no process has touched yet, and the kernel allocates and zeroes
+    such memory page by page as the object is written.  A committed dataset's blocks are
+    all new objects: a 90 MB block took 0.08-0.09 s to store in fresh memory and 0.045 s
+    in reserved memory; a read task's system time per 1M-row read fell from 0.52-0.59 s
+    to 0.37-0.40 s with Spark up."""
+    options = dict(options)
+    options.setdefault("object_store_memory",
+                       min(EMBEDDED_OBJECT_STORE_MAX, int(total_memory * 0.3)))
+    if options["object_store_memory"] <= shm_free:
+        options["_system_config"] = {"preallocate_plasma_memory": True,
+                                     **options.get("_system_config", {})}
+    return options
+
+
+def _shm_free() -> int:
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:  # (no /dev/shm: Ray's store is a file on disk)
+        return 0
 
 
 #: How long ``init`` waits for a cluster to answer before saying it does not (seconds).
@@ -227,7 +263,8 @@ def init(address: str | None = None, **options: Any) -> bool:
     (``probe``: one try, ``PROBE_TIMEOUT_S``), so a wrong address, a cluster
     that wants a token, or a dead cluster's address file is a one-line
     ``RayUnreachableError`` / ``RayAuthError`` saying what to fix, never minutes
-    of Ray's retries.  A Ray started here runs its workers at normal priority and
+    of Ray's retries.  A Ray started here gets an object store reserved at start
+    (``embedded_store_settings``) and runs its workers at normal priority and
     keeps idle ones (``worker_settings``).  ``options`` go to ``ray.init``; ``namespace``
     defaults to RayMQ's, ``log_to_driver`` to False.
     """
@@ -237,6 +274,9 @@ def init(address: str | None = None, **options: Any) -> bool:
     target = _reachable(address)
     options.setdefault("namespace", NAMESPACE)
     options.setdefault("log_to_driver", False)
+    if target.address is None:
+        import psutil
+        options = embedded_store_settings(options, psutil.virtual_memory().total, _shm_free())
     try:
         ray.init(address=target.address or "local", **options)
     except rex.AuthenticationError as err:

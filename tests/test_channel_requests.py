@@ -218,3 +218,22 @@ def test_pull_caps_are_settings_and_too_many_queues_is_refused():
         assert err.value.code == "CHANNEL_REFUSED" and len(target.pulled) == 1
     finally:
         ep.close()
+
+
+def test_a_large_receive_buffer_is_whole_huge_pages_seen_at_its_own_length():
+    """A trusted link reads a large frame into ``fresh_buffer``: its mapping is a whole
+    number of huge pages (placed on a huge-page boundary by the kernel, none of it left in
+    4 KiB pages), the buffer the frame's exact length."""
+    import mmap
+
+    from raymq.storage.buffers import HUGE_PAGE_BYTES, fresh_buffer
+    for size in (3 << 20, 4 << 20, (4 << 20) + 1):
+        buf = fresh_buffer(size)
+        view = memoryview(buf)
+        assert len(view) == size and not view.readonly
+        whole = view.obj
+        assert isinstance(whole, mmap.mmap) and len(whole) % HUGE_PAGE_BYTES == 0
+        assert len(whole) - size < HUGE_PAGE_BYTES
+        view[-1:] = b"x"
+        assert whole[size - 1:size] == b"x"
+    assert isinstance(fresh_buffer(1000), bytearray)

@@ -128,3 +128,35 @@ def test_a_ray_started_here_keeps_idle_workers_and_runs_them_at_normal_priority(
     monkeypatch.setenv("RAY_num_workers_soft_limit", "3")  # an operator's own setting wins
     rpc.worker_settings()
     assert os.environ["RAY_num_workers_soft_limit"] == "3"
+
+
+def test_an_embedded_rays_object_store_is_sized_and_reserved_only_where_it_fits():
+    from raymq import rpc
+    gib = 1 << 30
+    big = rpc.embedded_store_settings({"num_cpus": 2}, 24 * gib, 20 * gib)
+    assert big["object_store_memory"] == rpc.EMBEDDED_OBJECT_STORE_MAX
+    assert big["_system_config"] == {"preallocate_plasma_memory": True}
+    assert big["num_cpus"] == 2
+    small = rpc.embedded_store_settings({}, 4 * gib, 2 * gib)  # Ray's 30% below the cap
+    assert small["object_store_memory"] == int(4 * gib * 0.3)
+    assert small["_system_config"]["preallocate_plasma_memory"] is True
+    docker = rpc.embedded_store_settings({}, 24 * gib, 64 << 20)  # a 64 MB /dev/shm
+    assert docker["object_store_memory"] == rpc.EMBEDDED_OBJECT_STORE_MAX
+    assert "_system_config" not in docker  # Ray's store on disk: never written whole
+    mine = rpc.embedded_store_settings(
+        {"object_store_memory": 300 << 20, "_system_config": {"preallocate_plasma_memory": False,
+                                                              "other": 1}}, 24 * gib, 20 * gib)
+    assert mine["object_store_memory"] == 300 << 20  # the caller's choices win
+    assert mine["_system_config"] == {"preallocate_plasma_memory": False, "other": 1}
+
+
+def test_the_embedded_rays_object_store_is_resident_from_its_start(ray_session):
+    """The session's Ray (``rpc.init("local")`` with a 300 MB store) holds its whole
+    object store in memory before any object is stored in most of it."""
+    from ray._private import ray_constants
+    node = ray_session._private.worker.global_worker.node
+    [raylet] = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]
+    status = open(f"/proc/{raylet.process.pid}/status").read()
+    shmem_kb = int(status.split("RssShmem:")[1].split()[0])
+    store = ray_session.cluster_resources()["object_store_memory"]
+    assert shmem_kb * 1024 >= 0.95 * store, (shmem_kb, store)
