@@ -76,14 +76,14 @@ WORKERS_SOFT_LIMIT_EXTRA = 12
 
 
 #: The largest object store ``init`` gives an embedded Ray (Ray's own default is 30% of
-#: the machine's memory), so that reserving it at start (``embedded_store_settings``) is
+#: the memory available), so that reserving it at start (``embedded_store_settings``) is
 #: quick: about a second for 3 GiB here, against 8 s for 7.5 GB.
 EMBEDDED_OBJECT_STORE_MAX = 3 << 30
 
 
-def embedded_store_settings(options: dict, total_memory: int, shm_free: int) -> dict:
+def embedded_store_settings(options: dict, available_memory: int, shm_free: int) -> dict:
     """The ``ray.init`` options of a Ray that ``init`` starts here: the object store Ray
-    would give it (30% of ``total_memory``) at most ``EMBEDDED_OBJECT_STORE_MAX`` unless
+    would give it (30% of ``available_memory``) at most ``EMBEDDED_OBJECT_STORE_MAX`` unless
     ``options`` size it, and reserved at start (Ray's ``preallocate_plasma_memory``) when
     ``/dev/shm`` has room for it (``shm_free``; else Ray keeps its store in a file on
     disk, not to be written whole).  A ``_system_config`` in ``options`` wins.
@@ -96,7 +96,7 @@ def embedded_store_settings(options: dict, total_memory: int, shm_free: int) -> 
     to 0.37-0.40 s with Spark up."""
     options = dict(options)
     options.setdefault("object_store_memory",
-                       min(EMBEDDED_OBJECT_STORE_MAX, int(total_memory * 0.3)))
+                       min(EMBEDDED_OBJECT_STORE_MAX, int(available_memory * 0.3)))
     if options["object_store_memory"] <= shm_free:
         options["_system_config"] = {"preallocate_plasma_memory": True,
                                      **options.get("_system_config", {})}
@@ -276,7 +276,8 @@ def init(address: str | None = None, **options: Any) -> bool:
     options.setdefault("log_to_driver", False)
     if target.address is None:
         import psutil
-        options = embedded_store_settings(options, psutil.virtual_memory().total, _shm_free())
+        options = embedded_store_settings(options, psutil.virtual_memory().available,
+                                          _shm_free())
     try:
         ray.init(address=target.address or "local", **options)
     except rex.AuthenticationError as err:

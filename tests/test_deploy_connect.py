@@ -137,7 +137,7 @@ def test_an_embedded_rays_object_store_is_sized_and_reserved_only_where_it_fits(
     assert big["object_store_memory"] == rpc.EMBEDDED_OBJECT_STORE_MAX
     assert big["_system_config"] == {"preallocate_plasma_memory": True}
     assert big["num_cpus"] == 2
-    small = rpc.embedded_store_settings({}, 4 * gib, 2 * gib)  # Ray's 30% below the cap
+    small = rpc.embedded_store_settings({}, 4 * gib, 2 * gib)  # 30% of 4 GiB: below the cap
     assert small["object_store_memory"] == int(4 * gib * 0.3)
     assert small["_system_config"]["preallocate_plasma_memory"] is True
     docker = rpc.embedded_store_settings({}, 24 * gib, 64 << 20)  # a 64 MB /dev/shm
