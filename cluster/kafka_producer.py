@@ -27,12 +27,14 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from operator import itemgetter
 
 import numpy as np
 
 from raymq.actors.coordinator import check_transactional_id, coordinator_for
 from raymq.message import (Message, SendResult, SendStatus, assign_queues, check_group,
                            columns_to_batch, validate_messages)
+from raymq.producer import PartResults, SendResults
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
                                   ProducerFencedError, RayMQError, TransactionAbortedError)
 
@@ -69,34 +71,41 @@ class TransactionalProducer:
         """Write one message in the transaction; its result once the shard stored it."""
         return self.send_batch([msg])[0]
 
-    def send_batch(self, msgs: list[Message]) -> list[SendResult]:
-        """Write messages in the transaction (one request per shard); their results."""
+    def send_batch(self, msgs: list[Message]) -> SendResults:
+        """Write messages in the transaction (one request per shard); their results, in
+        order (a sequence of ``SendResult``, as the plain producer's ``send_batch``)."""
         if not msgs:
-            return []
-        for m in msgs:
-            if m.delay_level or m.deliver_at_ms is not None or m.deliver_after_ms is not None:
-                raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
-                                          "transaction")
+            return SendResults([], 0)
         cols = validate_messages(msgs, self.config.max_message_bytes,
                                  len(self.config.delay_levels_ms))
+        if cols.has("delay_level", 0) or cols.has("deliver_at_ms") \
+                or cols.has("deliver_after_ms"):
+            raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
+                                      "transaction")
         with self._lock:
             self._in_transaction()
-            routes = self._mq.routes_for(set(cols.topic))
+            topics = set(cols.topic)
+            routes = self._mq.routes_for(topics)
             qids, shards = assign_queues(cols, routes, self._next_rr,
                                          self.config.batch_max_messages)
-            self._register({(s, t, q) for s, t, q in zip(shards.tolist(), cols.topic,
-                                                          qids.tolist())}, set())
+            if len(topics) == 1:  # (the usual batch: its queues without a pass per message)
+                [topic] = topics
+                queues = {(routes[topic][q], topic, q) for q in np.unique(qids).tolist()}
+            else:
+                queues = set(zip(shards.tolist(), cols.topic, qids.tolist()))
+            self._register(queues, set())
             born_ms = int(time.time() * 1000)
-            results: list = [None] * cols.n
             parts = []
             for shard in np.unique(shards).tolist():  # to every shard at once
                 idx = np.flatnonzero(shards == shard).tolist()
-                batch = columns_to_batch(cols, idx, qids[idx].tolist(), born_ms)
+                q = qids[idx].tolist()
+                batch = columns_to_batch(cols, idx, q, born_ms)
                 seq = self._seq[shard] + 1
                 args = (batch, self.producer_id, self.epoch, seq)
-                parts.append((shard, idx, seq, args, self._mq.transport.begin(
+                parts.append((shard, idx, q, seq, args, self._mq.transport.begin(
                     shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)))
-            for k, (shard, idx, seq, args, call) in enumerate(parts):
+            results = []
+            for k, (shard, idx, q, seq, args, call) in enumerate(parts):
                 try:
                     try:
                         reply = call.result()
@@ -109,7 +118,7 @@ class TransactionalProducer:
                 except BaseException as err:
                     if isinstance(err, ProducerFencedError):
                         self._state = "fenced"
-                    for other_shard, _i, other_seq, _a, other in parts[k + 1:]:
+                    for other_shard, _i, _q, other_seq, _a, other in parts[k + 1:]:
                         try:  # their answers: connections back, sequences kept in step
                             other.result()
                             self._seq[other_shard] = other_seq
@@ -117,12 +126,14 @@ class TransactionalProducer:
                             pass
                     raise
                 self._seq[shard] = seq
-                status = SendStatus(reply.status)
-                for j, i in enumerate(idx):
-                    results[i] = SendResult.located(
-                        status, shard, reply.phys[j] if reply.phys else -1, int(qids[i]),
-                        reply.queue_offsets[j] if reply.queue_offsets else -1, cols.topic[i])
-            return results
+                topic_qids = list(zip(itemgetter(*idx)(cols.topic), q)) if len(idx) > 1 \
+                    else [(cols.topic[idx[0]], q[0])]
+                located = len(reply.phys) == len(idx)  # (else a retry the shard stored once,
+                results.append((PartResults(  # its offsets no longer known)
+                    SendStatus(reply.status), shard, topic_qids,
+                    reply.queue_offsets if located else [-1] * len(idx),
+                    reply.phys if located else None), idx))
+            return SendResults(results, cols.n)
 
     def send_offsets(self, offsets: dict[tuple[str, int], int], group: str) -> None:
         """Commit ``group``'s next offsets to read with this transaction (Kafka's

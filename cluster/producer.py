@@ -96,7 +96,7 @@ class _Raise:
         raise self.err
 
 
-class _Results:
+class PartResults:
     """The results of one part of a send, made into ``SendResult`` objects on demand."""
 
     __slots__ = ("status", "shard", "topic_qids", "queue_offsets", "phys")
@@ -119,7 +119,7 @@ class _Results:
 class SendResults(Sequence):
     """What ``send_batch`` returns: one ``SendResult`` per message, in send order."""
 
-    def __init__(self, parts: list[tuple[_Results, list[int]]], n: int):
+    def __init__(self, parts: list[tuple[PartResults, list[int]]], n: int):
         self._parts = parts
         self._n = n
         self._where: dict[int, tuple[int, int]] | None = None
@@ -514,10 +514,10 @@ class Producer:
             if why:  # refused alone by the shard: the other callers' messages are stored
                 p.future.set_exception(InvalidMessageError(why))
             elif i + k <= known:
-                p.future.set_result(_Results(status, shard, p.topic_qids, qoffs[i:i + k],
+                p.future.set_result(PartResults(status, shard, p.topic_qids, qoffs[i:i + k],
                                              phys[i:i + k]))
             else:  # a duplicate whose offsets the shard no longer remembers
-                p.future.set_result(_Results(status, shard, p.topic_qids, [-1] * k, None))
+                p.future.set_result(PartResults(status, shard, p.topic_qids, [-1] * k, None))
             i += k
 
     @staticmethod

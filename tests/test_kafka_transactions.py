@@ -54,6 +54,10 @@ def test_a_transaction_over_three_topics_and_both_shards_is_visible_all_at_once(
     sent = kp.send_batch([Message(t, f"{t}-{i}".encode(), key=keys[i % 2])
                           for t in topics for i in range(4)])
     assert {r.queue_id for r in sent} == {0, 1}
+    # one result per message, in send order, though the shards answered separately
+    assert [(r.topic, r.queue_id) for r in sent] == [(t, i % 2) for t in topics
+                                                     for i in range(4)]
+    assert [r.queue_offset for r in sent] == [i // 2 for _t in topics for i in range(4)]
     assert read_all(mq, f"g1{name}", topics) == []  # open: nothing committed to see
     assert len(read_all(mq, f"g2{name}", topics, "read_uncommitted")) == 12
     kp.commit()
