@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from raymq.actors.config import ClusterConfig
@@ -73,14 +72,36 @@ def shards_of(meta: TxnMetadata) -> dict[int, tuple[list, list]]:
     return out
 
 
+class _Done:
+    """A call made at once, answered like a begun one (``result``)."""
+
+    def __init__(self, fn: Callable, *args):
+        try:
+            self._value, self._error = fn(*args), None
+        except Exception as err:  # noqa: BLE001 -- raised by result(), as a future does
+            self._value, self._error = None, err
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class TransactionCoordinator:
     def __init__(self, index: int, config: dict | ClusterConfig, *,
-                 call_shard: Callable, clock: Clock | None = None, background: bool = True):
+                 call_shard: Callable | None = None, begin_shard: Callable | None = None,
+                 clock: Clock | None = None, background: bool = True):
         self.index = index
         self.config = config if isinstance(config, ClusterConfig) else \
             ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
-        self._call_shard = call_shard  # (shard, method, *args) -> result
+        # begin_shard(shard, method, args) -> a call begun (its result() waits): every
+        # shard of a commit at once; or call_shard(shard, method, *args) -> its result:
+        # one after another
+        if (call_shard is None) == (begin_shard is None):
+            raise TypeError("a coordinator calls shards with call_shard or begin_shard")
+        self._begin_shard = begin_shard or (
+            lambda shard, method, args: _Done(call_shard, shard, method, *args))
         self.directory = os.path.join(self.config.resolved_data_dir(), f"coordinator-{index}")
         self.store = MessageStore(self.directory, self.config.store_config(), self.clock,
                                   background=background)
@@ -88,7 +109,6 @@ class TransactionCoordinator:
         self._lock = threading.Lock()
         self._txn_locks = KeyedLocks()  # one transactional id's calls in turn
         self._last_counter = 0
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="raymq-markers")
         self._stop = threading.Event()
         self.completed_on_start = 0
         self._load()
@@ -233,15 +253,18 @@ class TransactionCoordinator:
         return done
 
     def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable) -> None:
-        """Call ``method`` on every shard of the transaction, in parallel; the first error
-        is raised once every call is done."""
-        calls = [(shard, self._pool.submit(self._call_shard, shard, method,
-                                           *args_of(queues, groups)))
-                 for shard, (queues, groups) in shards_of(meta).items()]
-        errors = []
-        for shard, fut in calls:
+        """Call ``method`` on every shard of the transaction (all sent before any answer
+        is awaited); the first error is raised once every call is done."""
+        calls, errors = [], []
+        for shard, (queues, groups) in shards_of(meta).items():
             try:
-                fut.result()
+                calls.append((shard, self._begin_shard(shard, method,
+                                                       args_of(queues, groups))))
+            except Exception as err:  # noqa: BLE001 -- raised below, after every call
+                errors.append((shard, err))
+        for shard, call in calls:
+            try:
+                call.result()
             except Exception as err:  # noqa: BLE001 -- raised below, after every call
                 errors.append((shard, err))
         if errors:
@@ -345,5 +368,4 @@ class TransactionCoordinator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        self._pool.shutdown(wait=True)
         self.store.close()

@@ -130,9 +130,9 @@ class CoordinatorActor(TransactionCoordinator):
         from raymq.transport import DirectTransport
         transport = DirectTransport(get_shard, io_threads=8)
 
-        def call_shard(i, method, *args):
-            return transport.call(i, method, *args, timeout_s=60)
-        super().__init__(index, config, call_shard=call_shard)
+        def begin_shard(i, method, args):
+            return transport.begin(i, method, args, timeout_s=60)
+        super().__init__(index, config, begin_shard=begin_shard)
         self._endpoint = Endpoint(self, host=rpc.node_ip(), methods=COORDINATOR_METHODS,
                                   limits=ChannelLimits.from_config(self.config))
 
