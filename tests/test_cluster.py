@@ -95,6 +95,15 @@ def pids_of(mq, shards) -> dict[int, int]:
     return {s: rpc.call(mq.shard_handle(s).ping, timeout_s=90)["pid"] for s in shards}
 
 
+def process_gone(pid: int) -> bool:
+    """Whether a local process has exited (a zombie left for its parent counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def wait_restarted(mq, before: dict[int, int], timeout_s: float = 90) -> dict[int, int]:
     """Wait until every shard of ``before`` answers from another process than it did
     (``ray.kill`` returns before the process is gone: a ping right after it may still
@@ -427,7 +436,7 @@ def test_kill_shard_during_produce_stream_loses_nothing_stores_once(mq, name, mo
 def test_kill_shard_during_consumption_delivers_everything_in_queue_order(mq, name):
     """Pulls of 20 messages a queue (a client setting of this consumer's own): each queue
     is read partly before the kill and mostly from the restarted shard, which the test
-    proves (the positions fetched when the new processes answered) before it checks
+    proves (the positions fetched when the old processes were gone) before it checks
     delivery.  Commits after the restart must go through."""
     batch = 20
     mq.create_topic(name, queues=2)
@@ -445,20 +454,23 @@ def test_kill_shard_during_consumption_delivers_everything_in_queue_order(mq, na
     fetched_at_restart: dict = {}
 
     def watch():  # the restart is proven when the new processes answer
-        after = wait_restarted(mq, before)
-        with c._lock:
-            fetched_at_restart.update({q: st.fetch for q, st in c._queues.items()
-                                       if q[0] == name})
-        fetched_at_restart["pids"] = after
+        fetched_at_restart["pids"] = wait_restarted(mq, before)
     for s in shards:
         ray.kill(mq.shard_handle(s), no_restart=False)
+    # no poll until the old processes are gone (ray.kill returns before): what was
+    # fetched by then is all that came from them; every later pull reaches a new one
+    wait_for(lambda: all(process_gone(before[s]) for s in shards), 60,
+             "the killed shards' processes gone")
+    with c._lock:
+        fetched_at_restart.update({q: st.fetch for q, st in c._queues.items()
+                                   if q[0] == name})
     watcher = threading.Thread(daemon=True, target=watch)
     watcher.start()
     transient = []
     deadline = time.monotonic() + 60
     while len({m.body for m in got}) < 1000 and time.monotonic() < deadline:
         got += c.poll(200, 0.5)
-        restarted = bool(fetched_at_restart)
+        restarted = "pids" in fetched_at_restart
         try:
             c.commit()
         except RayMQError as err:  # before the restart was proven: the shard may be down
