@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from operator import itemgetter
 
 import numpy as np
 
@@ -97,8 +96,8 @@ class TransactionalProducer:
             born_ms = int(time.time() * 1000)
             parts = []
             for shard in np.unique(shards).tolist():  # to every shard at once
-                idx = np.flatnonzero(shards == shard).tolist()
-                q = qids[idx].tolist()
+                where = np.flatnonzero(shards == shard)
+                idx, q = where.tolist(), qids[where].tolist()
                 batch = columns_to_batch(cols, idx, q, born_ms)
                 seq = self._seq[shard] + 1
                 args = (batch, self.producer_id, self.epoch, seq)
@@ -126,11 +125,9 @@ class TransactionalProducer:
                             pass
                     raise
                 self._seq[shard] = seq
-                topic_qids = list(zip(itemgetter(*idx)(cols.topic), q)) if len(idx) > 1 \
-                    else [(cols.topic[idx[0]], q[0])]
                 located = len(reply.phys) == len(idx)  # (else a retry the shard stored once,
                 results.append((PartResults(  # its offsets no longer known)
-                    SendStatus(reply.status), shard, topic_qids,
+                    SendStatus(reply.status), shard, args[0].topics, q,
                     reply.queue_offsets if located else [-1] * len(idx),
                     reply.phys if located else None), idx))
             return SendResults(results, cols.n)

@@ -55,7 +55,8 @@ END_LINGER_S = 0.001
 class _Pending:
     batch: object  # a send_batch call's slice (RecordBatch), or a single send's row (tuple)
     future: Outcome  # -> list[SendResult], one per message
-    topic_qids: list[tuple[str, int]]
+    topics: str | list[str]  # one topic for all its messages, or each one's
+    qids: list[int]
     positions: list[int]  # where each message stands in its send_batch call
     queued_at_s: float = 0.0  # the producer clock's monotonic seconds
 
@@ -99,17 +100,19 @@ class _Raise:
 class PartResults:
     """The results of one part of a send, made into ``SendResult`` objects on demand."""
 
-    __slots__ = ("status", "shard", "topic_qids", "queue_offsets", "phys")
+    __slots__ = ("status", "shard", "topics", "qids", "queue_offsets", "phys")
 
-    def __init__(self, status, shard, topic_qids, queue_offsets, phys):
-        self.status, self.shard, self.topic_qids = status, shard, topic_qids
+    def __init__(self, status, shard, topics: str | list[str], qids: list[int],
+                 queue_offsets, phys):
+        self.status, self.shard, self.topics, self.qids = status, shard, topics, qids
         self.queue_offsets, self.phys = queue_offsets, phys
 
     def __len__(self) -> int:
-        return len(self.topic_qids)
+        return len(self.qids)
 
     def __getitem__(self, i: int) -> SendResult:
-        topic, qid = self.topic_qids[i]
+        topic = self.topics if isinstance(self.topics, str) else self.topics[i]
+        qid = self.qids[i]
         if self.phys is None:
             return SendResult(self.status, "", qid, -1, topic)
         return SendResult.located(self.status, self.shard, self.phys[i], qid,
@@ -122,12 +125,9 @@ class SendResults(Sequence):
     def __init__(self, parts: list[tuple[PartResults, list[int]]], n: int):
         self._parts = parts
         self._n = n
-        self._where: dict[int, tuple[int, int]] | None = None
-        if len(parts) == 1 and parts[0][1] == list(range(n)):
-            self._where = None  # identity
-        else:
-            self._where = {pos: (p, i) for p, (_, positions) in enumerate(parts)
-                           for i, pos in enumerate(positions)}
+        #: position -> (part, index in it), made when first needed (a caller that never
+        #: looks at its results does not pay a pass per message); None: the identity
+        self._where: dict[int, tuple[int, int]] | None | bool = False
 
     def __len__(self) -> int:
         return self._n
@@ -139,6 +139,11 @@ class SendResults(Sequence):
             i += self._n
         if not 0 <= i < self._n:
             raise IndexError(i)
+        if self._where is False:
+            parts = self._parts
+            self._where = None if len(parts) == 1 and parts[0][1] == list(range(self._n)) \
+                else {pos: (p, i) for p, (_, positions) in enumerate(parts)
+                      for i, pos in enumerate(positions)}
         if self._where is None:
             return self._parts[0][0][i]
         p, j = self._where[i]
@@ -282,8 +287,7 @@ class Producer:
                 q = qids[idx_all[lo:lo + limit]].tolist()
                 batch = columns_to_batch(cols, idx, q, born_ms)
                 fut = Outcome()
-                topics = batch.topics if isinstance(batch.topics, list) else [batch.topics] * len(idx)
-                pendings.append((key, _Pending(batch, fut, list(zip(topics, q)), idx,
+                pendings.append((key, _Pending(batch, fut, batch.topics, q, idx,
                                                self._monotonic_s())))
                 parts.append((fut, idx))
         with self._lock:
@@ -315,7 +319,7 @@ class Producer:
         with self._lock:
             if self._closed:  # close() may have begun since the caller's check
                 raise RayMQError("producer is closed")
-            self._pending[key].append(_Pending(row, fut, [(m.topic, qid)], [0],
+            self._pending[key].append(_Pending(row, fut, m.topic, [qid], [0],
                                                self._monotonic_s()))
             self._kick(key)
         return fut, [0]
@@ -509,15 +513,15 @@ class Producer:
         i = 0
         known = len(phys)
         for p in items:
-            k = len(p.topic_qids)
+            k = len(p.qids)
             why = refused and next((refused[j] for j in range(i, i + k) if j in refused), None)
             if why:  # refused alone by the shard: the other callers' messages are stored
                 p.future.set_exception(InvalidMessageError(why))
             elif i + k <= known:
-                p.future.set_result(PartResults(status, shard, p.topic_qids, qoffs[i:i + k],
+                p.future.set_result(PartResults(status, shard, p.topics, p.qids, qoffs[i:i + k],
                                              phys[i:i + k]))
             else:  # a duplicate whose offsets the shard no longer remembers
-                p.future.set_result(PartResults(status, shard, p.topic_qids, [-1] * k, None))
+                p.future.set_result(PartResults(status, shard, p.topics, p.qids, [-1] * k, None))
             i += k
 
     @staticmethod
