@@ -201,15 +201,17 @@ class TransactionCoordinator:
             self._check_shard(shard)
         with self._txn_locks.of(transactional_id):
             meta = self._current(transactional_id, producer_id, epoch)
-            if meta.state is TxnState.ONGOING and queues <= meta.queues and \
-                    entries <= meta.groups:
-                return meta.epoch
-            new = transition(meta, TxnState.ONGOING, self.clock.now_ms(),
-                             queues=queues - meta.queues, groups=entries - meta.groups)
-            self._append(new)
+            new = meta
+            if not (meta.state is TxnState.ONGOING and queues <= meta.queues
+                    and entries <= meta.groups):
+                new = transition(meta, TxnState.ONGOING, self.clock.now_ms(),
+                                 queues=queues - meta.queues, groups=entries - meta.groups)
+                self._append(new)
+            # every one asked for, even one logged before: asked again, its answer did not
+            # reach the producer (a shard that failed to take it, a lost reply); the shards
+            # take a registration they have as a no-op
             added = TxnMetadata(transactional_id, producer_id, epoch, new.timeout_ms,
-                                TxnState.ONGOING, frozenset(queues - meta.queues),
-                                frozenset(entries - meta.groups))
+                                TxnState.ONGOING, frozenset(queues), frozenset(entries))
             self._on_shards(added, "ktx_register", lambda queues_, groups_: (
                 producer_id, epoch, queues_, groups_))
             return new.epoch

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -210,6 +211,9 @@ class KafkaTxnQueues:
         self._wake = wake
         self.state = KafkaTxns()
         self.lock = threading.RLock()  # the state (short holds); producers' own locks below
+        # notified when a registration or an end changes the state (writes waiting for
+        # their registration look again)
+        self._changed = threading.Condition(self.lock)
         # one producer's writes, registrations and markers in turn (a write checked
         # before a marker is stored before it); other producers' go on meanwhile
         self._locks = KeyedLocks()
@@ -268,6 +272,7 @@ class KafkaTxnQueues:
             self._append(rec, wait=False)
             with self.lock:
                 self.state.apply(rec)
+                self._changed.notify_all()
 
     def end(self, producer_id: int, epoch: int, outcome: str) -> dict:
         """Write the markers of a producer's transaction open here with ``epoch`` or an
@@ -303,6 +308,7 @@ class KafkaTxnQueues:
             offsets = txn.offsets
             with self.lock:
                 self.state.apply(rec)
+                self._changed.notify_all()
             if outcome == "COMMIT" and any(offsets.values()):
                 self._apply_offsets(offsets, index_offset)
         self._wake()
@@ -316,11 +322,15 @@ class KafkaTxnQueues:
 
     # ---------------------------------------------------------- producer calls
     def send(self, batch: RecordBatch, queues: set[Queue], producer_id: int, epoch: int,
-             sequence: int, put: Callable) -> object:
+             sequence: int, put: Callable, wait_s: float = 0.0) -> object:
         """A transactional write to ``queues`` (the batch's): checked (epoch, registration,
         sequence), stamped, stored idempotently per (producer, epoch);
-        ``put(batch, store_pid, sequence)`` stores."""
+        ``put(batch, store_pid, sequence)`` stores.  With ``wait_s``, a queue not
+        registered yet is waited for that long (the producer asked its coordinator to add
+        it at the same time as it sent this); a fenced epoch is refused at once."""
         check_producer(producer_id, epoch)
+        if wait_s > 0:
+            self._await_registration(producer_id, epoch, queues, wait_s)
         store_pid = ktx_store_pid(producer_id, epoch)
         with self._locks.of(producer_id):
             with self.lock:
@@ -333,6 +343,20 @@ class KafkaTxnQueues:
             batch.flags = int(SysFlag.TRANSACTIONAL)
             batch.prepared_offsets = producer_id
             return put(batch, store_pid, sequence)
+
+    def _await_registration(self, producer_id: int, epoch: int, queues: set[Queue],
+                            wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s  # (a real wait, whatever clock the shard keeps)
+        with self._changed:
+            while True:
+                try:
+                    self.state.check_send(producer_id, epoch, queues)
+                    return
+                except InvalidTxnStateError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return  # refused by the check the write makes next
+                    self._changed.wait(left)
 
     def add_offsets(self, producer_id: int, epoch: int, group: str,
                     offsets: dict[Queue, int]) -> None:

@@ -9,7 +9,8 @@ a consumer group's offsets, committed or aborted as one.
 The first write to a queue (and the first offsets of a group on a shard) asks the
 transactional id's coordinator to add it to the transaction; the coordinator registers
 it on the shard before answering, and the shard refuses a write to a queue not
-registered for this producer's current epoch (KIP-890).  Writes to a shard carry a
+registered for this producer's current epoch (KIP-890).  A write travels with the add
+of its queue: the shard holds it until the registration lands (``wait_ms``).  Writes to a shard carry a
 sequence per (producer, epoch, shard): a retry is stored once, a gap is refused.
 A ``send_batch`` writes to all its shards at once (one request each).
 ``commit`` asks the coordinator to commit (PREPARE_COMMIT logged, markers written in
@@ -92,7 +93,14 @@ class TransactionalProducer:
                 queues = {(routes[topic][q], topic, q) for q in np.unique(qids).tolist()}
             else:
                 queues = set(zip(shards.tolist(), cols.topic, qids.tolist()))
-            self._register(queues, set())
+            # the coordinator adds the new queues while the writes travel: a shard holds a
+            # write to a queue not registered yet until the coordinator registers it there
+            new = queues - self._queues
+            asked = self._begin_ask("add_to_transaction", self.transactional_id,
+                                    self.producer_id, self.epoch, sorted(new), []) \
+                if new else None
+            waiting = {s for s, _t, _q in new}
+            wait_ms = self.config.send_timeout_ms // 2
             born_ms = int(time.time() * 1000)
             parts = []
             for shard in np.unique(shards).tolist():  # to every shard at once
@@ -100,16 +108,21 @@ class TransactionalProducer:
                 idx, q = where.tolist(), qids[where].tolist()
                 batch = columns_to_batch(cols, idx, q, born_ms)
                 seq = self._seq[shard] + 1
-                args = (batch, self.producer_id, self.epoch, seq)
-                parts.append((shard, idx, q, seq, args, self._mq.transport.begin(
-                    shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)))
+                args = (batch, self.producer_id, self.epoch, seq,
+                        wait_ms if shard in waiting else 0)
+                parts.append([shard, idx, q, seq, args, self._mq.transport.begin(
+                    shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)])
+            if asked is not None:
+                self._registered(asked, new, parts)
             results = []
             for k, (shard, idx, q, seq, args, call) in enumerate(parts):
                 try:
                     try:
                         reply = call.result()
                     except RayMQError as err:
-                        if not err.retriable:
+                        # (refused unregistered: its registration came later than it waited)
+                        if not err.retriable and not (shard in waiting and isinstance(
+                                err, InvalidTxnStateError)):
                             raise
                         reply = self._retrying(lambda: self._mq.transport.call(
                             shard, "ktx_send", *args,
@@ -210,6 +223,29 @@ class TransactionalProducer:
         self._rr[topic] += count
         return first
 
+    def _registered(self, asked, new: set, parts: list) -> None:
+        """Wait for the coordinator to add ``new`` queues (``asked``); if it failed, the
+        writes begun meanwhile (``parts``) are given up and begun again once the queues
+        are added, retried (a write the shard stored anyway is stored once: its
+        sequence)."""
+        try:
+            asked.result()
+        except BaseException as err:
+            for part in parts:
+                part[-1].abandon()
+            if isinstance(err, ProducerFencedError):
+                self._state = "fenced"
+            if not isinstance(err, RayMQError) or not err.retriable:
+                raise
+            log.warning("%s: adding queues to the transaction: %s; retrying",
+                        self.transactional_id, err)
+            self._register(new, set())
+            for part in parts:
+                shard, args = part[0], part[4]
+                part[-1] = self._mq.transport.begin(
+                    shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)
+        self._queues |= new
+
     def _register(self, queues: set, groups: set) -> None:
         new_q, new_g = queues - self._queues, groups - self._groups
         if new_q or new_g:
@@ -223,6 +259,11 @@ class TransactionalProducer:
         return self._retrying(lambda: self._mq.transport.call(
             shard, method, self.producer_id, self.epoch, *args,
             timeout_s=self.config.send_timeout_ms / 1000))
+
+    def _begin_ask(self, method: str, *args):
+        """A call to the coordinator begun (its ``result()`` waits for the answer)."""
+        return self._mq.coordinator_transport.begin(self._coordinator_index, method, args,
+                                                    timeout_s=60)
 
     def _ask(self, method: str, *args):
         """A call to the transactional id's coordinator (over its data channel)."""

@@ -167,6 +167,9 @@ class _RayCall:
     def result(self) -> Any:
         return self.pending.result(self.timeout_s)
 
+    def abandon(self) -> None:
+        """Its answer is not wanted (the call runs on; what it returns is dropped)."""
+
 
 class DirectTransport:
     """Calls over the shards' data channels (``raymq.actors.channel``); a pool of
@@ -342,6 +345,11 @@ class _Call:
 
     def result(self) -> Any:
         return self.transport._receive(self)
+
+    def abandon(self) -> None:
+        """Its answer is not wanted: the connection is closed, never to be read again."""
+        if self.conn is not None:
+            self.conn.close()
 
 
 _PLAIN_WHY = "each shard's data channel, plain TCP: Ray's TLS is off (RAY_USE_TLS not 1)"

@@ -101,6 +101,21 @@ def test_a_second_instance_fences_the_first_and_aborts_its_transaction(cluster):
     assert cluster.read(0) == [b"new"]
 
 
+def test_an_add_asked_again_after_its_shard_failed_registers_it_there(cluster):
+    """A queue logged in the transaction whose shard did not take the registration: the
+    producer's retry (its answer was an error) registers it, so its write is taken."""
+    pid, epoch = cluster.coordinator.init_producer("job")
+    cluster.down = {1}
+    with pytest.raises(BrokerUnavailableError):
+        cluster.coordinator.add_to_transaction("job", pid, epoch, [(1, "t", 0)])
+    assert cluster.coordinator.describe_transaction("job")["queues"] == [[1, "t", 0]]
+    cluster.down = set()
+    cluster.coordinator.add_to_transaction("job", pid, epoch, [(1, "t", 0)])
+    cluster.shards[1].ktx_send(RecordBatch("t", 0, [b"b"]), pid, epoch, 1)
+    cluster.coordinator.end_transaction("job", pid, epoch, "COMMIT")
+    assert cluster.read(1) == [b"b"]
+
+
 def test_a_coordinator_restarted_in_prepare_commit_commits_everywhere(cluster):
     pid, epoch = cluster.coordinator.init_producer("job")
     write(cluster, "job", pid, epoch, 1, 0, b"a")

@@ -173,6 +173,28 @@ def test_a_coordinator_killed_after_prepare_commit_commits_everywhere(mq, name):
     kp.close()
 
 
+def test_a_coordinator_dying_while_it_adds_a_queue_leaves_the_write_to_a_retry(mq, name):
+    """The producer sends a write with the coordinator's add of its queue: the coordinator
+    dies after logging the add, before registering it on the shard or answering.  The
+    write held at the shard is given up, the add asked again of the restarted
+    coordinator (which registers the queue), the write sent again: stored once."""
+    mq.create_topic(name, queues=1)
+    tid = f"p{name}"
+    kp = mq.transactional_producer(tid)
+    handle = coordinator_of(mq, tid)
+    before = rpc.call(handle.ping, timeout_s=30)["pid"]
+    kp.begin()
+    # the next fsync of its log is the add's (ONGOING with the queue): dies right after it
+    rpc.call(handle.set_fault, "crash_at:log.fsync.after", timeout_s=30)
+    assert kp.send(Message(name, b"a")).queue_offset == 0
+    kp.send(Message(name, b"b"))
+    kp.commit()
+    assert rpc.call(handle.ping, timeout_s=30)["pid"] != before  # it did die there
+    assert bodies(read_all(mq, f"g{name}", [name])) == [b"a", b"b"]
+    assert bodies(read_all(mq, f"u{name}", [name], "read_uncommitted")) == [b"a", b"b"]
+    kp.close()
+
+
 @pytest.mark.slow
 def test_a_coordinator_killed_before_prepare_leaves_the_transaction_to_its_producer(
         mq, name):

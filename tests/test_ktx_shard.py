@@ -6,6 +6,7 @@ In-process shard, no Ray: these are the calls the coordinator and the producer m
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -38,8 +39,8 @@ def read(sh, topic="t", qid=0, isolation="read_committed", offset=0, wait_ms=0):
     return [m.body for m in batch.messages()], nxt, end
 
 
-def tx_write(sh, pid, epoch, seq, bodies, topic="t", qid=0):
-    return sh.ktx_send(RecordBatch(topic, qid, list(bodies)), pid, epoch, seq)
+def tx_write(sh, pid, epoch, seq, bodies, topic="t", qid=0, wait_ms=0):
+    return sh.ktx_send(RecordBatch(topic, qid, list(bodies)), pid, epoch, seq, wait_ms)
 
 
 def test_committed_data_appears_at_the_marker_and_markers_never_reach_a_reader(shard):
@@ -74,6 +75,40 @@ def test_an_aborted_transaction_is_invisible_committed_and_visible_uncommitted(s
     tx_write(shard, 7, 1, 1, [b"kept"])
     shard.ktx_end(7, 1, "COMMIT")
     assert read(shard)[0] == [b"other", b"kept"]
+
+
+def test_a_write_sent_with_its_registration_waits_for_it_and_no_longer(shard):
+    """The producer asks its coordinator to add a queue and sends the write at the same
+    time (``wait_ms``): the shard holds the write until the registration lands, refuses
+    it when none comes in time, and refuses a fenced epoch at once."""
+    later = threading.Timer(0.3, shard.ktx_register, (7, 0, [("t", 0)]))
+    later.start()
+    t0 = time.monotonic()
+    assert tx_write(shard, 7, 0, 1, [b"held"], wait_ms=5000).queue_offsets == [0]
+    assert 0.25 < time.monotonic() - t0 < 3  # stored once the registration came
+    later.join()
+    t0 = time.monotonic()
+    with pytest.raises(InvalidTxnStateError, match="t/1"):  # never registered: refused
+        tx_write(shard, 7, 0, 2, [b"x"], qid=1, wait_ms=300)
+    assert 0.25 < time.monotonic() - t0 < 3
+    shard.ktx_end(7, 1, "COMMIT")  # its markers carry the next epoch: epoch 0 is fenced
+    t0 = time.monotonic()
+    with pytest.raises(ProducerFencedError):
+        tx_write(shard, 7, 0, 2, [b"late"], wait_ms=5000)
+    assert time.monotonic() - t0 < 1
+    # a fence landing while a write waits ends its wait at once
+    shard.ktx_register(7, 1, [("t", 0)])
+    fence = threading.Timer(0.2, shard.ktx_end, (7, 2, "ABORT"))
+    fence.start()
+    t0 = time.monotonic()
+    with pytest.raises((ProducerFencedError, InvalidTxnStateError)):
+        tx_write(shard, 7, 1, 1, [b"x"], qid=1, wait_ms=5000)
+    assert time.monotonic() - t0 < 3
+    fence.join()
+    assert read(shard)[0] == [b"held"]
+    for bad in (-1, True, 1.5, 10**9):
+        with pytest.raises(InvalidMessageError, match="wait_ms"):
+            tx_write(shard, 7, 3, 1, [b"x"], wait_ms=bad)
 
 
 def test_writes_outside_the_registered_transaction_are_refused(shard):
