@@ -322,15 +322,19 @@ class KafkaTxnQueues:
 
     # ---------------------------------------------------------- producer calls
     def send(self, batch: RecordBatch, queues: set[Queue], producer_id: int, epoch: int,
-             sequence: int, put: Callable, wait_s: float = 0.0) -> object:
+             sequence: int, put: Callable, wait_ms: int = 0, max_wait_ms: int = 0) -> object:
         """A transactional write to ``queues`` (the batch's): checked (epoch, registration,
         sequence), stamped, stored idempotently per (producer, epoch);
-        ``put(batch, store_pid, sequence)`` stores.  With ``wait_s``, a queue not
-        registered yet is waited for that long (the producer asked its coordinator to add
-        it at the same time as it sent this); a fenced epoch is refused at once."""
+        ``put(batch, store_pid, sequence)`` stores.  With ``wait_ms`` (at most
+        ``max_wait_ms``), a queue not registered yet is waited for that long (the producer
+        asked its coordinator to add it as it sent this); a fenced epoch is refused at once."""
         check_producer(producer_id, epoch)
-        if wait_s > 0:
-            self._await_registration(producer_id, epoch, queues, wait_s)
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) \
+                or not 0 <= wait_ms <= max_wait_ms:
+            raise InvalidMessageError(f"wait_ms must be an int of 0-{max_wait_ms} ms, "
+                                      f"got {wait_ms!r}")
+        if wait_ms:
+            self._await_registration(producer_id, epoch, queues, wait_ms / 1000)
         store_pid = ktx_store_pid(producer_id, epoch)
         with self._locks.of(producer_id):
             with self.lock:

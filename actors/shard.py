@@ -416,14 +416,8 @@ class BrokerShard:
 
     def ktx_send(self, batch: RecordBatch, producer_id: int, epoch: int,
                  sequence: int, wait_ms: int = 0) -> SendReply:
-        """A Kafka-style transactional write (``KafkaTxnQueues.send``): all or nothing.
-        ``wait_ms`` (at most ``send_timeout_ms``): how long a queue not registered in the
-        producer's transaction yet may be waited for (its registration under way)."""
+        """A Kafka-style transactional write (``KafkaTxnQueues.send``): all or nothing."""
         check_send(batch, producer_id, sequence, None)
-        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) \
-                or not 0 <= wait_ms <= self.config.send_timeout_ms:
-            raise InvalidMessageError(f"wait_ms must be an int of 0-"
-                                      f"{self.config.send_timeout_ms} ms, got {wait_ms!r}")
         if batch is None or not len(batch):
             raise InvalidMessageError("a transactional write needs messages")
         refused = refusals(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
@@ -437,7 +431,7 @@ class BrokerShard:
         t0 = self.clock.monotonic_ms()
         res = self.ktx.send(batch, queues, producer_id, epoch, sequence,
                             lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq),
-                            wait_ms / 1000)
+                            wait_ms, self.config.send_timeout_ms)
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         return self._sent(batch, res, res.status)
 

@@ -10,8 +10,9 @@ The first write to a queue (and the first offsets of a group on a shard) asks th
 transactional id's coordinator to add it to the transaction; the coordinator registers
 it on the shard before answering, and the shard refuses a write to a queue not
 registered for this producer's current epoch (KIP-890).  A write travels with the add
-of its queue: the shard holds it until the registration lands (``wait_ms``).  Writes to a shard carry a
-sequence per (producer, epoch, shard): a retry is stored once, a gap is refused.
+of its queue: the shard holds it until the registration lands (``wait_ms``).  Writes
+to a shard carry a sequence per (producer, epoch, shard): a retry is stored once, a gap
+is refused.
 A ``send_batch`` writes to all its shards at once (one request each).
 ``commit`` asks the coordinator to commit (PREPARE_COMMIT logged, markers written in
 every queue, COMPLETE_COMMIT logged); the producer's epoch moves on with every commit
