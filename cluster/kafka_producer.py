@@ -114,7 +114,7 @@ class TransactionalProducer:
                 parts.append([shard, idx, q, seq, args, self._mq.transport.begin(
                     shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)])
             if asked is not None:
-                self._registered(asked, new, parts)
+                self._registered(asked, new, parts, waiting)
             results = []
             for k, (shard, idx, q, seq, args, call) in enumerate(parts):
                 try:
@@ -224,24 +224,33 @@ class TransactionalProducer:
         self._rr[topic] += count
         return first
 
-    def _registered(self, asked, new: set, parts: list) -> None:
-        """Wait for the coordinator to add ``new`` queues (``asked``); if it failed, the
-        writes begun meanwhile (``parts``) are given up and begun again once the queues
-        are added, retried (a write the shard stored anyway is stored once: its
-        sequence)."""
+    def _registered(self, asked, new: set, parts: list, waiting: set) -> None:
+        """Wait for the coordinator to add ``new`` queues (``asked``).  If it failed, the
+        writes held for them (``parts`` to ``waiting`` shards) are given up, and begun
+        again once a retried add answers (a write the shard stored anyway is stored
+        once: its sequence); on an error not retried, the other writes are waited for,
+        so that the shards' sequences and this producer's stay in step."""
         try:
             asked.result()
         except BaseException as err:
-            for part in parts:
+            held = [part for part in parts if part[0] in waiting]
+            for part in held:
                 part[-1].abandon()
             if isinstance(err, ProducerFencedError):
                 self._state = "fenced"
             if not isinstance(err, RayMQError) or not err.retriable:
+                for shard, _i, _q, seq, _a, call in parts:
+                    if shard not in waiting:
+                        try:
+                            call.result()
+                            self._seq[shard] = seq
+                        except RayMQError:
+                            pass
                 raise
             log.warning("%s: adding queues to the transaction: %s; retrying",
                         self.transactional_id, err)
             self._register(new, set())
-            for part in parts:
+            for part in held:
                 shard, args = part[0], part[4]
                 part[-1] = self._mq.transport.begin(
                     shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)
