@@ -174,3 +174,43 @@ def test_bench_txmsg_prints_its_figures(tmp_path):
     # settled by a check-back: not before the transaction timeout, every one of them
     assert check["value"] >= check["params"]["txn_timeout_ms"] and check["params"]["n"] == 20
     assert got["txmsg.p8"]["params"]["requests"] > 0
+
+
+def _bench_figures(suite: str, tmp_path, scale: str) -> dict:
+    """``raymq bench SUITE`` in a subprocess (its own local Ray: the bench deploys a RayMQ
+    of its own); its figures by metric name."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "bench", suite, "--scale",
+                           scale, "--workdir", str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {d["metric"]: d for d in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.slow
+def test_bench_kafkatx_prints_the_issues_metric_names(tmp_path):
+    got = _bench_figures("kafkatx", tmp_path, "0.02")
+    for per_txn in (10, 100, 1000):
+        tx, plain = got[f"kafkatx.b{per_txn}"], got[f"kafkatx.plain_b{per_txn}"]
+        assert tx["unit"] == plain["unit"] == "msgs/s" and tx["value"] > 0
+        assert got[f"kafkatx.b{per_txn}_ratio"]["value"] == pytest.approx(
+            tx["value"] / plain["value"], abs=0.001)
+    assert got["kafkatx.interval100ms_ratio"]["value"] > 0
+    assert got["kafkatx.read_committed_ratio"]["value"] > 0
+    p50, p99 = got["kafkatx.commit_p50_ms"], got["kafkatx.commit_p99_ms"]
+    assert 0 < p50["value"] <= p99["value"] and p99["params"]["shards"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_bench_spark_prints_the_issues_metric_names(tmp_path):
+    got = _bench_figures("spark", tmp_path, "0.001")
+    committed, raw = got["spark.committed_rows_per_s"], got["spark.raw_rows_per_s"]
+    assert committed["unit"] == raw["unit"] == "rows/s" and committed["params"]["n"] == 10_000
+    assert got["spark.handoff_ratio"]["value"] == pytest.approx(
+        committed["value"] / raw["value"], abs=0.001)
+    assert got["spark.order_income_rows_per_s"]["value"] > 0

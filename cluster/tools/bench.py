@@ -682,10 +682,11 @@ def bench_kafkatx(b: Bench) -> None:
 # ---------------------------------------------------------------------- spark
 @suite("spark")
 def bench_spark(b: Bench) -> None:
-    """Committed messages -> Spark: ``spark.committed`` rows/s of read_committed +
-    ``to_spark`` + ``count()`` for 1M 256-byte messages, over ``spark.raw``, the same rows
-    already in memory as the same Ray blocks -> Spark ``count()`` (``spark.handoff_ratio``,
-    target >= 0.5); and the order-income job end to end (``spark.order_income`` rows/s)."""
+    """Committed messages -> Spark: ``spark.committed_rows_per_s`` of read_committed +
+    ``to_spark`` + ``count()`` for 1M 256-byte messages, over ``spark.raw_rows_per_s``,
+    the same rows already in memory as the same Ray blocks -> Spark ``count()``
+    (``spark.handoff_ratio``, target >= 0.5); and the order-income job end to end
+    (``spark.order_income_rows_per_s``)."""
     import json
 
     import ray
@@ -722,11 +723,12 @@ def bench_spark(b: Bench) -> None:
                 t0 = time.perf_counter()
                 raw.to_spark(spark).count()
                 dt_raw += time.perf_counter() - t0
-            b.emit("spark.committed", 2 * n / dt_committed, "rows/s", n=n, size=256,
+            b.emit("spark.committed_rows_per_s", 2 * n / dt_committed, "rows/s", n=n, size=256,
                    blocks=len(batch._refs), rounds=2)
-            b.emit("spark.raw", 2 * n / dt_raw, "rows/s", n=n, blocks=len(batch._refs),
+            b.emit("spark.raw_rows_per_s", 2 * n / dt_raw, "rows/s", n=n, blocks=len(batch._refs),
                    rounds=2)
-            b.ratio("spark.handoff_ratio", "spark.committed", "spark.raw", target=0.5)
+            b.ratio("spark.handoff_ratio", "spark.committed_rows_per_s", "spark.raw_rows_per_s",
+                    target=0.5)
             k = b.n(200_000, 2_000)
             b.progress(f"spark: the order-income job over {k} orders")
             mq.create_topic("orders", queues=4)
@@ -737,7 +739,7 @@ def bench_spark(b: Bench) -> None:
             t0 = time.perf_counter()
             stats = run_once(mq, spark)
             dt = time.perf_counter() - t0
-            b.emit("spark.order_income", stats["orders_read"] / dt, "rows/s",
+            b.emit("spark.order_income_rows_per_s", stats["orders_read"] / dt, "rows/s",
                    n=stats["orders_read"], messages=stats["messages"])
         p.close()
     finally:
