@@ -117,6 +117,37 @@ def test_ray_and_direct_transports_give_the_same_results(mq, name):
 
 
 @uses_ray
+def test_a_kafka_style_transaction_through_the_ray_transport(mq, name):
+    """Producer to coordinator and shards as Ray calls: a write held at its shard until
+    the coordinator's registration lands is stored; commit and abort as over the
+    channels."""
+    from raymq import Message
+    from raymq.client import RayMQ
+    from tests.test_cluster import read_to_end
+    via_ray = RayMQ(mq.controller, [mq.shard_handle(i) for i in range(mq.num_shards)],
+                    transport="ray")
+    try:
+        topics = [f"{name}-{i}" for i in range(3)]
+        for t in topics:
+            mq.create_topic(t, queues=2)
+        kp = via_ray.transactional_producer(f"p{name}")
+        with kp.transaction():
+            sent = kp.send_batch([Message(t, f"{t}-{i}".encode(), key=str(i))
+                                  for t in topics for i in range(4)])
+        assert [r.topic for r in sent] == [t for t in topics for _i in range(4)]
+        kp.begin()
+        kp.send_batch([Message(t, b"aborted") for t in topics])
+        kp.abort()
+        c = mq.consumer(f"g{name}", topics, isolation="read_committed")
+        got = sorted(m.body for m in read_to_end(c, mq, topics))
+        c.close()
+        assert got == sorted(f"{t}-{i}".encode() for t in topics for i in range(4))
+        kp.close()
+    finally:
+        via_ray.close()
+
+
+@uses_ray
 @pytest.mark.slow
 def test_pooled_connection_to_a_restarted_shard_is_replaced_transparently(mq, name):
     import ray
