@@ -287,6 +287,7 @@ class KafkaTxnQueues:
                 if txn is None or epoch < txn.epoch:
                     self.state.epochs[producer_id] = max(epoch, self.state.epochs.get(
                         producer_id, -1))
+                    self._changed.notify_all()  # (a fence: a waiting write is refused)
                     return {"markers": 0}
             queues = sorted(txn.queues)
             # one put: a marker in each queue, then the end record (all or nothing).  The

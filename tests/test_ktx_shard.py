@@ -105,6 +105,14 @@ def test_a_write_sent_with_its_registration_waits_for_it_and_no_longer(shard):
         tx_write(shard, 7, 1, 1, [b"x"], qid=1, wait_ms=5000)
     assert time.monotonic() - t0 < 3
     fence.join()
+    # and a fence for a producer with nothing open here (its end reaches every shard)
+    fence = threading.Timer(0.2, shard.ktx_end, (9, 1, "ABORT"))
+    fence.start()
+    t0 = time.monotonic()
+    with pytest.raises(ProducerFencedError):
+        tx_write(shard, 9, 0, 1, [b"x"], wait_ms=5000)
+    assert time.monotonic() - t0 < 3
+    fence.join()
     assert read(shard)[0] == [b"held"]
     for bad in (-1, True, 1.5, 10**9):
         with pytest.raises(InvalidMessageError, match="wait_ms"):
