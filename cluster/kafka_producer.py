@@ -111,8 +111,7 @@ class TransactionalProducer:
                 seq = self._seq[shard] + 1
                 args = (batch, self.producer_id, self.epoch, seq,
                         wait_ms if shard in waiting else 0)
-                parts.append([shard, idx, q, seq, args, self._mq.transport.begin(
-                    shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)])
+                parts.append([shard, idx, q, seq, args, self._begin_send(shard, args)])
             if asked is not None:
                 self._registered(asked, new, parts, waiting)
             results = []
@@ -125,18 +124,12 @@ class TransactionalProducer:
                         if not err.retriable and not (shard in waiting and isinstance(
                                 err, InvalidTxnStateError)):
                             raise
-                        reply = self._retrying(lambda: self._mq.transport.call(
-                            shard, "ktx_send", *args,
-                            timeout_s=self.config.send_timeout_ms / 1000))
+                        reply = self._retrying(
+                            lambda: self._begin_send(shard, args).result())
                 except BaseException as err:
                     if isinstance(err, ProducerFencedError):
                         self._state = "fenced"
-                    for other_shard, _i, _q, other_seq, _a, other in parts[k + 1:]:
-                        try:  # their answers: connections back, sequences kept in step
-                            other.result()
-                            self._seq[other_shard] = other_seq
-                        except RayMQError:
-                            pass
+                    self._settle(parts[k + 1:])
                     raise
                 self._seq[shard] = seq
                 located = len(reply.phys) == len(idx)  # (else a retry the shard stored once,
@@ -239,22 +232,30 @@ class TransactionalProducer:
             if isinstance(err, ProducerFencedError):
                 self._state = "fenced"
             if not isinstance(err, RayMQError) or not err.retriable:
-                for shard, _i, _q, seq, _a, call in parts:
-                    if shard not in waiting:
-                        try:
-                            call.result()
-                            self._seq[shard] = seq
-                        except RayMQError:
-                            pass
+                self._settle([part for part in parts if part[0] not in waiting])
                 raise
             log.warning("%s: adding queues to the transaction: %s; retrying",
                         self.transactional_id, err)
             self._register(new, set())
             for part in held:
-                shard, args = part[0], part[4]
-                part[-1] = self._mq.transport.begin(
-                    shard, "ktx_send", args, timeout_s=self.config.send_timeout_ms / 1000)
+                part[-1] = self._begin_send(part[0], part[4])
         self._queues |= new
+
+    def _begin_send(self, shard: int, args: tuple):
+        """A transactional write to a shard begun (its ``result()`` waits for the reply)."""
+        return self._mq.transport.begin(shard, "ktx_send", args,
+                                        timeout_s=self.config.send_timeout_ms / 1000)
+
+    def _settle(self, parts: list) -> None:
+        """Wait for the answers of writes begun (after another one failed): connections
+        back, and the sequence of each shard that stored its write moves on, in step with
+        the shard's."""
+        for shard, _i, _q, seq, _a, call in parts:
+            try:
+                call.result()
+                self._seq[shard] = seq
+            except RayMQError:
+                pass
 
     def _register(self, queues: set, groups: set) -> None:
         new_q, new_g = queues - self._queues, groups - self._groups

@@ -28,6 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -125,9 +126,16 @@ class SendResults(Sequence):
     def __init__(self, parts: list[tuple[PartResults, list[int]]], n: int):
         self._parts = parts
         self._n = n
-        #: position -> (part, index in it), made when first needed (a caller that never
-        #: looks at its results does not pay a pass per message); None: the identity
-        self._where: dict[int, tuple[int, int]] | None | bool = False
+
+    @cached_property
+    def _where(self) -> dict[int, tuple[int, int]] | None:
+        """Position -> (part, index in it), made when first needed (a caller that never
+        looks at its results does not pay a pass per message); None: the identity."""
+        parts = self._parts
+        if len(parts) == 1 and parts[0][1] == list(range(self._n)):
+            return None
+        return {pos: (p, i) for p, (_, positions) in enumerate(parts)
+                for i, pos in enumerate(positions)}
 
     def __len__(self) -> int:
         return self._n
@@ -139,11 +147,6 @@ class SendResults(Sequence):
             i += self._n
         if not 0 <= i < self._n:
             raise IndexError(i)
-        if self._where is False:
-            parts = self._parts
-            self._where = None if len(parts) == 1 and parts[0][1] == list(range(self._n)) \
-                else {pos: (p, i) for p, (_, positions) in enumerate(parts)
-                      for i, pos in enumerate(positions)}
         if self._where is None:
             return self._parts[0][0][i]
         p, j = self._where[i]
@@ -518,10 +521,11 @@ class Producer:
             if why:  # refused alone by the shard: the other callers' messages are stored
                 p.future.set_exception(InvalidMessageError(why))
             elif i + k <= known:
-                p.future.set_result(PartResults(status, shard, p.topics, p.qids, qoffs[i:i + k],
-                                             phys[i:i + k]))
+                p.future.set_result(PartResults(status, shard, p.topics, p.qids,
+                                                qoffs[i:i + k], phys[i:i + k]))
             else:  # a duplicate whose offsets the shard no longer remembers
-                p.future.set_result(PartResults(status, shard, p.topics, p.qids, [-1] * k, None))
+                p.future.set_result(PartResults(status, shard, p.topics, p.qids, [-1] * k,
+                                                None))
             i += k
 
     @staticmethod
