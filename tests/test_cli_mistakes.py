@@ -76,6 +76,25 @@ def test_help_shows_defaults():
     assert "(default: 100)" in out and "(default: 5.0)" in out
 
 
+def test_every_command_says_what_it_does_in_its_help():
+    import argparse
+
+    from raymq.tools.cli import build_parser
+
+    def walk(parser, path):
+        yield path, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from walk(child, f"{path} {name}")
+    commands = list(walk(build_parser(), "raymq"))
+    assert len(commands) > 30
+    silent = [path for path, parser in commands if not (parser.description or "").strip()]
+    assert silent == []
+    help_of = dict(commands)["raymq tx abort"].format_help()
+    assert "TransactionAbortedError" in help_of and "PREPARE_ABORT" in help_of
+
+
 def test_a_transactional_send_result_has_no_queue_offset_before_it_commits(mq, name):
     from raymq import LocalTransactionState as S
     from raymq import TransactionListener

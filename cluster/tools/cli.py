@@ -388,11 +388,15 @@ def _positive_int(text: str) -> int:
 
 
 def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
-    """Every (sub)command's --help shows the defaults."""
+    """Every (sub)command's --help shows the defaults, and says what the command does
+    (its line in its parent's list when it has no description of its own)."""
     parser.formatter_class = _HelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
+            lines = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, child in action.choices.items():
+                if child.description is None and lines.get(name):
+                    child.description = lines[name][0].upper() + lines[name][1:] + "."
                 _with_defaults_shown(child)
 
 
@@ -489,16 +493,36 @@ def _build_parser() -> argparse.ArgumentParser:
         ha.add_argument("id", help="half id as printed by `half list`")
     half.set_defaults(func=_cmd_half)
 
-    tx = sub.add_parser("tx", help="Kafka-style transactions (KIP-664 operations)")
+    tx = sub.add_parser("tx", help="Kafka-style transactions (KIP-664 operations)",
+                        description="Kafka-style transactions (KIP-664): the transactional "
+                                    "ids every coordinator knows, and the open transactions "
+                                    "holding back a queue's last stable offset (LSO), where "
+                                    "read_committed readers stop.")
     tsub = tx.add_subparsers(dest="tx_cmd", required=True, metavar="ACTION")
-    tsub.add_parser("list", help="every transactional id: state, epoch, age, queues")
-    td = tsub.add_parser("describe", help="one transactional id in full (JSON)")
+    tsub.add_parser("list", help="every transactional id: state, epoch, age, queues",
+                    description="One line per transactional id on every coordinator: id, "
+                                "state (EMPTY, ONGOING, PREPARE_COMMIT, COMPLETE_COMMIT, ...), "
+                                "producer id, epoch, the open transaction's age and its "
+                                "queues (topic/queue); the count on stderr.")
+    td = tsub.add_parser("describe", help="one transactional id in full (JSON)",
+                         description="One transactional id as JSON: producer id, epoch, state, "
+                                     "timeout_ms, age_ms, queues [shard, topic, queue] and "
+                                     "groups whose offsets the transaction commits.")
     td.add_argument("id", help="transactional id")
     ta = tsub.add_parser("abort", help="abort a transactional id's open transaction "
-                                       "(operator): markers written, its data never visible")
+                                       "(operator): markers written, its data never visible",
+                         description="Abort the open transaction of ID: its coordinator logs "
+                                     "PREPARE_ABORT and writes abort markers in its queues, so "
+                                     "read_committed readers never see its messages and the "
+                                     "queues' LSO moves on; prints the final state. The "
+                                     "producer's next commit raises TransactionAbortedError.")
     ta.add_argument("id", help="transactional id")
     tsub.add_parser("hanging", help="open transactions holding back a queue's last stable "
-                                    "offset, the furthest behind first")
+                                    "offset, the furthest behind first",
+                    description="Every queue whose LSO an open transaction holds back: queue, "
+                                "shard, LSO, end, records behind, the transaction's age, id, "
+                                "state and producer id; the furthest behind first. `raymq tx "
+                                "abort ID` ends one that is stuck.")
     tx.set_defaults(func=_cmd_tx)
 
     timer = sub.add_parser("timer", help="scheduled messages (deliver_at_ms / deliver_after_ms)")
