@@ -77,17 +77,8 @@ def test_help_shows_defaults():
 
 
 def test_every_command_says_what_it_does_in_its_help():
-    import argparse
-
-    from raymq.tools.cli import build_parser
-
-    def walk(parser, path):
-        yield path, parser
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, child in action.choices.items():
-                    yield from walk(child, f"{path} {name}")
-    commands = list(walk(build_parser(), "raymq"))
+    from raymq.tools.cli import build_parser, command_tree
+    commands = [(path, parser) for path, parser, _line in command_tree(build_parser())]
     assert len(commands) > 30
     silent = [path for path, parser in commands if not (parser.description or "").strip()]
     assert silent == []

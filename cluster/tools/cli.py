@@ -387,22 +387,25 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _with_defaults_shown(parser: argparse.ArgumentParser) -> None:
-    """Every (sub)command's --help shows the defaults, and says what the command does
-    (its line in its parent's list when it has no description of its own)."""
-    parser.formatter_class = _HelpFormatter
+def command_tree(parser: argparse.ArgumentParser, path: str = "raymq", line: str | None = None):
+    """(path, parser, its line in its parent's list) of a command and of every command
+    under it."""
+    yield path, parser, line
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             lines = {choice.dest: choice.help for choice in action._choices_actions}
             for name, child in action.choices.items():
-                if child.description is None and lines.get(name):
-                    child.description = lines[name][0].upper() + lines[name][1:] + "."
-                _with_defaults_shown(child)
+                yield from command_tree(child, f"{path} {name}", lines.get(name))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: every (sub)command's --help shows the defaults and says what
+    the command does (its line in its parent's list when it has no description)."""
     parser = _build_parser()
-    _with_defaults_shown(parser)
+    for _path, command, line in command_tree(parser):
+        command.formatter_class = _HelpFormatter
+        if command.description is None and line:
+            command.description = line[0].upper() + line[1:] + "."
     return parser
 
 
