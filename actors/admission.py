@@ -36,6 +36,10 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
     shard's time, for deliver-at times past ``max_delay_ms``.
     """
     out: dict[int, str] = {}
+    flags = batch.flags
+    if not isinstance(flags, int) or flags:  # (a shared 0: the usual batch)
+        why = "a record's flags are the broker's to set (send them as 0)"
+        out.update((i, why) for i, f in enumerate(batch.column("flags")) if f)
     topics = batch.topics
     for t in (set(topics) if isinstance(topics, list) else (topics,)):
         if isinstance(t, str) and is_system_topic(t):

@@ -151,6 +151,13 @@ class ClusterConfig(BaseModel):
     kafka_txn_timeout_ms: StrictInt = Field(
         60_000, ge=1, description="A Kafka-style transaction open longer is aborted by its "
         "coordinator (a producer may ask for its own).")
+    max_txn_timeout_ms: StrictInt = Field(
+        900_000, ge=1, description="The longest transaction timeout a Kafka-style producer "
+        "may ask for (Kafka's transaction.max.timeout.ms): a longer one is refused.")
+    transactional_id_expiration_ms: StrictInt = Field(
+        7 * 24 * 3600 * 1000, ge=1, description="A transactional id with no transaction "
+        "open and no call this long is forgotten by its coordinator (Kafka's "
+        "transactional.id.expiration.ms); its producer starts again with a new producer id.")
     kafka_txn_check_interval_ms: StrictInt = Field(
         1000, ge=1, description="How often a coordinator looks for transactions past their "
         "timeout.")
@@ -238,6 +245,9 @@ class ClusterConfig(BaseModel):
         if self.retry_first_level > len(levels):
             raise ConfigError(f"retry_first_level {self.retry_first_level} is past the last "
                               f"delay level ({len(levels)})")
+        if self.kafka_txn_timeout_ms > self.max_txn_timeout_ms:
+            raise ConfigError(f"kafka_txn_timeout_ms ({self.kafka_txn_timeout_ms}) is over "
+                              f"max_txn_timeout_ms ({self.max_txn_timeout_ms})")
         if self.session_timeout_ms <= self.heartbeat_interval_ms:
             raise ConfigError(f"session_timeout_ms ({self.session_timeout_ms}) must be longer "
                               f"than heartbeat_interval_ms ({self.heartbeat_interval_ms})")

@@ -27,7 +27,8 @@ from raymq.actors.config import ClusterConfig
 from raymq.actors.faults import faults_named
 from raymq.actors.ktx import KeyedLocks
 from raymq.actors.protocol import check_group
-from raymq.actors.txn_state import TxnMetadata, TxnState, init_producer, transition
+from raymq.actors.txn_state import (MAX_EPOCH, TxnMetadata, TxnState, epoch_exhausted,
+                                    init_producer, transition)
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import (ConcurrentTransactionsError, InvalidMessageError,
@@ -38,6 +39,10 @@ from raymq.storage.store import PutStatus
 log = logging.getLogger("raymq.coordinator")
 
 TXN_LOG_TOPIC = "RMQ_SYS_TXN_LOG"
+PREPARED = frozenset({TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT})
+#: A prepared transaction whose markers failed is tried again after this back-off (ms),
+#: doubling up to the second figure.
+PREPARE_RETRY_MS = (50, 5000)
 OUTCOME_STATES = {"COMMIT": (TxnState.PREPARE_COMMIT, TxnState.COMPLETE_COMMIT),
                   "ABORT": (TxnState.PREPARE_ABORT, TxnState.COMPLETE_ABORT)}
 _TXN_ID_MAX = 255
@@ -106,6 +111,9 @@ class TransactionCoordinator:
         self.store = MessageStore(self.directory, self.config.store_config(), self.clock,
                                   background=background)
         self._txns: dict[str, TxnMetadata] = {}
+        self._began: dict[str, float] = {}   # tid -> monotonic ms its ONGOING began
+        self._seen: dict[str, float] = {}    # tid -> monotonic ms of its last logged move
+        self._retry: dict[str, tuple[float, float]] = {}  # prepared tid -> (next try, backoff)
         self._lock = threading.Lock()
         self._txn_locks = KeyedLocks()  # one transactional id's calls in turn
         self._last_counter = 0
@@ -120,14 +128,18 @@ class TransactionCoordinator:
 
     # ------------------------------------------------------------- the log
     def _load(self) -> None:
+        loaded: dict[str, TxnMetadata] = {}
         for m in self.store.scan_queue(TXN_LOG_TOPIC, 0):
             try:
                 meta = TxnMetadata.from_json(m.body)
             except RayMQError as err:  # skip-and-log, as every recovery does
                 log.error("coordinator-%d: skipped a log record: %s", self.index, err)
                 continue
-            self._txns[meta.transactional_id] = meta
+            loaded[meta.transactional_id] = meta
             self._last_counter = max(self._last_counter, meta.producer_id >> 8)
+        now, mono = self.clock.now_ms(), self.clock.monotonic_ms()
+        for meta in loaded.values():  # an open transaction's age: at most its timeout
+            self._keep(meta, mono, min(max(0, now - meta.start_ms), meta.timeout_ms))
         if self._txns:
             log.info("coordinator-%d: %d transactional ids from its log", self.index,
                      len(self._txns))
@@ -140,7 +152,24 @@ class TransactionCoordinator:
         if wait and res.status is not PutStatus.PUT_OK:
             raise RequestTimeoutError("the transaction log write did not reach the disk "
                                       "within flush_timeout_ms; retry")
-        self._txns[meta.transactional_id] = meta
+        self._keep(meta, self.clock.monotonic_ms(), 0)
+
+    def _keep(self, meta: TxnMetadata, mono_ms: float, age_ms: int) -> None:
+        """Keep ``meta`` as the current metadata of its id (DEAD: forget the id), noting on
+        the monotonic clock when its transaction began (``age_ms`` before ``mono_ms``) and
+        when it was last used."""
+        tid = meta.transactional_id
+        if meta.state is TxnState.DEAD:
+            for table in (self._txns, self._began, self._seen, self._retry):
+                table.pop(tid, None)
+            return
+        old = self._txns.get(tid)
+        self._txns[tid] = meta
+        self._seen[tid] = mono_ms
+        if meta.state is not TxnState.ONGOING:
+            self._began.pop(tid, None)
+        elif old is None or old.state is not TxnState.ONGOING or tid not in self._began:
+            self._began[tid] = mono_ms - age_ms
 
     def _new_producer_id(self) -> int:
         with self._lock:
@@ -154,13 +183,14 @@ class TransactionCoordinator:
         transaction is aborted first)."""
         check_transactional_id(transactional_id)
         timeout_ms = self.config.kafka_txn_timeout_ms if timeout_ms is None else timeout_ms
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
-            raise InvalidMessageError(f"transaction timeout must be a positive int of ms, "
-                                      f"got {timeout_ms!r}")
+        limit = self.config.max_txn_timeout_ms
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) \
+                or not 1 <= timeout_ms <= limit:
+            raise InvalidMessageError(f"transaction timeout must be an int of 1-{limit} ms "
+                                      f"(max_txn_timeout_ms), got {timeout_ms!r}")
         with self._txn_locks.of(transactional_id):
             meta = self._txns.get(transactional_id)
-            if meta is not None and meta.state in (TxnState.PREPARE_COMMIT,
-                                                   TxnState.PREPARE_ABORT):
+            if meta is not None and meta.state in PREPARED:
                 meta = self._complete(meta)  # a transaction left half-done: finish it
             new, must = init_producer(meta, transactional_id, self._new_producer_id(),
                                       timeout_ms, self.clock.now_ms())
@@ -182,7 +212,7 @@ class TransactionCoordinator:
         if epoch > meta.epoch:
             raise InvalidTxnStateError(f"transactional id {tid!r}: epoch {epoch} was never "
                                        f"given (current {meta.epoch})")
-        if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+        if meta.state in PREPARED:
             raise ConcurrentTransactionsError(f"transactional id {tid!r}: the previous "
                                               f"transaction is still completing")
         return meta
@@ -217,43 +247,57 @@ class TransactionCoordinator:
             return new.epoch
 
     def end_transaction(self, transactional_id: str, producer_id: int, epoch: int,
-                        outcome: str) -> int:
-        """Commit or abort the producer's transaction; returns the producer's next epoch.
-        ``TransactionAbortedError`` when it was aborted before this commit (timeout,
-        operator, fencing)."""
+                        outcome: str) -> tuple[int, int]:
+        """Commit or abort the producer's transaction; returns the producer's next
+        (producer id, epoch): a new producer id at epoch 0 when the epoch would overflow
+        (Kafka's epoch exhaustion).  Idempotent: a retry of an end that completed answers
+        the same, and a retry of one left prepared (a shard failed while its markers were
+        written) drives it to its end.  ``TransactionAbortedError`` when it was aborted
+        before this commit (timeout, operator, fencing)."""
         if outcome not in OUTCOME_STATES:
             raise InvalidMessageError(f"outcome must be COMMIT or ABORT, got {outcome!r}")
         with self._txn_locks.of(transactional_id):
             meta = self._txns.get(transactional_id)
-            if meta is not None and meta.producer_id == producer_id \
-                    and epoch == meta.epoch - 1 and meta.state in (TxnState.COMPLETE_COMMIT,
-                                                                   TxnState.COMPLETE_ABORT):
+            if meta is not None and meta.producer_id == producer_id and meta.epoch == epoch \
+                    and meta.state in PREPARED:
+                meta = self._complete(meta)  # asked again while it is completing
+            if meta is not None and meta.ended_by(producer_id, epoch):
                 done = "COMMIT" if meta.state is TxnState.COMPLETE_COMMIT else "ABORT"
                 if done == outcome:  # a retry of an end that completed
-                    return meta.epoch
+                    return meta.producer_id, meta.epoch
                 if outcome == "COMMIT":
                     raise TransactionAbortedError(
                         f"transactional id {transactional_id!r}: its transaction was "
                         f"aborted before the commit (timeout or operator)")
+                raise InvalidTxnStateError(f"transactional id {transactional_id!r}: its "
+                                           f"transaction was committed before this abort")
             meta = self._current(transactional_id, producer_id, epoch)
             if meta.state is not TxnState.ONGOING:  # nothing sent: nothing to end
-                return meta.epoch
+                return meta.producer_id, meta.epoch
             prepare = transition(meta, OUTCOME_STATES[outcome][0], self.clock.now_ms())
             self._append(prepare)
-            return self._complete(prepare).epoch
+            done = self._complete(prepare)
+            return done.producer_id, done.epoch
 
     def _complete(self, prepare: TxnMetadata) -> TxnMetadata:
-        """Markers on every shard of a prepared transaction, then its COMPLETE state."""
+        """Markers on every shard of a prepared transaction, then its COMPLETE state.  The
+        epoch moves on; when it would overflow, the transactional id moves to a new
+        producer id at epoch 0 and the old one is fenced for good (markers at MAX_EPOCH)."""
         commit = prepare.state is TxnState.PREPARE_COMMIT
         done_state = TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT
-        done = transition(prepare, done_state, self.clock.now_ms())
+        rolled = epoch_exhausted(prepare.epoch)
+        done = transition(prepare, done_state, self.clock.now_ms(),
+                          producer_id=self._new_producer_id() if rolled else None)
+        fence = MAX_EPOCH if rolled else done.epoch
         outcome = "COMMIT" if commit else "ABORT"
         # the markers carry the next epoch: a late write of this transaction is fenced
-        self._on_shards(prepare, "ktx_end", lambda _q, _g: (prepare.producer_id, done.epoch,
+        self._on_shards(prepare, "ktx_end", lambda _q, _g: (prepare.producer_id, fence,
                                                            outcome))
-        self._append(done, wait=False)  # (markers are idempotent: a lost COMPLETE is redone)
+        # (markers are idempotent: a lost COMPLETE is redone.  A new producer id is made
+        # durable before it is handed out: never given twice, never taken back)
+        self._append(done, wait=rolled)
+        self._retry.pop(prepare.transactional_id, None)
         return done
-
     def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable) -> None:
         """Call ``method`` on every shard of the transaction (all sent before any answer
         is awaited); the first error is raised once every call is done."""
@@ -282,48 +326,92 @@ class TransactionCoordinator:
 
     # ------------------------------------------------------- timeouts, restart
     def _loop(self) -> None:
-        self._finish_prepared()
-        while not self._stop.wait(self.config.kafka_txn_check_interval_ms / 1000.0):
-            try:
-                self.abort_expired()
-            except Exception as err:  # noqa: BLE001 -- the loop must live on
-                log.warning("coordinator-%d: expiry round failed: %s", self.index, err)
-
-    def _finish_prepared(self) -> None:
-        """Complete the transactions a restart found prepared (retrying until the shards
-        answer)."""
         while not self._stop.is_set():
-            pending = [tid for tid, m in list(self._txns.items())
-                       if m.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT)]
-            if not pending:
-                return
-            for tid in pending:
+            for step in (self.complete_prepared, self.abort_expired, self.expire_ids):
                 try:
-                    with self._txn_locks.of(tid):
-                        meta = self._txns[tid]
-                        if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
-                            self._complete(meta)
-                            self.completed_on_start += 1
-                except Exception as err:  # noqa: BLE001 -- a shard restarting: again
-                    log.warning("coordinator-%d: completing %r failed: %s", self.index, tid,
+                    step()
+                except Exception as err:  # noqa: BLE001 -- the loop must live on
+                    log.warning("coordinator-%d: %s failed: %s", self.index, step.__name__,
                                 err)
-            self._stop.wait(0.5)
+            wait_ms = self.config.kafka_txn_check_interval_ms
+            if self._retry:
+                wait_ms = min(wait_ms, max(1.0, min(at for at, _b in self._retry.values())
+                                           - self.clock.monotonic_ms()))
+            self._stop.wait(wait_ms / 1000.0)
 
-    def abort_expired(self, now_ms: int | None = None) -> list[str]:
-        """Abort every transaction open longer than its timeout; their ids."""
-        now = self.clock.now_ms() if now_ms is None else now_ms
-        aborted = []
+    def complete_prepared(self) -> int:
+        """One round of driving every PREPARE_COMMIT / PREPARE_ABORT transaction to its end
+        (markers on every shard, then COMPLETE_*): a restart finds them, and a shard that
+        failed while markers were written leaves them.  One that fails again is retried
+        with a back-off (``PREPARE_RETRY_MS``, doubling); the others go on.  Returns how
+        many completed."""
+        now = self.clock.monotonic_ms()
+        completed = 0
         for tid, meta in list(self._txns.items()):
-            if meta.state is TxnState.ONGOING and meta.expired(now):
+            if meta.state not in PREPARED or self._retry.get(tid, (0, 0))[0] > now:
+                continue
+            try:
                 with self._txn_locks.of(tid):
                     meta = self._txns[tid]
-                    if meta.state is TxnState.ONGOING and meta.expired(now):
-                        log.warning("coordinator-%d: %r open for %d ms, past its timeout: "
-                                    "aborting it", self.index, tid, now - meta.start_ms)
-                        self._append(transition(meta, TxnState.PREPARE_ABORT, now))
-                        self._complete(self._txns[tid])
-                        aborted.append(tid)
+                    if meta.state in PREPARED:
+                        self._complete(meta)
+                        completed += 1
+            except Exception as err:  # noqa: BLE001 -- a shard down: again, later
+                backoff = min(PREPARE_RETRY_MS[1], max(PREPARE_RETRY_MS[0],
+                                                       2 * self._retry.get(tid, (0, 0))[1]))
+                self._retry[tid] = (now + backoff, backoff)
+                log.warning("coordinator-%d: completing %r failed (again in %d ms): %s",
+                            self.index, tid, backoff, err)
+        self.completed_on_start += completed
+        return completed
+
+    def abort_expired(self) -> list[str]:
+        """Abort every transaction open longer than its timeout; their ids.  Ages are
+        measured on the monotonic clock: a wall clock stepped back does not keep a dead
+        producer's transaction (and the LSO it holds) open longer."""
+        now = self.clock.monotonic_ms()
+        aborted = []
+        for tid, began in list(self._began.items()):
+            meta = self._txns.get(tid)
+            if meta is None or meta.state is not TxnState.ONGOING \
+                    or now - began <= meta.timeout_ms:
+                continue
+            try:
+                with self._txn_locks.of(tid):
+                    meta = self._txns[tid]
+                    if meta.state is not TxnState.ONGOING or tid not in self._began \
+                            or now - self._began[tid] <= meta.timeout_ms:
+                        continue
+                    log.warning("coordinator-%d: %r open for %d ms, past its timeout: "
+                                "aborting it", self.index, tid, now - self._began[tid])
+                    self._append(transition(meta, TxnState.PREPARE_ABORT, self.clock.now_ms()))
+                    aborted.append(tid)
+                    self._complete(self._txns[tid])
+            except Exception as err:  # noqa: BLE001 -- prepared: complete_prepared goes on
+                log.warning("coordinator-%d: aborting %r: %s", self.index, tid, err)
         return aborted
+
+    def expire_ids(self) -> list[str]:
+        """Forget transactional ids with no transaction open and no call for
+        ``transactional_id_expiration_ms`` (Kafka's expiration of transactional ids): a
+        DEAD record is logged and the metadata dropped, so that memory and the log's
+        live state follow the ids in use.  A producer of an expired id starts again with
+        ``init_producer`` (a new producer id).  Their ids."""
+        now = self.clock.monotonic_ms()
+        limit = self.config.transactional_id_expiration_ms
+        gone = []
+        for tid, seen in list(self._seen.items()):
+            if now - seen <= limit:
+                continue
+            with self._txn_locks.of(tid):
+                meta = self._txns.get(tid)
+                if meta is None or meta.is_open() or now - self._seen.get(tid, now) <= limit:
+                    continue
+                self._append(transition(meta, TxnState.DEAD, self.clock.now_ms()))
+                gone.append(tid)
+        if gone:
+            log.info("coordinator-%d: %d transactional ids expired", self.index, len(gone))
+        return gone
 
     # ------------------------------------------------------------ operators
     def list_transactions(self) -> list[dict]:
@@ -350,7 +438,7 @@ class TransactionCoordinator:
             meta = self._txns.get(transactional_id)
             if meta is None:
                 raise InvalidTxnStateError(f"no transactional id {transactional_id!r} here")
-            if meta.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+            if meta.state in PREPARED:
                 return self._complete(meta).state.name
             if meta.state is not TxnState.ONGOING:
                 return meta.state.name

@@ -38,14 +38,19 @@ class GroupOffsets:
                     f"cannot commit offset {off!r} for {topic}/{qid} of group {group!r}: "
                     f"the queue holds offsets 0..{end}")
             values[offset_key(group, topic, qid)] = off
-        if values and group not in self._groups:
+        if values:
+            self.admit(group)
+            self.store.save_offsets(values)
+
+    def admit(self, group: str) -> None:
+        """Count ``group`` among the groups with offsets here; ``QuotaExceededError`` when
+        it is new and the shard holds ``max_groups`` already."""
+        if group not in self._groups:
             if len(self._groups) >= self.max_groups:
                 raise QuotaExceededError(f"cannot commit offsets of group {group!r}: shard-"
                                          f"{self.shard} holds offsets of {len(self._groups)} "
                                          f"groups, the most it takes (max_groups)")
             self._groups.add(group)
-        if values:
-            self.store.save_offsets(values)
 
     def get(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Committed offsets (-1: none yet)."""

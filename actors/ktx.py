@@ -29,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from raymq.actors.group_offsets import offset_key
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
                                   OutOfOrderSequenceError, ProducerFencedError,
                                   RequestTimeoutError)
@@ -38,20 +39,33 @@ from raymq.storage.store import PutStatus
 log = logging.getLogger("raymq.ktx")
 
 KTX_INDEX_TOPIC = "RMQ_SYS_KTX_INDEX"
-#: Store-level producer ids of Kafka-style producers: one per (producer id, epoch), so
-#: that each epoch's sequences start at 1 (below the broker's own, from 2**62).
+#: Store-level producer ids of Kafka-style producers: one per producer id (below the
+#: broker's own, from 2**62).  Its store sequence is (epoch << SEQ_BITS) | sequence: each
+#: epoch's sequences start at 1, and the table holds one entry a producer id, not one a
+#: transaction.
 KTX_STORE_PID_BASE = 1 << 61
+SEQ_BITS = 32
+MAX_SEQUENCE = (1 << SEQ_BITS) - 1
 MAX_PRODUCER_ID = (1 << 40) - 1
 MAX_EPOCH = (1 << 15) - 1
 OUTCOMES = ("COMMIT", "ABORT")
-#: The offsets store's key of the last ``end`` record whose group offsets are applied.
-APPLIED_KEY = "ktx-applied@" + KTX_INDEX_TOPIC
+#: The offsets store's key (one a producer id) of the index offset of the last ``end``
+#: record of that producer whose group offsets are applied: saved in the same atomic
+#: write as the offsets, so a restart re-applies exactly the commits whose offsets it lost.
+APPLIED_PREFIX = "ktx-applied@"
+#: The one watermark of applied ends written before the key a producer: ends up to it
+#: are applied.
+LEGACY_APPLIED_KEY = APPLIED_PREFIX + KTX_INDEX_TOPIC
 
 Queue = tuple[str, int]
 
 
-def ktx_store_pid(producer_id: int, epoch: int) -> int:
-    return KTX_STORE_PID_BASE + (producer_id << 15) + epoch
+def ktx_store_pid(producer_id: int) -> int:
+    return KTX_STORE_PID_BASE + producer_id
+
+
+def applied_key(producer_id: int) -> str:
+    return f"{APPLIED_PREFIX}{producer_id}"
 
 
 def check_producer(producer_id, epoch) -> None:
@@ -60,6 +74,36 @@ def check_producer(producer_id, epoch) -> None:
         raise InvalidMessageError(f"invalid transactional producer id {producer_id!r}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
         raise InvalidMessageError(f"invalid producer epoch {epoch!r}")
+
+
+class AbortedRanges:
+    """One producer's aborted ranges [first, last) in one queue, in offset order (its
+    transactions follow each other), searched by offset."""
+
+    __slots__ = ("_firsts", "_lasts", "_arrays")
+
+    def __init__(self):
+        self._firsts: list[int] = []
+        self._lasts: list[int] = []
+        self._arrays = None
+
+    def __len__(self) -> int:
+        return len(self._lasts)
+
+    def add(self, first: int, last: int) -> None:
+        self._firsts.append(first)
+        self._lasts.append(last)
+        self._arrays = None
+
+    def covers(self, offsets: np.ndarray) -> np.ndarray:
+        """Which of ``offsets`` lie in one of the ranges (a binary search each)."""
+        if self._arrays is None:
+            self._arrays = (np.array(self._firsts, np.int64), np.array(self._lasts, np.int64))
+        firsts, lasts = self._arrays
+        i = np.searchsorted(lasts, offsets, "right")  # the first range ending after each
+        inside = i < len(lasts)
+        inside[inside] = firsts[i[inside]] <= offsets[inside]
+        return inside
 
 
 @dataclass
@@ -78,8 +122,10 @@ class KafkaTxns:
     def __init__(self):
         self.epochs: dict[int, int] = {}          # producer id -> highest epoch seen
         self.open: dict[int, OpenTxn] = {}        # producer id -> its open transaction
-        self._aborted: dict[Queue, list[tuple[int, int, int]]] = defaultdict(list)
-        self._aborted_np: dict[Queue, np.ndarray] = {}
+        # queue -> producer id -> its aborted ranges [first, last) in offset order (one
+        # producer's transactions follow each other: searched, not scanned)
+        self._aborted: dict[Queue, dict[int, AbortedRanges]] = defaultdict(dict)
+        self.ends: dict[int, tuple[int, str]] = {}  # producer id -> (fence, outcome) last
         self._holding: dict[Queue, dict[int, int]] = defaultdict(dict)  # queue -> pid -> first
         self.touched: set[Queue] = set()          # queues that ever took part in one
 
@@ -127,17 +173,21 @@ class KafkaTxns:
                 got = txn.offsets.setdefault(rec["group"], {})
                 got.update({(t, q): off for t, q, off in rec["offsets"]})
         elif kind == "end":  # (its markers carry the epoch after it: "fence")
-            self.epochs[pid] = max(self.epochs.get(pid, -1), epoch, rec.get("fence", epoch))
+            fence = rec.get("fence", epoch)
+            self.epochs[pid] = max(self.epochs.get(pid, -1), epoch, fence)
             txn = self.open.get(pid)
             if txn is None or txn.epoch != epoch:
                 return
+            self.ends[pid] = (fence, rec["outcome"])
             del self.open[pid]
             markers = {(t, q): off for t, q, off in rec["markers"]}
             for queue, first in txn.queues.items():
                 self._holding[queue].pop(pid, None)
                 if rec["outcome"] == "ABORT":
-                    self._aborted[queue].append((pid, first, markers.get(queue, 2**62)))
-                    self._aborted_np.pop(queue, None)
+                    ranges = self._aborted[queue].get(pid)
+                    if ranges is None:
+                        ranges = self._aborted[queue][pid] = AbortedRanges()
+                    ranges.add(first, markers.get(queue, 2**62))
         else:
             raise ValueError(f"unknown index record kind {kind!r}")
 
@@ -152,19 +202,19 @@ class KafkaTxns:
         """Which records of ``headers`` a reader gets: never a marker; with ``committed``,
         never a record of an aborted transaction."""
         keep = (headers["flags"] & SysFlag.CONTROL) == 0
-        if committed and queue in self._aborted:
-            ranges = self._aborted_np.get(queue)
-            if ranges is None:
-                ranges = self._aborted_np[queue] = np.array(self._aborted[queue], np.int64)
-            tx = np.nonzero((headers["flags"] & SysFlag.TRANSACTIONAL) != 0)[0]
-            for i in tx:
-                pid, off = headers["prepared_offset"][i], headers["queue_offset"][i]
-                if np.any((ranges[:, 0] == pid) & (ranges[:, 1] <= off) & (off < ranges[:, 2])):
-                    keep[i] = False
+        by_pid = self._aborted.get(queue) if committed else None
+        if by_pid:
+            tx = np.flatnonzero((headers["flags"] & SysFlag.TRANSACTIONAL) != 0)
+            pids, offs = headers["prepared_offset"][tx], headers["queue_offset"][tx]
+            for pid in np.unique(pids).tolist():
+                ranges = by_pid.get(pid)
+                if ranges is not None:
+                    mine = pids == pid
+                    keep[tx[mine][ranges.covers(offs[mine])]] = False
         return keep
 
     def aborted_count(self) -> int:
-        return sum(len(v) for v in self._aborted.values())
+        return sum(len(r) for by_pid in self._aborted.values() for r in by_pid.values())
 
 
 def encode(rec: dict) -> bytes:
@@ -203,11 +253,11 @@ class KafkaTxnQueues:
     """A shard's Kafka-style transactions: ``KafkaTxns`` plus the store I/O (index
     records, markers, offsets).  ``lock`` guards the state; puts happen under it."""
 
-    def __init__(self, store, clock, save_offsets: Callable[[str, dict], None],
+    def __init__(self, store, clock, admit_group: Callable[[str], None],
                  wake: Callable[[], None]):
         self.store = store
         self.clock = clock
-        self._save_offsets = save_offsets   # (group, {(topic, q): offset}) -> None
+        self._admit_group = admit_group  # a group whose offsets join a transaction: its quota
         self._wake = wake
         self.state = KafkaTxns()
         self.lock = threading.RLock()  # the state (short holds); producers' own locks below
@@ -221,22 +271,24 @@ class KafkaTxnQueues:
 
     def _recover(self) -> None:
         end = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
-        applied = self.store.offsets.get(APPLIED_KEY)
+        legacy = self.store.offsets.get(LEGACY_APPLIED_KEY)  # (one watermark, before 0.x)
         redo = []
         for m in self.store.scan_queue(KTX_INDEX_TOPIC, 0):
             rec = decode(m.body)
             if rec is None:
                 continue
-            if rec["k"] == "end" and rec["outcome"] == "COMMIT" and m.queue_offset > applied:
+            if rec["k"] == "end" and rec["outcome"] == "COMMIT" and m.queue_offset > max(
+                    legacy, self.store.offsets.get(applied_key(rec["pid"]))):
                 txn = self.state.open.get(rec["pid"])
-                if txn is not None and txn.epoch == rec["epoch"] and txn.offsets:
-                    redo.append((m.queue_offset, txn.offsets))
+                if txn is not None and txn.epoch == rec["epoch"] and any(txn.offsets.values()):
+                    redo.append((rec["pid"], txn.offsets, m.queue_offset))
             self.state.apply(rec)
-        for index_offset, offsets in redo:  # a commit whose offsets were not saved yet
-            self._apply_offsets(offsets, index_offset)
+        for args in redo:  # a commit whose offsets were not saved yet, in the log's order
+            self._apply_offsets(*args)
         if end:
             log.info("Kafka-style transactions: %d open, %d aborted ranges, from %d index "
-                     "records", len(self.state.open), self.state.aborted_count(), end)
+                     "records (%d commits' offsets applied again)", len(self.state.open),
+                     self.state.aborted_count(), end, len(redo))
 
     def _append(self, rec: dict, *, wait: bool = True) -> int:
         """Write an index record (durably unless ``wait`` is False); its queue offset."""
@@ -285,6 +337,11 @@ class KafkaTxnQueues:
             with self.lock:
                 txn = self.state.open.get(producer_id)
                 if txn is None or epoch < txn.epoch:
+                    last = self.state.ends.get(producer_id) if txn is None else None
+                    if last is not None and last[0] == epoch and last[1] != outcome:
+                        raise InvalidTxnStateError(
+                            f"producer {producer_id}: its transaction ended here with "
+                            f"{last[1]} (epoch {last[0]}); a {outcome} of it is refused")
                     self.state.epochs[producer_id] = max(epoch, self.state.epochs.get(
                         producer_id, -1))
                     self._changed.notify_all()  # (a fence: a waiting write is refused)
@@ -311,15 +368,18 @@ class KafkaTxnQueues:
                 self.state.apply(rec)
                 self._changed.notify_all()
             if outcome == "COMMIT" and any(offsets.values()):
-                self._apply_offsets(offsets, index_offset)
+                self._apply_offsets(producer_id, offsets, index_offset)
         self._wake()
         return {"markers": len(queues)}
 
-    def _apply_offsets(self, offsets: dict[str, dict[Queue, int]], index_offset: int) -> None:
-        for group, values in offsets.items():
-            if values:
-                self._save_offsets(group, values)
-        self.store.save_offsets({APPLIED_KEY: index_offset})
+    def _apply_offsets(self, producer_id: int, offsets: dict[str, dict[Queue, int]],
+                       index_offset: int) -> None:
+        """A commit's group offsets, with the producer's applied end, in one atomic write.
+        Checked when they were accepted (``add_offsets``): nothing here refuses them."""
+        values = {offset_key(group, t, q): off for group, got in offsets.items()
+                  for (t, q), off in got.items()}
+        values[applied_key(producer_id)] = index_offset
+        self.store.save_offsets(values)
 
     # ---------------------------------------------------------- producer calls
     def send(self, batch: RecordBatch, queues: set[Queue], producer_id: int, epoch: int,
@@ -336,18 +396,22 @@ class KafkaTxnQueues:
                                       f"got {wait_ms!r}")
         if wait_ms:
             self._await_registration(producer_id, epoch, queues, wait_ms / 1000)
-        store_pid = ktx_store_pid(producer_id, epoch)
+        if not 0 < sequence <= MAX_SEQUENCE:
+            raise InvalidMessageError(f"transactional sequence {sequence} is not in "
+                                      f"1..{MAX_SEQUENCE}")
+        store_pid = ktx_store_pid(producer_id)
         with self._locks.of(producer_id):
             with self.lock:
                 self.state.check_send(producer_id, epoch, queues)
             last = self.store.last_sequence(store_pid)
+            last = last & MAX_SEQUENCE if last >> SEQ_BITS == epoch else 0  # (this epoch's)
             if sequence > last + 1:
                 raise OutOfOrderSequenceError(
                     f"producer {producer_id} epoch {epoch}: sequence {sequence} after {last} "
                     f"(a write between them is missing)")
             batch.flags = int(SysFlag.TRANSACTIONAL)
             batch.prepared_offsets = producer_id
-            return put(batch, store_pid, sequence)
+            return put(batch, store_pid, (epoch << SEQ_BITS) | sequence)
 
     def _await_registration(self, producer_id: int, epoch: int, queues: set[Queue],
                             wait_s: float) -> None:
@@ -365,7 +429,8 @@ class KafkaTxnQueues:
 
     def add_offsets(self, producer_id: int, epoch: int, group: str,
                     offsets: dict[Queue, int]) -> None:
-        """A group's next offsets, committed with the producer's transaction."""
+        """A group's next offsets, committed with the producer's transaction.  Everything
+        that could refuse them at the commit (the group quota) is checked here."""
         check_producer(producer_id, epoch)
         with self._locks.of(producer_id):
             with self.lock:
@@ -375,6 +440,8 @@ class KafkaTxnQueues:
                     raise InvalidTxnStateError(f"producer {producer_id} epoch {epoch}: group "
                                                f"{group!r} is not registered in its "
                                                f"transaction")
+            if offsets:
+                self._admit_group(group)
             rec = {"k": "offsets", "pid": producer_id, "epoch": epoch, "group": group,
                    "offsets": [[t, q, off] for (t, q), off in offsets.items()]}
             self._append(rec)

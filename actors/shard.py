@@ -91,7 +91,7 @@ class BrokerShard:
                                      self.clock, self.metrics, self.reads.wake, self.cancels)
         self.dead_letters = DeadLetters(index, self.store, self.config, self._levels_ms,
                                         lambda *a: self._store_request(*a), self.metrics)
-        self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.commit, self.reads.wake)
+        self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.admit, self.reads.wake)
         self.reads.txns = self.ktx
         self.offsets.cut_back()
         self.halves.load()

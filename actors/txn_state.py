@@ -129,12 +129,17 @@ class TxnMetadata:
     groups: frozenset[str] = frozenset()  # consumer groups whose offsets are in it (send_offsets)
     start_ms: int = -1  # when the open transaction began (-1: none)
     update_ms: int = 0  # when this metadata was prepared
+    # the producer id before the last move to a new one (-1: none), kept only by that
+    # move: a retried end of the transaction that rolled the producer id over is known
+    # as one (Kafka's ``previousProducerId``, KIP-360)
+    prev_producer_id: int = -1
 
     def __post_init__(self):
         tid = self.transactional_id
         if not isinstance(tid, str) or not tid:
             raise InvalidTxnStateError(f"transactional id must be a non-empty string, not {tid!r}")
-        ints = {"producer_id": 0, "epoch": 0, "timeout_ms": 1, "start_ms": -1, "update_ms": None}
+        ints = {"producer_id": 0, "epoch": 0, "timeout_ms": 1, "start_ms": -1, "update_ms": None,
+                "prev_producer_id": -1}
         for name, least in ints.items():
             value = getattr(self, name)
             if not _is_int(value) or (least is not None and value < least):
@@ -164,14 +169,28 @@ class TxnMetadata:
         """Whether an ONGOING transaction outlived its timeout (the coordinator aborts it)."""
         return self.state is TxnState.ONGOING and now_ms - self.start_ms > self.timeout_ms
 
+    def ended_by(self, producer_id: int, epoch: int) -> bool:
+        """Whether this is the COMPLETE_* state of the transaction of (``producer_id``,
+        ``epoch``): a retry of its end is answered with this outcome."""
+        if self.state not in _COMPLETE:
+            return False
+        if producer_id == self.producer_id:
+            return epoch == self.epoch - 1
+        return (producer_id == self.prev_producer_id and self.epoch == 0
+                and epoch_exhausted(epoch))
+
     def to_json(self) -> bytes:
-        """The stable, compact JSON form (sorted keys and members, a format version)."""
-        return json.dumps({
+        """The stable, compact JSON form (sorted keys and members, a format version);
+        ``prev_producer_id`` only when set."""
+        obj = {
             "v": JSON_VERSION, "transactional_id": self.transactional_id,
             "producer_id": self.producer_id, "epoch": self.epoch, "timeout_ms": self.timeout_ms,
             "state": int(self.state), "queues": sorted(self.queues), "groups": sorted(self.groups),
             "start_ms": self.start_ms, "update_ms": self.update_ms,
-        }, sort_keys=True, separators=(",", ":")).encode("ascii")
+        }
+        if self.prev_producer_id != -1:
+            obj["prev_producer_id"] = self.prev_producer_id
+        return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("ascii")
 
     @classmethod
     def from_json(cls, data: bytes) -> "TxnMetadata":
@@ -187,6 +206,8 @@ class TxnMetadata:
                                        f"expected {JSON_VERSION}")
         fields = {f.name for f in dataclasses.fields(cls)}
         keys = set(obj) - {"v"}
+        if "prev_producer_id" not in keys:  # (written only when set)
+            fields.discard("prev_producer_id")
         if keys != fields:
             raise InvalidTxnStateError(f"transaction metadata keys: missing "
                                        f"{sorted(fields - keys)}, unknown {sorted(keys - fields)}")
@@ -208,7 +229,8 @@ def _new_producer(meta: TxnMetadata, to: TxnState, producer_id: int | None,
             raise _refuse(meta, to, "a new producer id is taken only by EMPTY or COMPLETE_*")
         if producer_id == meta.producer_id:
             raise _refuse(meta, to, f"new producer id {producer_id} is the current one")
-        return {"producer_id": producer_id, "epoch": 0 if epoch is None else epoch}
+        return {"producer_id": producer_id, "epoch": 0 if epoch is None else epoch,
+                "prev_producer_id": meta.producer_id}
     if epoch is not None:
         return {"epoch": epoch}
     if to in _COMPLETE:
@@ -234,7 +256,8 @@ def transition(meta: TxnMetadata, to: TxnState, now_ms: int, *, queues=(), group
     - EMPTY, COMPLETE_*, DEAD clear them (``start_ms`` -1); COMPLETE_* bump the
       epoch by one, or, when ``epoch_exhausted``, need ``producer_id``;
     - ``producer_id`` (EMPTY or COMPLETE_* only, a different id) starts at
-      epoch 0; ``epoch`` and ``timeout_ms`` replace the values when given.
+      epoch 0 and keeps the old id as ``prev_producer_id`` (any other move clears
+      it); ``epoch`` and ``timeout_ms`` replace the values when given.
     """
     if not (isinstance(to, TxnState) or (_is_int(to) and to in _STATE_IDS)):
         raise InvalidTxnStateError(f"transactional id {meta.transactional_id!r}: "
@@ -244,7 +267,7 @@ def transition(meta: TxnMetadata, to: TxnState, now_ms: int, *, queues=(), group
         raise _refuse(meta, to, "not a valid previous state")
     if (queues or groups) and to is not TxnState.ONGOING:
         raise _refuse(meta, to, "only a move to ONGOING adds queues or groups")
-    changes: dict = {"state": to, "update_ms": now_ms}
+    changes: dict = {"state": to, "update_ms": now_ms, "prev_producer_id": -1}
     if to is TxnState.ONGOING:
         tid, going = meta.transactional_id, meta.state is TxnState.ONGOING
         changes["queues"] = (meta.queues if going else frozenset()) | _as_queues(tid, queues)

@@ -10,7 +10,7 @@ from raymq.storage.errors import (AlreadyDeliveredError, BrokerUnavailableError,
                                   ConfigMismatchError, CorruptLogError, InvalidMessageError,
                                   InvalidTxnStateError, JavaMissingError, MessageTooLargeError,
                                   OutOfOrderSequenceError, ProducerFencedError,
-                                  TransactionAbortedError,
+                                  TransactionAbortedError, TransactionAbortableError,
                                   NotDeployedError, NotScheduledError, OffsetOutOfRangeError,
                                   ProtocolVersionError, QuotaExceededError, RayAuthError,
                                   RayMQError, RayUnreachableError, RequestTimeoutError,
@@ -25,7 +25,7 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "NotDeployedError", "ConfigMismatchError", "RayUnreachableError", "RayAuthError",
            "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError",
            "QuotaExceededError", "ProducerFencedError", "TransactionAbortedError",
-           "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError",
+           "TransactionAbortableError", "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError",
            "JavaMissingError", "AlreadyDeliveredError", "NotScheduledError"]
 
 

@@ -37,7 +37,8 @@ from raymq.message import (Message, SendResult, SendStatus, assign_queues, check
                            columns_to_batch, validate_messages)
 from raymq.producer import PartResults, SendResults
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
-                                  ProducerFencedError, RayMQError, TransactionAbortedError)
+                                  ProducerFencedError, RayMQError, TransactionAbortableError,
+                                  TransactionAbortedError)
 
 log = logging.getLogger("raymq.kafka_producer")
 
@@ -56,6 +57,11 @@ class TransactionalProducer:
         self._queues: set[tuple[int, str, int]] = set()
         self._groups: set[tuple[int, str]] = set()
         self._seq: dict[int, int] = defaultdict(int)
+        # why the open transaction can only be aborted (None: it can commit): a write
+        # failed after it was sent, so whether its shard stored it is unknown, and its
+        # sequence may not be given to other messages (Kafka's abortable error)
+        self._unknown: str | None = None
+        self._reinit = False  # an end failed: init_producer again before the next begin
         self._rr: dict[str, int] = defaultdict(int)
         self.producer_id, self.epoch = self._ask("init_producer", transactional_id, timeout_ms)
 
@@ -66,6 +72,11 @@ class TransactionalProducer:
             if self._state == "in_transaction":
                 raise InvalidTxnStateError(f"{self.transactional_id}: a transaction is "
                                            f"already begun (commit or abort it first)")
+            if self._reinit:
+                self.producer_id, self.epoch = self._ask("init_producer",
+                                                         self.transactional_id,
+                                                         self.timeout_ms)
+                self._reinit = False
             self._state = "in_transaction"
 
     def send(self, msg: Message) -> SendResult:
@@ -84,7 +95,7 @@ class TransactionalProducer:
             raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
                                       "transaction")
         with self._lock:
-            self._in_transaction()
+            self._in_transaction(writing=True)
             topics = set(cols.topic)
             routes = self._mq.routes_for(topics)
             qids, shards = assign_queues(cols, routes, self._next_rr,
@@ -129,6 +140,7 @@ class TransactionalProducer:
                 except BaseException as err:
                     if isinstance(err, ProducerFencedError):
                         self._state = "fenced"
+                    self._failed(err)
                     self._settle(parts[k + 1:])
                     raise
                 self._seq[shard] = seq
@@ -145,7 +157,7 @@ class TransactionalProducer:
         ``queue_offset + 1``."""
         check_group(group)
         with self._lock:
-            self._in_transaction()
+            self._in_transaction(writing=True)
             routes = self._mq.routes_for({t for t, _q in offsets})
             by_shard: dict[int, dict] = defaultdict(dict)
             for (topic, qid), off in offsets.items():
@@ -154,7 +166,11 @@ class TransactionalProducer:
                 by_shard[routes[topic][qid]][(topic, qid)] = off
             self._register(set(), {(s, group) for s in by_shard})
             for shard, values in by_shard.items():
-                self._write(shard, "ktx_offsets", group, values)
+                try:
+                    self._write(shard, "ktx_offsets", group, values)
+                except BaseException as err:
+                    self._failed(err)
+                    raise
 
     def commit(self) -> None:
         """Commit the transaction: every message and offset of it becomes visible at once.
@@ -206,11 +222,15 @@ class TransactionalProducer:
         if self._state == "closed":
             raise RayMQError(f"{self.transactional_id}: producer closed")
 
-    def _in_transaction(self) -> None:
+    def _in_transaction(self, *, writing: bool = False) -> None:
         self._usable()
         if self._state != "in_transaction":
             raise InvalidTxnStateError(f"{self.transactional_id}: no transaction begun "
                                        f"(begin() or transaction() first)")
+        if writing and self._unknown is not None:
+            raise TransactionAbortableError(
+                f"{self.transactional_id}: the transaction can only be aborted: a write's "
+                f"outcome is unknown ({self._unknown})")
 
     def _next_rr(self, topic: str, count: int) -> int:
         first = self._rr[topic]
@@ -232,6 +252,7 @@ class TransactionalProducer:
             if isinstance(err, ProducerFencedError):
                 self._state = "fenced"
             if not isinstance(err, RayMQError) or not err.retriable:
+                self._failed(err)
                 self._settle([part for part in parts if part[0] not in waiting])
                 raise
             log.warning("%s: adding queues to the transaction: %s; retrying",
@@ -254,8 +275,13 @@ class TransactionalProducer:
             try:
                 call.result()
                 self._seq[shard] = seq
-            except RayMQError:
-                pass
+            except RayMQError as err:
+                self._failed(err)
+
+    def _failed(self, err: BaseException) -> None:
+        """A write (or offsets) sent failed: the transaction can only be aborted now."""
+        if self._unknown is None:
+            self._unknown = f"{type(err).__name__}: {err}"
 
     def _register(self, queues: set, groups: set) -> None:
         new_q, new_g = queues - self._queues, groups - self._groups
@@ -301,14 +327,21 @@ class TransactionalProducer:
     def _end(self, outcome: str) -> None:
         with self._lock:
             self._in_transaction()
+            unknown, asked = self._unknown, outcome if self._unknown is None else "ABORT"
             try:
-                self.epoch = self._ask("end_transaction", self.transactional_id,
-                                       self.producer_id, self.epoch, outcome)
+                self.producer_id, self.epoch = self._ask(
+                    "end_transaction", self.transactional_id, self.producer_id, self.epoch,
+                    asked)
             except TransactionAbortedError:
                 # aborted before this commit: go on with the epoch after that abort
                 self.producer_id, self.epoch = self._ask("init_producer",
                                                          self.transactional_id,
                                                          self.timeout_ms)
+                raise
+            except BaseException:
+                # its end is unknown: the next begin starts again from init_producer (which
+                # completes or aborts this transaction first, and fences its late writes)
+                self._reinit = True
                 raise
             finally:
                 if self._state == "in_transaction":
@@ -316,3 +349,8 @@ class TransactionalProducer:
                 self._queues.clear()
                 self._groups.clear()
                 self._seq.clear()
+                self._unknown = None
+            if unknown is not None and outcome == "COMMIT":
+                raise TransactionAbortedError(
+                    f"{self.transactional_id}: transaction aborted, not committed: a "
+                    f"write's outcome was unknown ({unknown})")

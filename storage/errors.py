@@ -113,6 +113,14 @@ class TransactionAbortedError(RayMQError):
     code = "TRANSACTION_ABORTED"
 
 
+class TransactionAbortableError(RayMQError):
+    """A write of the open transaction failed after it was sent, so whether its shard
+    stored it is unknown: the transaction can only be aborted (Kafka's abortable error).
+    ``commit`` aborts it and raises ``TransactionAbortedError``; ``abort`` ends it."""
+
+    code = "TRANSACTION_ABORTABLE"
+
+
 class InvalidTxnStateError(RayMQError):
     """A transaction call out of order (e.g. a commit with no transaction begun, a write to
     a queue not registered in the ongoing transaction)."""

@@ -42,7 +42,7 @@ class Cluster:
     def restart_coordinator(self):
         self.coordinator.close()
         self.coordinator = self.start()
-        self.coordinator._finish_prepared()  # what its background loop does first
+        self.coordinator.complete_prepared()  # what its background loop does first
         return self.coordinator
 
     def read(self, shard, topic="t", qid=0, isolation="read_committed"):
@@ -73,10 +73,10 @@ def test_a_commit_over_two_shards_is_visible_on_both_and_bumps_the_epoch(cluster
     write(cluster, "job", pid, epoch, 1, 0, b"a")
     write(cluster, "job", pid, epoch, 1, 1, b"b")
     assert cluster.read(0) == [] and cluster.read(1) == []  # open: held back
-    assert cluster.coordinator.end_transaction("job", pid, epoch, "COMMIT") == epoch + 1
+    assert cluster.coordinator.end_transaction("job", pid, epoch, "COMMIT") == (pid, epoch + 1)
     assert cluster.read(0) == [b"a"] and cluster.read(1) == [b"b"]
     # a retry of the same commit answers the same; a late write of it is fenced
-    assert cluster.coordinator.end_transaction("job", pid, epoch, "COMMIT") == epoch + 1
+    assert cluster.coordinator.end_transaction("job", pid, epoch, "COMMIT") == (pid, epoch + 1)
     with pytest.raises(ProducerFencedError):
         cluster.shards[0].ktx_send(RecordBatch("t", 0, [b"late"]), pid, epoch, 2)
     described = cluster.coordinator.describe_transaction("job")
