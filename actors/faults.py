@@ -9,7 +9,7 @@ frames).  The reply of a send asks its ``Faults`` for the status it answers with
 from __future__ import annotations
 
 from raymq.storage import faults as storage_faults
-from raymq.storage.errors import InvalidMessageError
+from raymq.storage.errors import InvalidMessageError, RayMQError
 from raymq.storage.store import PutStatus
 
 
@@ -22,6 +22,9 @@ class Faults:
         """The status a send is answered with."""
         return status
 
+    def ktx_stored(self) -> None:
+        """Called once a transactional write is stored, before it is answered."""
+
 
 class FlushDiskTimeout(Faults):
     """Answer sends FLUSH_DISK_TIMEOUT (stored, not known durable), as a disk too slow
@@ -33,8 +36,19 @@ class FlushDiskTimeout(Faults):
         return PutStatus.FLUSH_DISK_TIMEOUT
 
 
+class KtxReplyLost(Faults):
+    """Store a transactional write, then answer it with an error (not retriable): its
+    producer cannot know it was stored, as when the answer is lost for good."""
+
+    name = "ktx_reply_lost"
+
+    def ktx_stored(self) -> None:
+        raise RayMQError("the answer to this transactional write was lost (test fault "
+                         "ktx_reply_lost)")
+
+
 NO_FAULTS = Faults()
-_BY_NAME = {f.name: f for f in (FlushDiskTimeout,)}
+_BY_NAME = {f.name: f for f in (FlushDiskTimeout, KtxReplyLost)}
 CRASH_AT = "crash_at:"
 
 

@@ -30,6 +30,14 @@ class GroupOffsets:
 
     def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
+        values = self.values(group, offsets)
+        if values:
+            self.admit(group)
+            self.store.save_offsets(values)
+
+    def values(self, group: str, offsets: dict[tuple[str, int], int]) -> dict[str, int]:
+        """The offset table's entries of ``offsets``; ``OffsetOutOfRangeError`` for one past
+        the end of its queue."""
         values = {}
         for (topic, qid), off in offsets.items():
             end = self.store.max_queue_offset(topic, qid)
@@ -38,9 +46,7 @@ class GroupOffsets:
                     f"cannot commit offset {off!r} for {topic}/{qid} of group {group!r}: "
                     f"the queue holds offsets 0..{end}")
             values[offset_key(group, topic, qid)] = off
-        if values:
-            self.admit(group)
-            self.store.save_offsets(values)
+        return values
 
     def admit(self, group: str) -> None:
         """Count ``group`` among the groups with offsets here; ``QuotaExceededError`` when

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from raymq.actors.group_offsets import offset_key
+from raymq.storage.faults import crash_point
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
                                   OutOfOrderSequenceError, ProducerFencedError,
                                   RequestTimeoutError)
@@ -360,6 +361,7 @@ class KafkaTxnQueues:
             if res.status is not PutStatus.PUT_OK:
                 raise RequestTimeoutError("the transaction markers did not reach the disk "
                                           "within flush_timeout_ms; retry")
+            crash_point("ktx.markers_durable")
             placed = res.queue_offset_array.tolist()
             index_offset = placed[-1]
             rec = {**rec, "markers": [[t, q, off] for (t, q), off in zip(queues, placed)]}

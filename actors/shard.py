@@ -288,8 +288,8 @@ class BrokerShard:
             return self.halves.status()
 
     def set_fault(self, fault: str | None) -> None:
-        """Test hooks (``raymq.actors.faults``): 'crash_at:POINT[:N]' kills the process at a
-        storage crash point; 'flush_disk_timeout' answers sends FLUSH_DISK_TIMEOUT."""
+        """Test hooks: 'crash_at:POINT[:N]', 'flush_disk_timeout', 'ktx_reply_lost'
+        (``raymq.actors.faults`` says what each does)."""
         self.faults = faults_named(fault)
 
     # ------------------------------------------------- reads and offsets
@@ -433,6 +433,7 @@ class BrokerShard:
                             lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq),
                             wait_ms, self.config.send_timeout_ms)
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
+        self.faults.ktx_stored()
         return self._sent(batch, res, res.status)
 
     def ktx_offsets(self, producer_id: int, epoch: int, group: str, offsets: dict) -> None:
@@ -440,9 +441,7 @@ class BrokerShard:
         check_group(group)
         check_offsets(offsets)
         self._check_readable(set(offsets), group)
-        for (t, q), off in offsets.items():
-            if off > self.store.max_queue_offset(t, q):
-                raise OffsetOutOfRangeError(f"offset {off} is past the end of {t}/{q}")
+        self.offsets.values(group, offsets)  # (each in its queue's range)
         self.ktx.add_offsets(producer_id, epoch, group, dict(offsets))
 
     def ktx_end(self, producer_id: int, epoch: int, outcome: str) -> dict:

@@ -29,10 +29,18 @@ class ManualClock:
 
     def __init__(self, start_ms: int = 1_700_000_000_000):
         self._now = int(start_ms)
+        self._wall_step = 0  # the wall clock's steps (an operator, NTP); monotonic has none
         self._lock = threading.Lock()
 
     def now_ms(self) -> int:
-        return self._now
+        return self._now + self._wall_step
+
+    def step_wall(self, ms: int) -> int:
+        """Step the wall clock alone (back when ``ms`` < 0), as an operator or NTP does:
+        ``monotonic_ms`` does not move."""
+        with self._lock:
+            self._wall_step += int(ms)
+            return self.now_ms()
 
     def monotonic_ms(self) -> float:
         return float(self._now)
@@ -42,4 +50,4 @@ class ManualClock:
             raise ValueError("a clock does not go back")
         with self._lock:
             self._now += int(ms)
-            return self._now
+            return self.now_ms()

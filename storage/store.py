@@ -234,6 +234,11 @@ class MessageStore:
         return PutResult(status, cached.phys, cached.queue_offsets, cached.sizes,
                          duplicate=True)
 
+    def producer_ids(self) -> list[int]:
+        """The producer ids the idempotence table holds now (one entry each)."""
+        with self._write_lock:
+            return [int(p) for p in self._producers.snapshot()]
+
     def last_sequence(self, producer_id: int) -> int:
         """The last put sequence stored for a producer (0: none)."""
         with self._write_lock:

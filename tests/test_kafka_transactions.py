@@ -9,7 +9,8 @@ import time
 import pytest
 import ray
 
-from raymq import (Message, ProducerFencedError, TransactionAbortedError, rpc)
+from raymq import (Message, ProducerFencedError, TransactionAbortableError,
+                   TransactionAbortedError, rpc)
 from raymq.storage.errors import InvalidTxnStateError, RayMQError
 from tests.conftest import wait_for
 from tests.test_cluster import keys_for_queues, queue_ends, read_to_end
@@ -147,6 +148,34 @@ def test_calls_out_of_order_are_one_clear_error(mq, name):
     with pytest.raises(InvalidTxnStateError, match="already begun"):
         kp.begin()
     kp.abort()
+    kp.close()
+
+
+def test_a_write_whose_outcome_is_unknown_leaves_the_transaction_only_to_abort(mq, name):
+    """Issue 25 (5): the shard stores a write and its answer is an error; the producer
+    must not give that write's sequence to other messages (the shard would answer them
+    as a duplicate and store nothing) -- the transaction can only be aborted."""
+    mq.create_topic(name, queues=1)
+    kp = mq.transactional_producer(f"p{name}")
+    shard = mq.routes_for({name})[name][0]
+    handle = mq.shard_handle(shard)
+    kp.begin()
+    kp.send(Message(name, b"first"))
+    rpc.call(handle.set_fault, "ktx_reply_lost", timeout_s=30)
+    try:
+        with pytest.raises(RayMQError, match="ktx_reply_lost"):
+            kp.send(Message(name, b"stored, answer lost"))
+    finally:
+        rpc.call(handle.set_fault, None, timeout_s=30)
+    assert len(read_all(mq, f"u{name}", [name], "read_uncommitted")) == 2  # it was stored
+    with pytest.raises(TransactionAbortableError):
+        kp.send(Message(name, b"another"))
+    with pytest.raises(TransactionAbortedError, match="unknown"):
+        kp.commit()
+    assert read_all(mq, f"c{name}", [name]) == []  # nothing of it, not half of it
+    with kp.transaction():  # the next transaction is a clean one
+        kp.send(Message(name, b"next"))
+    assert bodies(read_all(mq, f"d{name}", [name])) == [b"next"]
     kp.close()
 
 
