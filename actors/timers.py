@@ -108,11 +108,22 @@ class TimerScheduler:
             for key in self.wheel.keys():
                 if key < self._current:
                     self.wheel.drop(key)
-            for index, due in list(self.cancels.timer.items()):
-                if self.wheel.key_of(due) < self._current:  # passed: skipped back then
-                    del self.cancels.timer[index]
+            self._forget_passed_cancels()
         self.max_lateness_ms = 0
         self.delivered = 0
+
+    def _forget_passed_cancels(self) -> None:
+        """Cancellations of messages a finished bucket passed (skipped back then) are
+        forgotten on start.  One due in a finished bucket but indexed late (a due time
+        already past when indexed, as after the wall clock stepped back) sits in the
+        current bucket or is not indexed yet: kept."""
+        stale = [i for i, due in self.cancels.timer.items()
+                 if self.wheel.key_of(due) < self._current and i < self._indexed]
+        if stale:
+            waiting = set(self.wheel.load(self._current)["index"].tolist())
+            for index in stale:
+                if index not in waiting:
+                    del self.cancels.timer[index]
 
     # ----------------------------------------------------------- delivery
     def deliver_due(self) -> int:

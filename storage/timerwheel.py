@@ -21,12 +21,15 @@ import os
 
 import numpy as np
 
+from raymq.storage.errors import ConfigError
 from raymq.storage.fileutil import atomic_write, fsync_dir
 
 #: One wheel entry: the message's index in the timer log and its due time.
 WHEEL_ENTRY = np.dtype([("index", "<i8"), ("due", "<i8")])
 #: Buckets per day directory (a day of one-minute buckets).
 _PER_DIR = 1440
+#: The wheel's own description (its bucket size), beside the checkpoint.
+WHEEL_META = "wheel.json"
 
 
 class TimerWheel:
@@ -39,6 +42,7 @@ class TimerWheel:
         self.bucket_ms = bucket_ms
         self._buckets_dir = os.path.join(directory, "b")
         os.makedirs(self._buckets_dir, exist_ok=True)
+        self._check_bucket_size()
         self._checkpoint_path = os.path.join(directory, "checkpoint.json")
         #: entries per bucket key as written (a pair written twice counts twice)
         self.counts: dict[int, int] = {}
@@ -136,6 +140,22 @@ class TimerWheel:
                      label="timer.checkpoint")
 
     # ---------------------------------------------------------------- inside
+    def _check_bucket_size(self) -> None:
+        """Bucket keys on disk are in units of the bucket size they were written with:
+        recorded on first use; a wheel opened with another size is refused (its keys
+        would strand every scheduled message)."""
+        path = os.path.join(self.directory, WHEEL_META)
+        try:
+            with open(path, "rb") as f:
+                recorded = json.loads(f.read())["bucket_ms"]
+        except FileNotFoundError:
+            atomic_write(path, json.dumps({"bucket_ms": self.bucket_ms}).encode())
+            return
+        if recorded != self.bucket_ms:
+            raise ConfigError(f"timer_bucket_ms is {self.bucket_ms} but this shard's timer "
+                              f"wheel ({self.directory}) was written with {recorded}: set it "
+                              f"back to {recorded}")
+
     def _path(self, key: int, *, create: bool = False) -> str:
         d = os.path.join(self._buckets_dir, str(key // _PER_DIR))
         if create and not os.path.isdir(d):

@@ -18,7 +18,8 @@ from raymq.actors.shard import BrokerShard
 from raymq.message import Message, Prop
 from raymq.storage import RecordBatch
 from raymq.storage.clock import ManualClock
-from raymq.storage.errors import AlreadyDeliveredError, InvalidMessageError, NotScheduledError
+from raymq.storage.errors import (AlreadyDeliveredError, ConfigError, InvalidMessageError,
+                                  NotScheduledError)
 from raymq.storage.timerwheel import TimerWheel
 
 DAY = 86_400_000
@@ -409,4 +410,47 @@ def test_a_timer_just_sent_is_listed_before_the_timer_thread_indexed_it(tmp_path
     listed = sh.timer_list(clock.now_ms() + 3_600_000)
     assert [(x["msg_id"], x["key"], x["topic"], x["queue_id"]) for x in listed] == \
         [(make_msg_id(0, reply.phys[0]), "k1", "t", 0)]
+    sh.close()
+
+
+def test_a_cancelled_timer_stays_cancelled_after_the_clock_stepped_back_and_a_restart(
+        tmp_path):
+    """Issue 25 (10): sent after the wall clock stepped back, a timer is indexed late
+    (into the current bucket); its cancellation must survive the restart's purge."""
+    clock = ManualClock()
+    sh = open_shard(tmp_path, clock)
+    sh.send(RecordBatch("t", 0, [b"before"], properties=[after(10)]))
+    sh.deliver_due()
+    clock.advance(120_000)
+    sh.deliver_due()  # a bucket finished: the wheel has a checkpoint
+    assert bodies(sh) == [b"before"]
+    assert sh.timers.wheel.read_checkpoint()["current"] > sh.timers.wheel.key_of(
+        clock.now_ms() - 3_600_000)  # (what the step back below goes behind)
+    clock.step_wall(-3_600_000)  # an hour back
+    reply = sh.send(RecordBatch("t", 0, [b"cancelled", b"kept"],
+                                properties=[after(30_000), after(30_000)]))
+    sh.deliver_due()  # indexed: due in a bucket before the current one
+    assert sh.cancel_scheduled(reply.phys[0]) == "cancelled"
+    sh.close()
+    sh = open_shard(tmp_path, clock)
+    clock.advance(30_001)
+    sh.deliver_due()
+    assert bodies(sh) == [b"before", b"kept"]
+    sh.close()
+
+
+def test_a_changed_timer_bucket_size_is_refused_in_one_line(tmp_path):
+    """Issue 25 (9): the wheel's bucket keys are in the units it was written with."""
+    clock = ManualClock()
+    sh = open_shard(tmp_path, clock)
+    sh.send(RecordBatch("t", 0, [b"later"], properties=[after(3_600_000)]))
+    sh.deliver_due()
+    sh.close()
+    with pytest.raises(ConfigError) as e:
+        open_shard(tmp_path, clock, timer_bucket_ms=1000)
+    assert "timer_bucket_ms" in str(e.value) and "\n" not in str(e.value)
+    sh = open_shard(tmp_path, clock)  # set back: everything is still there
+    clock.advance(3_600_000)
+    sh.deliver_due()
+    assert bodies(sh) == [b"later"]
     sh.close()
