@@ -158,6 +158,10 @@ class ClusterConfig(BaseModel):
         7 * 24 * 3600 * 1000, ge=1, description="A transactional id with no transaction "
         "open and no call this long is forgotten by its coordinator (Kafka's "
         "transactional.id.expiration.ms); its producer starts again with a new producer id.")
+    state_log_compact_records: StrictInt = Field(
+        10_000, ge=1, description="A coordinator's transaction log and a shard's "
+        "Kafka-style index are folded into a snapshot of their live state once this many "
+        "records follow the last one: a restart reads the snapshot and this tail at most.")
     kafka_txn_check_interval_ms: StrictInt = Field(
         1000, ge=1, description="How often a coordinator looks for transactions past their "
         "timeout.")

@@ -27,18 +27,16 @@ from raymq.actors.config import ClusterConfig
 from raymq.actors.faults import faults_named
 from raymq.actors.ktx import KeyedLocks
 from raymq.actors.protocol import check_group
+from raymq.actors.txn_log import TxnLog
 from raymq.actors.txn_state import (MAX_EPOCH, TxnMetadata, TxnState, epoch_exhausted,
                                     init_producer, transition)
-from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import (ConcurrentTransactionsError, InvalidMessageError,
-                                  InvalidTxnStateError, ProducerFencedError, RayMQError,
-                                  RequestTimeoutError, TransactionAbortedError)
-from raymq.storage.store import PutStatus
+                                  InvalidTxnStateError, ProducerFencedError,
+                                  TransactionAbortedError)
 
 log = logging.getLogger("raymq.coordinator")
 
-TXN_LOG_TOPIC = "RMQ_SYS_TXN_LOG"
 PREPARED = frozenset({TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT})
 #: A prepared transaction whose markers failed is tried again after this back-off (ms),
 #: doubling up to the second figure.
@@ -108,8 +106,9 @@ class TransactionCoordinator:
         self._begin_shard = begin_shard or (
             lambda shard, method, args: _Done(call_shard, shard, method, *args))
         self.directory = os.path.join(self.config.resolved_data_dir(), f"coordinator-{index}")
-        self.store = MessageStore(self.directory, self.config.store_config(), self.clock,
-                                  background=background)
+        self.log = TxnLog(self.directory, self.config.store_config(), self.clock,
+                          compact_records=self.config.state_log_compact_records,
+                          background=background)
         self._txns: dict[str, TxnMetadata] = {}
         self._began: dict[str, float] = {}   # tid -> monotonic ms its ONGOING began
         self._seen: dict[str, float] = {}    # tid -> monotonic ms of its last logged move
@@ -128,30 +127,18 @@ class TransactionCoordinator:
 
     # ------------------------------------------------------------- the log
     def _load(self) -> None:
-        loaded: dict[str, TxnMetadata] = {}
-        for m in self.store.scan_queue(TXN_LOG_TOPIC, 0):
-            try:
-                meta = TxnMetadata.from_json(m.body)
-            except RayMQError as err:  # skip-and-log, as every recovery does
-                log.error("coordinator-%d: skipped a log record: %s", self.index, err)
-                continue
-            loaded[meta.transactional_id] = meta
-            self._last_counter = max(self._last_counter, meta.producer_id >> 8)
+        loaded, self._last_counter = self.log.load()
         now, mono = self.clock.now_ms(), self.clock.monotonic_ms()
         for meta in loaded.values():  # an open transaction's age: at most its timeout
             self._keep(meta, mono, min(max(0, now - meta.start_ms), meta.timeout_ms))
         if self._txns:
-            log.info("coordinator-%d: %d transactional ids from its log", self.index,
-                     len(self._txns))
+            log.info("coordinator-%d: %d transactional ids from its log (%d records after "
+                     "its snapshot)", self.index, len(self._txns), self.log.replayed)
 
     def _append(self, meta: TxnMetadata, *, wait: bool = True) -> None:
         """Log ``meta`` (durably, unless ``wait`` is False: a COMPLETE state, which a
         restart that lost it finds PREPARE_* and completes again) and keep it."""
-        res = self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()],
-                                         keys=[meta.transactional_id]), wait=wait)
-        if wait and res.status is not PutStatus.PUT_OK:
-            raise RequestTimeoutError("the transaction log write did not reach the disk "
-                                      "within flush_timeout_ms; retry")
+        self.log.append(meta, wait=wait)
         self._keep(meta, self.clock.monotonic_ms(), 0)
 
     def _keep(self, meta: TxnMetadata, mono_ms: float, age_ms: int) -> None:
@@ -327,7 +314,8 @@ class TransactionCoordinator:
     # ------------------------------------------------------- timeouts, restart
     def _loop(self) -> None:
         while not self._stop.is_set():
-            for step in (self.complete_prepared, self.abort_expired, self.expire_ids):
+            for step in (self.complete_prepared, self.abort_expired, self.expire_ids,
+                         self.log.compact):
                 try:
                     step()
                 except Exception as err:  # noqa: BLE001 -- the loop must live on
@@ -452,10 +440,11 @@ class TransactionCoordinator:
 
     def ping(self) -> dict:
         return {"coordinator": self.index, "pid": os.getpid(), "transactional_ids":
-                len(self._txns), "completed_on_start": self.completed_on_start}
+                len(self._txns), "completed_on_start": self.completed_on_start,
+                "replayed_on_start": self.log.replayed}
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        self.store.close()
+        self.log.close()

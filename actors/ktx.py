@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +32,7 @@ import numpy as np
 
 from raymq.actors.group_offsets import offset_key
 from raymq.storage.faults import crash_point
+from raymq.storage.snapshots import read_snapshot, write_snapshot
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
                                   OutOfOrderSequenceError, ProducerFencedError,
                                   RequestTimeoutError)
@@ -40,6 +42,8 @@ from raymq.storage.store import PutStatus
 log = logging.getLogger("raymq.ktx")
 
 KTX_INDEX_TOPIC = "RMQ_SYS_KTX_INDEX"
+#: The index's snapshot (``raymq.storage.snapshots``) in the shard's directory.
+SNAPSHOT_FILE, SNAPSHOT_KIND = "ktx-index.snapshot", "ktx-index"
 #: Store-level producer ids of Kafka-style producers: one per producer id (below the
 #: broker's own, from 2**62).  Its store sequence is (epoch << SEQ_BITS) | sequence: each
 #: epoch's sequences start at 1, and the table holds one entry a producer id, not one a
@@ -96,6 +100,12 @@ class AbortedRanges:
         self._lasts.append(last)
         self._arrays = None
 
+    def firsts(self) -> list[int]:
+        return list(self._firsts)
+
+    def lasts(self) -> list[int]:
+        return list(self._lasts)
+
     def covers(self, offsets: np.ndarray) -> np.ndarray:
         """Which of ``offsets`` lie in one of the ranges (a binary search each)."""
         if self._arrays is None:
@@ -127,6 +137,7 @@ class KafkaTxns:
         # producer's transactions follow each other: searched, not scanned)
         self._aborted: dict[Queue, dict[int, AbortedRanges]] = defaultdict(dict)
         self.ends: dict[int, tuple[int, str]] = {}  # producer id -> (fence, outcome) last
+        self.seen_ms: dict[int, int] = {}  # producer id -> when it last began or ended one
         self._holding: dict[Queue, dict[int, int]] = defaultdict(dict)  # queue -> pid -> first
         self.touched: set[Queue] = set()          # queues that ever took part in one
 
@@ -156,6 +167,8 @@ class KafkaTxns:
         """Apply one index record (live, after it is durable, or in a replay)."""
         pid, epoch = rec["pid"], rec["epoch"]
         kind = rec["k"]
+        if "ms" in rec:
+            self.seen_ms[pid] = max(self.seen_ms.get(pid, 0), rec["ms"])
         if kind == "begin":
             self.epochs[pid] = max(self.epochs.get(pid, -1), epoch)
             txn = self.open.get(pid)
@@ -217,6 +230,51 @@ class KafkaTxns:
     def aborted_count(self) -> int:
         return sum(len(r) for by_pid in self._aborted.values() for r in by_pid.values())
 
+    # --------------------------------------------------------- snapshots
+    def expire(self, now_ms: int, expiry_ms: int) -> int:
+        """Forget producer ids with nothing open here and not seen for ``expiry_ms`` (their
+        epochs and last ends; their aborted ranges stay, as long as the records they
+        hide).  A forgotten id can write again only once its coordinator registers it, and
+        its coordinator fences every id but a transactional id's current one.  How many."""
+        old = [pid for pid in self.epochs if pid not in self.open
+               and now_ms - self.seen_ms.get(pid, 0) > expiry_ms]
+        for pid in old:
+            for table in (self.epochs, self.ends, self.seen_ms):
+                table.pop(pid, None)
+        return len(old)
+
+    def to_state(self) -> dict:
+        """The whole state as JSON-able data (``from_state`` reads it back)."""
+        return {
+            "epochs": [[p, e] for p, e in self.epochs.items()],
+            "ends": [[p, f, o] for p, (f, o) in self.ends.items()],
+            "seen": [[p, ms] for p, ms in self.seen_ms.items()],
+            "open": [[p, t.epoch, t.begun_ms, [[q[0], q[1], f] for q, f in t.queues.items()],
+                      [[g, [[q[0], q[1], o] for q, o in offs.items()]]
+                       for g, offs in t.offsets.items()]] for p, t in self.open.items()],
+            "aborted": [[q[0], q[1], p, r.firsts(), r.lasts()]
+                        for q, by_pid in self._aborted.items() for p, r in by_pid.items()],
+            "touched": sorted([t, q] for t, q in self.touched)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "KafkaTxns":
+        out = cls()
+        out.epochs = {p: e for p, e in state["epochs"]}
+        out.ends = {p: (f, o) for p, f, o in state["ends"]}
+        out.seen_ms = {p: ms for p, ms in state["seen"]}
+        for p, epoch, begun, queues, offsets in state["open"]:
+            txn = out.open[p] = OpenTxn(epoch, begun_ms=begun)
+            for t, q, first in queues:
+                txn.queues[(t, q)] = first
+                out._holding[(t, q)][p] = first
+            txn.offsets = {g: {(t, q): o for t, q, o in offs} for g, offs in offsets}
+        for t, q, p, firsts, lasts in state["aborted"]:
+            ranges = out._aborted[(t, q)][p] = AbortedRanges()
+            for first, last in zip(firsts, lasts):
+                ranges.add(first, last)
+        out.touched = {(t, q) for t, q in state["touched"]}
+        return out
+
 
 def encode(rec: dict) -> bytes:
     return json.dumps(rec, separators=(",", ":")).encode()
@@ -255,7 +313,7 @@ class KafkaTxnQueues:
     records, markers, offsets).  ``lock`` guards the state; puts happen under it."""
 
     def __init__(self, store, clock, admit_group: Callable[[str], None],
-                 wake: Callable[[], None]):
+                 wake: Callable[[], None], *, compact_records: int = 10_000):
         self.store = store
         self.clock = clock
         self._admit_group = admit_group  # a group whose offsets join a transaction: its quota
@@ -268,14 +326,29 @@ class KafkaTxnQueues:
         # one producer's writes, registrations and markers in turn (a write checked
         # before a marker is stored before it); other producers' go on meanwhile
         self._locks = KeyedLocks()
+        # producer id -> the index's end when its end began (its end record lands there
+        # or later): a snapshot never passes an end whose offsets are not applied yet
+        self._ending: dict[int, int] = {}
+        self._snapshot_path = os.path.join(store.directory, SNAPSHOT_FILE)
+        # producer ids idle this long are forgotten (as the store forgets their sequences)
+        self.expiry_ms, self.compact_records = store.config.producer_expiry_ms, compact_records
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._recover()
 
     def _recover(self) -> None:
-        end = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
+        """The state from the index's snapshot and the records after it; a committed end
+        whose group offsets were not saved (its producer's applied key is before it) has
+        them applied again, in the log's order."""
+        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND)
+        self._snapshot_offset = 0 if snap is None else snap[0]
+        if snap is not None:
+            self.state = KafkaTxns.from_state(snap[1])
         legacy = self.store.offsets.get(LEGACY_APPLIED_KEY)  # (one watermark, before 0.x)
-        redo = []
-        for m in self.store.scan_queue(KTX_INDEX_TOPIC, 0):
+        redo, n = [], 0
+        for m in self.store.scan_queue(KTX_INDEX_TOPIC, 0, self._snapshot_offset):
             rec = decode(m.body)
+            n += 1
             if rec is None:
                 continue
             if rec["k"] == "end" and rec["outcome"] == "COMMIT" and m.queue_offset > max(
@@ -286,10 +359,58 @@ class KafkaTxnQueues:
             self.state.apply(rec)
         for args in redo:  # a commit whose offsets were not saved yet, in the log's order
             self._apply_offsets(*args)
-        if end:
-            log.info("Kafka-style transactions: %d open, %d aborted ranges, from %d index "
-                     "records (%d commits' offsets applied again)", len(self.state.open),
-                     self.state.aborted_count(), end, len(redo))
+        self.replayed = n
+        if n or snap is not None:
+            log.info("Kafka-style transactions: %d open, %d aborted ranges, %d index records "
+                     "after the snapshot (%d commits' offsets applied again)",
+                     len(self.state.open), self.state.aborted_count(), n, len(redo))
+
+    def compact(self) -> bool:
+        """Fold the index into its snapshot once ``compact_records`` records follow the last
+        one, up to the first end whose offsets may not be applied yet; forget producer ids
+        idle past ``expiry_ms``, and the applied keys no restart needs any more.  Whether
+        it did."""
+        with self.lock:
+            end = min([self.store.max_queue_offset(KTX_INDEX_TOPIC, 0),
+                       *self._ending.values()])
+        if end - self._snapshot_offset < self.compact_records:
+            return False
+        self.store.make_durable()
+        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND)
+        folded = KafkaTxns() if snap is None else KafkaTxns.from_state(snap[1])
+        for m in self.store.scan_queue(KTX_INDEX_TOPIC, 0, 0 if snap is None else snap[0]):
+            if m.queue_offset >= end:
+                break
+            rec = decode(m.body)
+            if rec is not None:
+                folded.apply(rec)
+        folded.expire(self.clock.now_ms(), self.expiry_ms)
+        write_snapshot(self._snapshot_path, SNAPSHOT_KIND, end, folded.to_state())
+        self._snapshot_offset = end
+        passed = [k for k, v in self.store.offsets.snapshot().items()
+                  if k.startswith(APPLIED_PREFIX) and v < end]
+        if passed:  # (ends before the snapshot are never replayed)
+            self.store.offsets.delete(passed)
+        with self.lock:
+            self.state.expire(self.clock.now_ms(), self.expiry_ms)
+        return True
+
+    def start(self) -> None:
+        """Compact in a background thread (a round a second)."""
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="raymq-ktx")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.compact()
+            except Exception:  # noqa: BLE001 -- the loop must live on; the log still holds all
+                log.exception("Kafka-style index compaction failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
     def _append(self, rec: dict, *, wait: bool = True) -> int:
         """Write an index record (durably unless ``wait`` is False); its queue offset."""
@@ -347,30 +468,39 @@ class KafkaTxnQueues:
                         producer_id, -1))
                     self._changed.notify_all()  # (a fence: a waiting write is refused)
                     return {"markers": 0}
-            queues = sorted(txn.queues)
-            # one put: a marker in each queue, then the end record (all or nothing).  The
-            # record names each queue's end before the put: the marker lands there or
-            # later, and every record of this producer's transaction lies before it
-            rec = {"k": "end", "pid": producer_id, "epoch": txn.epoch, "fence": epoch,
-                   "outcome": outcome,
-                   "markers": [[t, q, self.store.max_queue_offset(t, q)] for t, q in queues]}
-            res = self.store.put(RecordBatch.from_records(
-                [Record(t, q, outcome.encode(), flags=int(SysFlag.CONTROL),
-                        prepared_offset=producer_id) for t, q in queues] +
-                [Record(KTX_INDEX_TOPIC, 0, encode(rec))]))
-            if res.status is not PutStatus.PUT_OK:
-                raise RequestTimeoutError("the transaction markers did not reach the disk "
-                                          "within flush_timeout_ms; retry")
-            crash_point("ktx.markers_durable")
-            placed = res.queue_offset_array.tolist()
-            index_offset = placed[-1]
-            rec = {**rec, "markers": [[t, q, off] for (t, q), off in zip(queues, placed)]}
-            offsets = txn.offsets
-            with self.lock:
-                self.state.apply(rec)
-                self._changed.notify_all()
-            if outcome == "COMMIT" and any(offsets.values()):
-                self._apply_offsets(producer_id, offsets, index_offset)
+                self._ending[producer_id] = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
+            try:
+                return self._end(producer_id, epoch, outcome, txn)
+            finally:
+                with self.lock:
+                    del self._ending[producer_id]
+
+    def _end(self, producer_id: int, epoch: int, outcome: str, txn: OpenTxn) -> dict:
+        """``end``'s markers and offsets for the open ``txn`` (under the producer's lock)."""
+        queues = sorted(txn.queues)
+        # one put: a marker in each queue, then the end record (all or nothing).  The
+        # record names each queue's end before the put: the marker lands there or
+        # later, and every record of this producer's transaction lies before it
+        rec = {"k": "end", "pid": producer_id, "epoch": txn.epoch, "fence": epoch,
+               "outcome": outcome, "ms": self.clock.now_ms(),
+               "markers": [[t, q, self.store.max_queue_offset(t, q)] for t, q in queues]}
+        res = self.store.put(RecordBatch.from_records(
+            [Record(t, q, outcome.encode(), flags=int(SysFlag.CONTROL),
+                    prepared_offset=producer_id) for t, q in queues] +
+            [Record(KTX_INDEX_TOPIC, 0, encode(rec))]))
+        if res.status is not PutStatus.PUT_OK:
+            raise RequestTimeoutError("the transaction markers did not reach the disk "
+                                      "within flush_timeout_ms; retry")
+        crash_point("ktx.markers_durable")
+        placed = res.queue_offset_array.tolist()
+        index_offset = placed[-1]
+        rec = {**rec, "markers": [[t, q, off] for (t, q), off in zip(queues, placed)]}
+        offsets = txn.offsets
+        with self.lock:
+            self.state.apply(rec)
+            self._changed.notify_all()
+        if outcome == "COMMIT" and any(offsets.values()):
+            self._apply_offsets(producer_id, offsets, index_offset)
         self._wake()
         return {"markers": len(queues)}
 

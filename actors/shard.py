@@ -91,13 +91,14 @@ class BrokerShard:
                                      self.clock, self.metrics, self.reads.wake, self.cancels)
         self.dead_letters = DeadLetters(index, self.store, self.config, self._levels_ms,
                                         lambda *a: self._store_request(*a), self.metrics)
-        self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.admit, self.reads.wake)
+        self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.admit, self.reads.wake,
+                                  compact_records=self.config.state_log_compact_records)
         self.reads.txns = self.ktx
         self.offsets.cut_back()
         self.halves.load()
         if background:
-            self.delays.start()
-            self.timers.start()
+            for part in (self.delays, self.timers, self.ktx):
+                part.start()
 
     # ------------------------------------------------------------- routes
     def set_routes(self, routes: Iterable[tuple[str, int]]) -> None:
@@ -457,8 +458,8 @@ class BrokerShard:
         return {"shard": self.index, "directory": self.directory, "pid": os.getpid()}
 
     def close(self) -> None:
-        self.delays.stop()
-        self.timers.stop()
+        for part in (self.delays, self.timers, self.ktx):
+            part.stop()
         self.store.close()
 
 

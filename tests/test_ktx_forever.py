@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from raymq.actors.config import ClusterConfig
-from raymq.actors.coordinator import TXN_LOG_TOPIC
+from raymq.actors.txn_log import TXN_LOG_TOPIC
 from raymq.actors.ktx import KTX_STORE_PID_BASE, KafkaTxns
 from raymq.actors.shard import BrokerShard
 from raymq.actors.txn_state import MAX_EPOCH, TxnMetadata, TxnState
@@ -42,7 +42,7 @@ def at_epoch(cluster, tid: str, epoch: int) -> tuple[int, int]:
     transactions), read back by a restarted coordinator: its (producer id, epoch)."""
     pid, _ = cluster.coordinator.init_producer(tid)
     meta = TxnMetadata(tid, pid, epoch, 10_000, TxnState.COMPLETE_COMMIT, update_ms=1)
-    cluster.coordinator.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()], keys=[tid]))
+    cluster.coordinator.log.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()], keys=[tid]))
     cluster.restart_coordinator()
     d = cluster.coordinator.describe_transaction(tid)
     return d["producer_id"], d["epoch"]
@@ -387,3 +387,80 @@ def test_idle_transactional_ids_expire_and_an_open_one_never_does(tmp_path):
         assert new_epoch == 0
     finally:
         c.close()
+
+
+# ------------------------------------------- 7. logs of state compacted: snapshot + tail
+def test_the_coordinator_log_is_compacted_and_a_restart_reads_only_the_tail(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        c.cfg["state_log_compact_records"] = 200
+        coordinator = c.restart_coordinator()
+        seq = {}
+        for k in range(300):  # 3 ids, 3 log records a transaction: ~900 records
+            tid = f"job-{k % 3}"
+            if tid not in seq:
+                seq[tid] = coordinator.init_producer(tid)
+            pid, epoch = seq[tid]
+            write(c, tid, pid, epoch, 1, k % 2, b"%d" % k)
+            seq[tid] = coordinator.end_transaction(tid, pid, epoch,
+                                                   "ABORT" if k % 5 == 0 else "COMMIT")
+            if k % 100 == 99:
+                assert coordinator.log.compact()
+        pid, epoch = coordinator.init_producer("open")
+        write(c, "open", pid, epoch, 1, 0, b"open")
+        before = coordinator.list_transactions()
+        coordinator = c.restart_coordinator()
+        assert coordinator.ping()["replayed_on_start"] < 200  # the tail, not ~900 records
+        assert coordinator.list_transactions() == before
+        assert coordinator.end_transaction("open", pid, epoch, "COMMIT") == (pid, epoch + 1)
+        assert coordinator.init_producer("new")[0] not in {p for p, _e in seq.values()}
+        # a damaged snapshot: reported, and the whole log read instead
+        with open(os.path.join(coordinator.directory, "txn-log.snapshot"), "r+b") as f:
+            f.seek(40)
+            f.write(b"\x00garbage")
+        after = coordinator.list_transactions()
+        coordinator = c.restart_coordinator()
+        assert coordinator.ping()["replayed_on_start"] > 900
+        assert coordinator.list_transactions() == after
+    finally:
+        c.close()
+
+
+def test_the_shard_index_is_compacted_and_a_restart_reads_only_the_tail(tmp_path):
+    cfg = {"data_dir": str(tmp_path), "num_shards": 1, "state_log_compact_records": 100}
+
+    def start():
+        sh = BrokerShard(0, cfg, background=False)
+        sh.set_routes([("t", 0), ("t", 1), ("src", 0)])
+        return sh
+    sh = start()
+    sh.send(RecordBatch("src", 0, [b"in"] * 1000))
+    for k in range(200):  # two producers, aborts among the commits, offsets with some
+        pid = 1 + k % 2
+        sh.ktx_register(pid, k // 2, [("t", k % 2)], ["g"] if k % 3 == 0 else [])
+        tx_write(sh, pid, k // 2, 1, [b"%d" % k], qid=k % 2)
+        if k % 3 == 0:
+            sh.ktx_offsets(pid, k // 2, "g", {("src", 0): k})
+        sh.ktx_end(pid, k // 2 + 1, "ABORT" if k % 4 == 1 else "COMMIT")
+        if k % 50 == 49:
+            assert sh.ktx.compact()
+    sh.ktx_register(7, 0, [("t", 0)], ["h"])  # open across the restart, with offsets
+    tx_write(sh, 7, 0, 1, [b"open"])
+    sh.ktx_offsets(7, 0, "h", {("src", 0): 500})
+    want = [read(sh, qid=q)[0] for q in (0, 1)]
+    assert sh.get_offsets("g", [("src", 0)]) == {("src", 0): 198}
+    sh.close()
+    sh = start()
+    try:
+        assert sh.ktx.replayed < 100
+        assert [read(sh, qid=q)[0] for q in (0, 1)] == want
+        assert read(sh)[1] < read(sh, isolation="read_uncommitted")[1]  # LSO held: open
+        assert sh.ktx_end(7, 1, "COMMIT") == {"markers": 1}
+        assert read(sh)[0] == want[0] + [b"open"]
+        assert sh.get_offsets("h", [("src", 0)]) == {("src", 0): 500}
+        with pytest.raises(ProducerFencedError):  # fences survive the snapshot
+            sh.ktx_register(1, 0, [("t", 0)])
+        applied = [k for k in sh.store.offsets.snapshot() if k.startswith("ktx-applied@")]
+        assert len(applied) <= 2  # passed ones are dropped with each snapshot
+    finally:
+        sh.close()
