@@ -114,6 +114,8 @@ class ChannelLimits:
 
     max_connections: int = 1024
     max_connections_per_peer: int = 256
+    max_handshakes: int = 128
+    max_handshakes_per_peer: int = 16
     handshake_timeout_ms: int = 10_000
     idle_timeout_ms: int = 300_000
     reserve_fds: int = 64
@@ -402,20 +404,22 @@ def tls_context(*, server_side: bool) -> ssl.SSLContext | None:
 
 # ------------------------------------------------------------------ client
 def connect(address: tuple[str, int], authkey: bytes, timeout_s: float, *,
-            version: int | None = None, tls: ssl.SSLContext | None | str = TLS_FROM_RAY
-            ) -> Link:
+            version: int | None = None, tls: ssl.SSLContext | None | str = TLS_FROM_RAY,
+            source: str | None = None) -> Link:
     """A connection to an endpoint, past the handshake: ready for request frames.
 
     Raises ``AuthenticationError`` (wrong key), ``OSError``/``EOFError`` (no endpoint
     there, it went away, or it refused the connection: at a limit, see its log),
     ``ProtocolVersionError`` (another release's endpoint).  ``version`` (default
     ``PROTOCOL_VERSION``) is the one this client claims; ``tls`` a client context
-    (default: ``tls_context``, i.e. TLS exactly when Ray's TLS is on here).
+    (default: ``tls_context``, i.e. TLS exactly when Ray's TLS is on here); ``source``
+    the local address to connect from (default: the system's choice).
     """
     version = PROTOCOL_VERSION if version is None else version
     if isinstance(tls, str):
         tls = tls_context(server_side=False)
-    sock = socket.create_connection(address, timeout=min(timeout_s, HANDSHAKE_TIMEOUT_S))
+    sock = socket.create_connection(address, timeout=min(timeout_s, HANDSHAKE_TIMEOUT_S),
+                                    source_address=None if source is None else (source, 0))
     try:
         tune(sock)
         if tls is not None:  # (the TLS handshake runs under the same timeout)
@@ -486,19 +490,39 @@ class _Throttle:
 
 
 class _Gate:
-    """An endpoint's connections: who may hold one (caps in total and per peer address,
-    descriptors kept for the store), the handshake deadline of each, closing them all.
+    """An endpoint's connections: who may hold one, the handshake deadline of each,
+    closing them all.
 
-    A connection is tracked by descriptor from ``admit`` until ``leave`` (which its
-    thread calls before it closes the descriptor, so a tracked number is never reused).
+    Connections in their handshake (not authenticated yet) and served ones have separate
+    budgets, each in total and per peer address: peers without the key can fill only
+    the handshake budget, never take a served connection's place.  An address whose
+    handshake failed within ``FAILED_PENALTY_S`` holds one handshake at a time (a peer
+    without the key that reconnects at once keeps one slot, not its whole share),
+    unless it authenticated within ``TRUSTED_S``: such an address also goes past a full
+    handshake budget (up to twice it), so peers with the key get in during a flood.
+    Descriptors are kept for the store.  A connection is tracked by descriptor from
+    ``admit`` until ``leave`` (which its thread calls before it closes the descriptor,
+    so a tracked number is never reused).
     """
+
+    #: How long a failed handshake limits its address to one handshake at a time.
+    FAILED_PENALTY_S = 30.0
+    #: How long an address that authenticated may go past a full handshake budget (up to
+    #: twice it): a peer with the key gets in while keyless ones fill the budget.
+    TRUSTED_S = 600.0
+    #: Most addresses remembered for either (the oldest are forgotten first).
+    MAX_PEERS_KEPT = 10_000
 
     def __init__(self, limits: ChannelLimits):
         self.limits = limits
         self._lock = threading.Lock()
         self._peer_of: dict[int, str] = {}        # fd -> peer address (every connection)
-        self._per_peer: dict[str, int] = {}
+        self._served: dict[str, int] = {}         # peer -> served connections
+        self._shaking: dict[str, int] = {}        # peer -> connections in their handshake
         self._deadline: dict[int, float] = {}     # fd -> monotonic s (handshakes only)
+        self._failed: dict[str, float] = {}       # peer -> monotonic s of its last failure
+        self._trusted: dict[str, float] = {}      # peer -> monotonic s it last authenticated
+        self._reaped: set[int] = set()            # handshakes shut down, threads not gone
         self._closed = False
 
     def admit(self, fd: int, peer: str) -> tuple[str, str] | None:
@@ -510,38 +534,65 @@ class _Gate:
             return "channel_reserve_fds", (
                 f"only {free} descriptors left before the process limit, "
                 f"{lim.reserve_fds} are kept for the store (channel_reserve_fds)")
+        now = time.monotonic()
         with self._lock:
             if self._closed:
                 return "closing", "the endpoint is closing"
-            if len(self._peer_of) >= lim.max_connections:
-                return "channel_max_connections", (
-                    f"{len(self._peer_of)} connections open, the limit "
-                    f"(channel_max_connections)")
-            if self._per_peer.get(peer, 0) >= lim.max_connections_per_peer:
-                return "channel_max_connections_per_peer", (
-                    f"{self._per_peer[peer]} connections open from {peer}, the limit "
-                    f"(channel_max_connections_per_peer)")
+            trusted = now - self._trusted.get(peer, -self.TRUSTED_S) < self.TRUSTED_S
+            if len(self._deadline) >= lim.max_handshakes * (2 if trusted else 1):
+                return "channel_max_handshakes", (
+                    f"{len(self._deadline)} connections in their handshake, the limit "
+                    f"(channel_max_handshakes)")
+            mine = self._shaking.get(peer, 0)
+            failed = not trusted and now - self._failed.get(
+                peer, -self.FAILED_PENALTY_S) < self.FAILED_PENALTY_S
+            if mine >= (1 if failed else lim.max_handshakes_per_peer):
+                return "channel_max_handshakes_per_peer", (
+                    f"{mine} connections from {peer} in their handshake, the limit "
+                    f"(channel_max_handshakes_per_peer"
+                    f"{'; 1 after a failed handshake' if failed else ''})")
             self._peer_of[fd] = peer
-            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
-            self._deadline[fd] = time.monotonic() + lim.handshake_timeout_ms / 1000
+            self._shaking[peer] = mine + 1
+            self._deadline[fd] = now + lim.handshake_timeout_ms / 1000
         return None
 
-    def settle(self, fd: int) -> bool:
-        """The handshake is done in time: its deadline no longer holds.  False when it
-        came too late (the connection was shut down) or the endpoint is closing."""
+    def settle(self, fd: int) -> tuple[str, str] | None:
+        """The handshake is done in time: the connection moves to the served budget.  Why
+        not (the setting, why) when it came too late (it was shut down), the endpoint is
+        closing, or the served connections are at their caps."""
+        lim = self.limits
         with self._lock:
-            return self._deadline.pop(fd, None) is not None and not self._closed
+            if self._deadline.pop(fd, None) is None or self._closed:
+                return "handshake", "too late, or the endpoint is closing"
+            peer = self._peer_of[fd]
+            _drop(self._shaking, peer)
+            served = sum(self._served.values())
+            if served >= lim.max_connections:
+                why = ("channel_max_connections", f"{served} connections served, the "
+                       f"limit (channel_max_connections)")
+            elif self._served.get(peer, 0) >= lim.max_connections_per_peer:
+                why = ("channel_max_connections_per_peer", f"{self._served[peer]} "
+                       f"connections served to {peer}, the limit "
+                       f"(channel_max_connections_per_peer)")
+            else:
+                self._served[peer] = self._served.get(peer, 0) + 1
+                _note_peer(self._trusted, peer, self.MAX_PEERS_KEPT)
+                return None
+            del self._peer_of[fd]  # (counted nowhere now: ``leave`` has nothing to do)
+            return why
+
+    def failed(self, peer: str) -> None:
+        """A handshake from ``peer`` failed (wrong key, garbage, too slow)."""
+        with self._lock:
+            _note_peer(self._failed, peer, self.MAX_PEERS_KEPT)
 
     def leave(self, fd: int) -> None:
         with self._lock:
-            self._deadline.pop(fd, None)
             peer = self._peer_of.pop(fd, None)
+            shaking = self._deadline.pop(fd, None) is not None or fd in self._reaped
+            self._reaped.discard(fd)
             if peer is not None:
-                left = self._per_peer[peer] - 1
-                if left:
-                    self._per_peer[peer] = left
-                else:
-                    del self._per_peer[peer]
+                _drop(self._shaking if shaking else self._served, peer)
 
     def reap(self, now: float) -> int:
         """Shut down the connections whose handshake is past its deadline (their threads
@@ -550,6 +601,7 @@ class _Gate:
             late = [fd for fd, t in self._deadline.items() if t <= now]
             for fd in late:
                 del self._deadline[fd]
+                self._reaped.add(fd)
                 _shutdown(fd)
         return len(late)
 
@@ -563,12 +615,28 @@ class _Gate:
     def established(self) -> int:
         """Connections past their handshake."""
         with self._lock:
-            return len(self._peer_of) - len(self._deadline)
+            return sum(self._served.values())
 
     def counts(self) -> tuple[int, int]:
         """(connections, of which in their handshake)."""
         with self._lock:
             return len(self._peer_of), len(self._deadline)
+
+
+def _note_peer(seen: dict[str, float], peer: str, most: int) -> None:
+    """Note ``peer`` now in ``seen`` (insertion ordered: the oldest forgotten first)."""
+    seen.pop(peer, None)
+    seen[peer] = time.monotonic()
+    while len(seen) > most:
+        del seen[next(iter(seen))]
+
+
+def _drop(counts: dict[str, int], peer: str) -> None:
+    left = counts.get(peer, 0) - 1
+    if left > 0:
+        counts[peer] = left
+    else:
+        counts.pop(peer, None)
 
 
 def _clamped(value: Any, cap: int) -> Any:
@@ -703,10 +771,16 @@ class Endpoint:
                                             do_handshake_on_connect=False)
                 sock.do_handshake()
             link = Link(sock)
-            if self._handshake(link) and self._gate.settle(fd):
+            if self._handshake(link):
+                refused = self._gate.settle(fd)
+                if refused is not None:
+                    self._note(refused[0], "refused a connection from %s: %s", peer,
+                               refused[1])
+                    return
                 link.send_bytes(_limits_frame(self.limits.max_request_bytes))  # its last step
                 self._serve_requests(link)
         except Exception as err:  # wrong key, garbage, too slow, or a peer that went away
+            self._gate.failed(peer)
             self._note("handshake", "connection from %s refused: %s: %s", peer,
                        type(err).__name__, err)
         finally:

@@ -192,13 +192,22 @@ class ClusterConfig(BaseModel):
                                 "is no longer live for check-backs.")
     # --- a shard's data channel (raymq.actors.channel): what one peer can hold
     channel_max_connections: StrictInt = Field(
-        1024, ge=1, description="Most connections a shard's data channel holds, handshakes "
-                                "included (a thread and a descriptor each); more are closed at "
-                                "once and logged.")
+        1024, ge=1, description="Most authenticated connections a shard's data channel serves "
+                                "(a thread and a descriptor each); more are closed after their "
+                                "handshake and logged (the client falls back to Ray calls).")
     channel_max_connections_per_peer: StrictInt = Field(
-        256, ge=1, description="Most data-channel connections of a shard from one peer "
-                               "address (a client process opens up to one per concurrent call "
-                               "to the shard).")
+        256, ge=1, description="Most authenticated data-channel connections of a shard from "
+                               "one peer address (a client process opens up to one per "
+                               "concurrent call to the shard).")
+    channel_max_handshakes: StrictInt = Field(
+        128, ge=1, description="Most data-channel connections of a shard in their handshake "
+                               "(not authenticated yet), a budget apart from the served ones: "
+                               "peers without the key cannot take an authenticated peer's "
+                               "place; more are closed at once.")
+    channel_max_handshakes_per_peer: StrictInt = Field(
+        16, ge=1, description="Most data-channel connections in their handshake from one peer "
+                              "address (one at a time for 30 s after a handshake from it "
+                              "failed).")
     channel_handshake_timeout_ms: StrictInt = Field(
         10_000, ge=1, description="A data-channel connection must finish its whole handshake "
                                   "(TLS, key challenge, versions) within this time, or it is "

@@ -24,6 +24,7 @@ Both give the same results and raise the same ``RayMQError`` kinds.  Each transp
 from __future__ import annotations
 
 import logging
+import time
 import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -171,6 +172,11 @@ class _RayCall:
         """Its answer is not wanted (the call runs on; what it returns is dropped)."""
 
 
+class _ChannelRefused(BrokerUnavailableError):
+    """A shard's endpoint closed a new connection in its handshake (at its connection
+    limits, or going away): a call falls back to Ray."""
+
+
 class DirectTransport:
     """Calls over the shards' data channels (``raymq.actors.channel``); a pool of
     connections per shard.
@@ -194,6 +200,7 @@ class DirectTransport:
         self._idle: dict[int, list[Link]] = {}
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="raymq-io")
         self._closed = False
+        self._refused_said = -1e9  # when a refused connection was last logged
 
     # ------------------------------------------------------------ calls
     def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
@@ -210,7 +217,14 @@ class DirectTransport:
         the endpoint takes goes as a Ray call."""
         c = _Call(self, shard, method, encode_request(method, args), timeout_s)
         try:
-            c.conn, c.reused = self._checkout(shard, timeout_s)
+            try:
+                c.conn, c.reused = self._checkout(shard, timeout_s)
+            except _ChannelRefused as err:  # (at its limits, say): the same call via Ray
+                if time.monotonic() - self._refused_said > 10:  # (a line per 10 s at most)
+                    self._refused_said = time.monotonic()
+                    log.warning("shard-%d %s: the data channel refused a connection (%s); "
+                                "calls go through Ray meanwhile", shard, method, err)
+                return self._ray.begin(shard, method, args, timeout_s=timeout_s)
             if len(c.request) > c.conn.max_request_bytes:
                 self._checkin(shard, c.conn)
                 log.debug("shard-%d %s: a request of %d bytes goes through Ray (the channel "
@@ -291,7 +305,9 @@ class DirectTransport:
                 self._endpoints[shard] = endpoint
         try:
             return connect(endpoint[0], endpoint[1], timeout_s, tls=self._tls), False
-        except (OSError, EOFError, AuthenticationError) as err:  # gone, or its port reused
+        except EOFError as err:  # it closed the connection in the handshake: at a limit
+            raise _ChannelRefused(f"shard-{shard} endpoint {endpoint[0]}: {err}") from None
+        except (OSError, AuthenticationError) as err:  # gone, or its port reused
             self._forget(shard)
             raise BrokerUnavailableError(f"shard-{shard} endpoint {endpoint[0]} unreachable: "
                                          f"{type(err).__name__}: {err}") from None

@@ -62,20 +62,24 @@ def conn_threads() -> int:
 
 
 def test_one_peer_cannot_hold_more_connections_than_its_cap():
-    """Default caps: a peer opening 300 connections without a key keeps 256 of them (each
-    a thread on today's code, with no cap); the rest are closed at once."""
+    """Default caps: a peer opening 300 connections without a key keeps 16 of them in
+    their handshake (channel_max_handshakes_per_peer; each a thread); the rest are closed
+    at once.  A peer with the key from another address gets in (issue 25: a budget for
+    handshakes apart from served connections)."""
     ep = Endpoint(Target())
     before, fds = conn_threads(), used_descriptors()
     socks = []
     try:
         socks = [raw(ep.address) for _ in range(300)]
-        wait_for(lambda: sum(map(closed_now, socks)) >= 300 - 256, 5, "the extra ones closed")
+        wait_for(lambda: sum(map(closed_now, socks)) >= 300 - 16, 5, "the extra ones closed")
         time.sleep(0.3)
-        assert sum(map(closed_now, socks)) == 300 - 256
-        assert conn_threads() - before <= 256
-        assert used_descriptors() - fds <= 300 + 256 + 4  # one descriptor a connection held
+        assert sum(map(closed_now, socks)) == 300 - 16
+        assert conn_threads() - before <= 16
+        assert used_descriptors() - fds <= 300 + 16 + 4  # one descriptor a connection held
         with pytest.raises((EOFError, OSError)):  # the peer's next one too, even with the key
             connect(ep.address, ep.authkey, 5)
+        link = connect(ep.address, ep.authkey, 5, source="127.0.0.2")
+        assert call(link, "send", 1) == {"echo": 1}
     finally:
         for s in socks:
             s.close()
@@ -84,7 +88,7 @@ def test_one_peer_cannot_hold_more_connections_than_its_cap():
 
 def test_caps_in_total_and_per_peer_address_and_served_again_when_freed(caplog):
     caplog.set_level(logging.WARNING, "raymq.channel")
-    ep = Endpoint(Target(), limits=ChannelLimits(max_connections=6, max_connections_per_peer=4))
+    ep = Endpoint(Target(), limits=ChannelLimits(max_handshakes=6, max_handshakes_per_peer=4))
     held = []
     try:
         held = [raw(ep.address, "127.0.0.1") for _ in range(4)]
@@ -93,8 +97,8 @@ def test_caps_in_total_and_per_peer_address_and_served_again_when_freed(caplog):
         time.sleep(0.3)
         assert not any(closed_now(s) for s in held)
         assert closed_by_peer(raw(ep.address, "127.0.0.3"), 2)  # 6 in all: nobody else
-        assert "channel_max_connections_per_peer" in caplog.text
-        assert "(channel_max_connections)" in caplog.text
+        assert "channel_max_handshakes_per_peer" in caplog.text
+        assert "(channel_max_handshakes)" in caplog.text
         for s in held:
             s.close()
         held = []
@@ -249,3 +253,54 @@ def test_default_limits_are_the_cluster_settings():
     cfg = ClusterConfig(channel_max_connections=10, channel_pull_max_wait_ms=5)
     limits = ChannelLimits.from_config(cfg)
     assert (limits.max_connections, limits.pull_max_wait_ms) == (10, 5)
+
+
+def test_keyless_peers_reconnecting_at_once_never_keep_an_authenticated_one_out():
+    """Issue 25 (11): peers without the key from a few addresses reconnect as soon as they
+    are dropped; every connect of a peer with the key succeeds, and served connections
+    have their own budget (at its cap, one more is refused after its handshake)."""
+    limits = ChannelLimits(max_connections=3, max_handshakes=24, max_handshakes_per_peer=8,
+                           handshake_timeout_ms=300)
+    ep = Endpoint(Target(), limits=limits)
+    connect(ep.address, ep.authkey, 5).close()  # this client's address has authenticated
+    stop = threading.Event()
+    attempts = [0]
+
+    def flood(source):
+        held = []
+        while not stop.is_set():
+            try:
+                held.append(raw(ep.address, source))
+                attempts[0] += 1
+            except OSError:
+                pass
+            held = [s for s in held if not closed_now(s) or s.close()]
+            stop.wait(0.005)
+        for s in held:
+            s.close()
+    floods = [threading.Thread(target=flood, args=(f"127.0.0.{k}",)) for k in (2, 3, 4)]
+    for t in floods:
+        t.start()
+    served = []
+    try:
+        # the keyless peers fill the whole handshake budget: the fault is in place
+        wait_for(lambda: ep._gate.counts()[1] >= 24, 10, "the handshake budget full")
+        before = attempts[0]
+        ok = 0
+        for _ in range(40):
+            link = connect(ep.address, ep.authkey, 5)
+            assert call(link, "send", 1) == {"echo": 1}
+            link.close()
+            ok += 1
+        wait_for(lambda: attempts[0] > before + 10, 10, "the flood going on")
+        assert ok == 40
+        served = [connect(ep.address, ep.authkey, 5) for _ in range(3)]
+        with pytest.raises((EOFError, OSError)):  # a 4th served one: over its own cap
+            call(connect(ep.address, ep.authkey, 5), "send", 1)
+    finally:
+        stop.set()
+        for t in floods:
+            t.join()
+        for link in served:
+            link.close()
+        ep.close()

@@ -271,6 +271,49 @@ def test_an_endpoint_whose_port_went_to_another_shard_is_forgotten(monkeypatch):
     second.close()
 
 
+def test_a_call_the_channel_refuses_a_connection_for_goes_through_ray(monkeypatch):
+    """Issue 25 (11): an endpoint at its connection limits closes a new connection in
+    its handshake; the SDK makes the same call through Ray instead of failing it."""
+    from raymq import rpc
+    from raymq.actors.channel import ChannelLimits
+    from raymq.transport import DirectTransport
+    target = Target()
+    ep = Endpoint(target, limits=ChannelLimits(max_connections=1))
+    monkeypatch.setattr(rpc, "connected", lambda: True)
+    monkeypatch.setattr(rpc, "call", lambda method, timeout_s=None: method())
+
+    class Handle:
+        def endpoint(self):
+            return ep.address, ep.authkey
+
+    class RaySide:  # what the shard's Ray actor answers (no Ray in this test)
+        calls = []
+
+        def begin(self, shard, method, args, *, timeout_s):
+            self.calls.append(method)
+            return _Answered(getattr(target, method)(*args))
+    t = DirectTransport(lambda i: Handle())
+    t._ray = RaySide()
+    try:
+        held, _ = t._checkout(0, 5)  # the one connection the endpoint serves
+        assert t.call(0, "send", 7, timeout_s=5) == {"echo": 7}
+        assert RaySide.calls == ["send"]
+        t._checkin(0, held)
+        assert t.call(0, "send", 8, timeout_s=5) == {"echo": 8}  # the channel again
+        assert RaySide.calls == ["send"]
+    finally:
+        t.close()
+        ep.close()
+
+
+class _Answered:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 def test_outcome_wakes_every_waiter_and_times_out_cleanly():
     from raymq.transport import Outcome
     out = Outcome()
