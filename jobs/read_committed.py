@@ -4,10 +4,11 @@ The call fixes, for every queue of the topics, where the read starts (the group'
 committed offsets, ``"earliest"``, or given ones) and where it ends: the queue's last
 stable offset at this call, so the dataset holds exactly the messages a read_committed
 consumer of that range sees -- no open or aborted Kafka-style transaction, no control
-marker, no RocketMQ half, no system topic.  One Ray task per queue reads its range from
-its shard over the data channel (never through the driver) and returns one Arrow IPC
-stream (``raymq.jobs.schema``), which becomes one block of the dataset: RayDP's
-executors read such blocks straight from Ray's object store (``to_spark``).
+marker, no RocketMQ half, no system topic.  One Ray task per block -- a queue's range in
+pieces of at most ``max_block_rows`` messages -- reads it from its shard over the data
+channel (never through the driver) and returns one Arrow IPC stream
+(``raymq.jobs.schema``), which becomes one block of the dataset: RayDP's executors read
+such blocks straight from Ray's object store (``to_spark``).
 
 With a ``group``, the group's job producer (transactional id ``raymq-job-<group>``) is
 made first: its new epoch fences an earlier run of the job and aborts whatever that run
@@ -30,6 +31,9 @@ log = logging.getLogger("raymq.jobs")
 Queue = tuple[str, int]
 #: Messages one pull of a read task asks for.
 PULL_MESSAGES = 20_000
+#: Most messages in one block of the dataset: a queue's range is read in blocks of at
+#: most this many (each its own read task), so that no block outgrows the object store.
+MAX_BLOCK_ROWS = 1_000_000
 
 
 def job_transactional_id(group: str) -> str:
@@ -67,10 +71,17 @@ class ReadBatch:
         return all(self.end_offsets[q] <= self.start_offsets[q] for q in self.end_offsets)
 
 
-def read_committed(mq, topics, group: str | None = None, *, start=None) -> ReadBatch:
+def read_committed(mq, topics, group: str | None = None, *, start=None,
+                   max_block_rows: int = MAX_BLOCK_ROWS) -> ReadBatch:
     """Committed messages of ``topics`` from ``start`` (default: the group's committed
     offsets; ``"earliest"``; or ``{(topic, queue id): offset}``) up to each queue's last
-    stable offset now, as a ``ReadBatch``."""
+    stable offset now, as a ``ReadBatch``; each queue's range in blocks of at most
+    ``max_block_rows`` messages (a block per read task: bounded memory whatever the
+    topic's size; blocks the object store cannot hold are spilled by Ray)."""
+    if isinstance(max_block_rows, bool) or not isinstance(max_block_rows, int) \
+            or max_block_rows < 1:
+        raise InvalidMessageError(f"max_block_rows must be a positive int, not "
+                                  f"{max_block_rows!r}")
     topics = [topics] if isinstance(topics, str) else list(topics)
     for t in topics:
         check_user_topic(t)
@@ -98,8 +109,9 @@ def read_committed(mq, topics, group: str | None = None, *, start=None) -> ReadB
     elif start is not None:
         raise InvalidMessageError(f"start must be None, 'earliest' or a dict, not {start!r}")
     pairs = [_read_queue.options(num_returns=2).remote(
-                 mq.shard_handle(shard_of[q]), shard_of[q], q[0], q[1], starts[q], ends[q])
-             for q in sorted(shard_of) if ends[q] > starts[q]]
+                 mq.shard_handle(shard_of[q]), shard_of[q], q[0], q[1], lo,
+                 min(lo + max_block_rows, ends[q]))
+             for q in sorted(shard_of) for lo in range(starts[q], ends[q], max_block_rows)]
     if pairs:
         refs = [block for block, _meta in pairs]
         dataset = _dataset(refs, ray.get([meta for _block, meta in pairs]))

@@ -19,8 +19,9 @@ ROUTES = [("t", 0), ("t", 1), ("src", 0)]
 class Cluster:
     """Two in-process shards and a coordinator calling them (``down``: shards that fail)."""
 
-    def __init__(self, tmp_path, clock=None):
-        self.cfg = {"data_dir": str(tmp_path), "num_shards": 2, "kafka_txn_timeout_ms": 10_000}
+    def __init__(self, tmp_path, clock=None, **config):
+        self.cfg = {"data_dir": str(tmp_path), "num_shards": 2, "kafka_txn_timeout_ms": 10_000,
+                    **config}
         self.clock = clock or ManualClock(1_000_000)
         self.shards = []
         for i in range(2):

@@ -90,3 +90,24 @@ def test_a_group_reads_from_its_committed_offsets_and_fences_the_job_before(mq, 
     assert again.empty and dataset_rows(again) == []
     mq.producer().send(Message(topics[0], b"new"))
     assert [r["body"] for r in dataset_rows(read_committed(mq, topics, group))] == [b"new"]
+
+
+def test_a_queue_s_range_is_read_in_blocks_of_bounded_size(mq, name):
+    """Issue 25 (8): a large range is not one block (one object, one IPC copy): blocks of
+    at most ``max_block_rows`` messages, the same rows in the same order."""
+    mq.create_topic(name, queues=1)
+    mq.producer().send_batch([Message(name, b"%03d" % i) for i in range(50)])
+    kp = mq.transactional_producer(f"p{name}")
+    kp.begin()
+    kp.send_batch([Message(name, b"aborted")] * 5)  # inside a block: filtered there
+    kp.abort()
+    mq.producer().send_batch([Message(name, b"%03d" % i) for i in range(50, 60)])
+    whole = read_committed(mq, [name], start="earliest")
+    split = read_committed(mq, [name], start="earliest", max_block_rows=7)
+    assert len(whole._refs) == 1 and len(split._refs) == -(-whole.end_offsets[(name, 0)] // 7)
+    assert [r["body"] for r in dataset_rows(split)] == [b"%03d" % i for i in range(60)]
+    assert [r["queue_offset"] for r in dataset_rows(split)] == \
+        [r["queue_offset"] for r in dataset_rows(whole)]
+    with pytest.raises(Exception, match="max_block_rows"):
+        read_committed(mq, [name], start="earliest", max_block_rows=0)
+    kp.close()

@@ -464,3 +464,45 @@ def test_the_shard_index_is_compacted_and_a_restart_reads_only_the_tail(tmp_path
         assert len(applied) <= 2  # passed ones are dropped with each snapshot
     finally:
         sh.close()
+
+
+# ------------------------------------------------------------- the long run (proof)
+@pytest.mark.slow
+def test_one_transactional_id_commits_forty_thousand_transactions_past_the_epoch_limit(
+        tmp_path):
+    """40,000 transactions of one id (the epoch rolls over to a new producer id past
+    32,766), the log and index compacted along the way: a read_committed reader sees every
+    one in order, and a fresh transaction after them commits and is visible."""
+    c = Cluster(tmp_path, flush_mode="async", state_log_compact_records=5_000)
+    try:
+        co = c.coordinator
+        pid, epoch = co.init_producer("long")
+        pids = {pid}
+        n = 40_000
+        for k in range(n):
+            co.add_to_transaction("long", pid, epoch, [(0, "t", 0)])
+            c.shards[0].ktx_send(RecordBatch("t", 0, [b"%d" % k]), pid, epoch, 1)
+            pid, epoch = co.end_transaction("long", pid, epoch, "COMMIT")
+            pids.add(pid)
+            if k % 5_000 == 4_999:
+                co.log.compact()
+                c.shards[0].ktx.compact()
+        assert len(pids) == 2 and epoch == n - MAX_EPOCH  # rolled over once, after 32,767
+        got, offset = [], 0
+        while True:
+            [(_t, _q, batch, nxt, end)] = c.shards[0].pull([("t", 0, offset, 20_000)], 0,
+                                                           None, None, "read_committed")
+            got += [m.body for m in batch.messages()]
+            if nxt >= end:
+                break
+            offset = nxt
+        assert got == [b"%d" % k for k in range(n)]
+        co = c.restart_coordinator()
+        assert co.ping()["replayed_on_start"] <= 5_000 * 3
+        write(c, "long", pid, epoch, 1, 1, b"fresh")
+        assert co.end_transaction("long", pid, epoch, "COMMIT") == (pid, epoch + 1)
+        assert c.read(1) == [b"fresh"]
+        ids = [p for p in c.shards[0].store.producer_ids() if p >= KTX_STORE_PID_BASE]
+        assert len(ids) == 2  # one entry a producer id, not one a transaction
+    finally:
+        c.close()
