@@ -31,6 +31,7 @@ from raymq.actors.txn_log import TxnLog
 from raymq.actors.txn_state import (MAX_EPOCH, TxnMetadata, TxnState, epoch_exhausted,
                                     init_producer, transition)
 from raymq.storage.clock import Clock, SystemClock
+from raymq.storage.faults import crash_point
 from raymq.storage.errors import (ConcurrentTransactionsError, InvalidMessageError,
                                   InvalidTxnStateError, ProducerFencedError,
                                   TransactionAbortedError)
@@ -224,6 +225,7 @@ class TransactionCoordinator:
                 new = transition(meta, TxnState.ONGOING, self.clock.now_ms(),
                                  queues=queues - meta.queues, groups=entries - meta.groups)
                 self._append(new)
+                crash_point("coordinator.add_logged")
             # every one asked for, even one logged before: asked again, its answer did not
             # reach the producer (a shard that failed to take it, a lost reply); the shards
             # take a registration they have as a no-op

@@ -37,6 +37,8 @@ CRASH_POINTS = {
     "rebuild.deleted": "a rebuild deleted every consume-queue file, none written again",
     "rebuild.reindexed": "a rebuild re-indexed the log, the checkpoint not rewritten yet",
     "recovery.put_cut": "recovery cut a put whose last frame is missing, not checkpointed",
+    "coordinator.add_logged": "a coordinator logged a transaction's new queue (ONGOING), "
+                              "not registered on its shard, not answered",
     "ktx.markers_durable": "a Kafka-style end's markers and end record are durable, the "
                            "group offsets committed with it not saved yet",
     "timer.checkpoint.before_rename": "a timer wheel checkpoint (a finished minute) is in its "

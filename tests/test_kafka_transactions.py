@@ -213,12 +213,16 @@ def test_a_coordinator_dying_while_it_adds_a_queue_leaves_the_write_to_a_retry(m
     handle = coordinator_of(mq, tid)
     before = rpc.call(handle.ping, timeout_s=30)["pid"]
     kp.begin()
-    # the next fsync of its log is the add's (ONGOING with the queue): dies right after it
-    rpc.call(handle.set_fault, "crash_at:log.fsync.after", timeout_s=30)
+    # a point only an add reaches: its ONGOING (with the queue) logged, the queue not yet
+    # registered on the shard, nothing answered
+    rpc.call(handle.set_fault, "crash_at:coordinator.add_logged", timeout_s=30)
     assert kp.send(Message(name, b"a")).queue_offset == 0
     kp.send(Message(name, b"b"))
     kp.commit()
-    assert rpc.call(handle.ping, timeout_s=30)["pid"] != before  # it did die there
+    after = rpc.call(handle.ping, timeout_s=30)
+    assert after["pid"] != before  # it died there: the only place that point is
+    assert rpc.call(handle.describe_transaction, tid, timeout_s=30)["state"] == \
+        "COMPLETE_COMMIT"
     assert bodies(read_all(mq, f"g{name}", [name])) == [b"a", b"b"]
     assert bodies(read_all(mq, f"u{name}", [name], "read_uncommitted")) == [b"a", b"b"]
     kp.close()
@@ -264,10 +268,11 @@ def test_a_shard_killed_while_writing_its_markers_commits_once(mq, name):
                    for i in range(4)])
     handle = mq.shard_handle(1)
     before = rpc.call(handle.ping, timeout_s=30)["pid"]
-    # the marker put is the shard's next: it dies with the markers in the log, not indexed
-    rpc.call(handle.set_fault, "crash_at:put.appended", timeout_s=30)
+    # a point only the markers' write reaches: it dies with its markers durable, its
+    # end not answered (nor its offsets applied)
+    rpc.call(handle.set_fault, "crash_at:ktx.markers_durable", timeout_s=30)
     kp.commit()
-    assert rpc.call(handle.ping, timeout_s=60)["pid"] != before  # it died in the commit
+    assert rpc.call(handle.ping, timeout_s=60)["pid"] != before  # it died in the markers
     got = read_all(mq, f"g{name}", topics)
     assert bodies(got) == sorted(f"{t}-{i}".encode() for t in topics for i in range(4))
     kp.close()

@@ -176,6 +176,9 @@ def test_a_kill_at_a_timer_checkpoint_delivers_each_due_message_once(tmp_path, p
     first = subprocess.run([sys.executable, "-c", _TIMER_CHILD, str(tmp_path), "schedule"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert_killed_at(first, point, hit)
+    with MessageStore(os.path.join(str(tmp_path), "shard-0"), POINTS_CONFIG,
+                      background=False) as store:  # killed in the burst, not after it
+        assert store.max_queue_offset("t", 0) < 300
     env.pop(CRASH_ENV)
     again = subprocess.run([sys.executable, "-c", _TIMER_CHILD, str(tmp_path), "resume"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -189,7 +192,8 @@ def test_a_kill_at_a_timer_checkpoint_delivers_each_due_message_once(tmp_path, p
 def test_every_crash_point_is_killed_at_by_a_test():
     """The tests above cover every point, and every point the code names is listed."""
     covered = {p for p, _ in WRITER_KILLS + REBUILD_KILLS + TIMER_KILLS} | {"recovery.put_cut"}
-    covered |= {"ktx.markers_durable"}  # tests/test_ktx_forever.py kills a shard there
+    # tests/test_ktx_forever.py and test_kafka_transactions.py kill there
+    covered |= {"ktx.markers_durable", "coordinator.add_logged"}
     assert covered == set(CRASH_POINTS)
     named = set()
     for name in [os.path.join(d, f) for d in ("storage", "actors")
