@@ -164,6 +164,13 @@ class TransactionCoordinator:
             self._last_counter += 1
             return (self._last_counter << 8) | (self.index & 0xFF)
 
+    def _id_for(self, meta: TxnMetadata | None) -> int:
+        """A new producer id when InitProducerId needs one (a new or expired id, an
+        exhausted epoch), else 0: ids are drawn only when handed out."""
+        if meta is None or epoch_exhausted(meta.epoch):
+            return self._new_producer_id()
+        return 0
+
     # --------------------------------------------------------- producer calls
     def init_producer(self, transactional_id: str, timeout_ms: int | None = None) -> tuple:
         """(producer id, epoch) for a transactional producer starting: a known id gets
@@ -180,12 +187,13 @@ class TransactionCoordinator:
             meta = self._txns.get(transactional_id)
             if meta is not None and meta.state in PREPARED:
                 meta = self._complete(meta)  # a transaction left half-done: finish it
-            new, must = init_producer(meta, transactional_id, self._new_producer_id(),
+            new, must = init_producer(meta, transactional_id, self._id_for(meta),
                                       timeout_ms, self.clock.now_ms())
             self._append(new)
             if must is not None:  # it had one open: aborted (markers), then the new epoch
-                new, _ = init_producer(self._complete(new), transactional_id,
-                                       self._new_producer_id(), timeout_ms, self.clock.now_ms())
+                done = self._complete(new)
+                new, _ = init_producer(done, transactional_id, self._id_for(done), timeout_ms,
+                                       self.clock.now_ms())
                 self._append(new)
             return new.producer_id, new.epoch
 

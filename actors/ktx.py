@@ -19,6 +19,7 @@ record (outcome and marker offsets), each written durably before it is answered.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -51,7 +52,8 @@ SNAPSHOT_FILE, SNAPSHOT_KIND = "ktx-index.snapshot", "ktx-index"
 KTX_STORE_PID_BASE = 1 << 61
 SEQ_BITS = 32
 MAX_SEQUENCE = (1 << SEQ_BITS) - 1
-MAX_PRODUCER_ID = (1 << 40) - 1
+#: (a coordinator's counter of 40 bits: a trillion producer ids each, at 256 coordinators)
+MAX_PRODUCER_ID = (1 << 48) - 1
 MAX_EPOCH = (1 << 15) - 1
 OUTCOMES = ("COMMIT", "ABORT")
 #: The offsets store's key (one a producer id) of the index offset of the last ``end``
@@ -294,18 +296,33 @@ def decode(body: bytes) -> dict | None:
 
 
 class KeyedLocks:
-    """A lock per key, made on first use (a producer's, a transactional id's)."""
+    """A lock per key (a producer's, a transactional id's), held as ``with locks.of(key):``;
+    a key's lock lives only while someone holds or waits for it, so the table holds the
+    keys in use, not every key ever seen."""
 
     def __init__(self):
         self._guard = threading.Lock()
-        self._locks: dict = {}
+        self._locks: dict = {}  # key -> [lock, holders and waiters]
 
-    def of(self, key) -> threading.Lock:
+    def __len__(self) -> int:
         with self._guard:
-            lock = self._locks.get(key)
-            if lock is None:
-                lock = self._locks[key] = threading.Lock()
-            return lock
+            return len(self._locks)
+
+    @contextlib.contextmanager
+    def of(self, key):
+        with self._guard:
+            entry = self._locks.get(key)
+            if entry is None:
+                entry = self._locks[key] = [threading.Lock(), 0]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._locks[key]
 
 
 class KafkaTxnQueues:

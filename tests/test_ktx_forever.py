@@ -506,3 +506,35 @@ def test_one_transactional_id_commits_forty_thousand_transactions_past_the_epoch
         assert len(ids) == 2  # one entry a producer id, not one a transaction
     finally:
         c.close()
+
+
+def test_per_key_locks_live_only_while_in_use():
+    from raymq.actors.ktx import KeyedLocks
+    locks = KeyedLocks()
+    for pid in range(1000):  # a key a producer id, a transactional id: each once
+        with locks.of(pid):
+            assert len(locks) == 1
+    assert len(locks) == 0
+    import threading
+    order = []
+    with locks.of("k"):
+        t = threading.Thread(target=lambda: (locks.of("k").__enter__(), order.append("b")))
+        t.start()
+        t.join(0.2)
+        assert order == [] and len(locks) == 1  # the second waits on the same lock
+        order.append("a")
+    t.join(5)
+    assert order == ["a", "b"]
+
+
+def test_producer_ids_are_drawn_only_when_handed_out(cluster):
+    """A coordinator's producer-id counter is finite: a restart of the same producer (a
+    new epoch) draws none."""
+    c = cluster.coordinator
+    first, _ = c.init_producer("a")
+    for _ in range(100):
+        assert c.init_producer("a")[0] == first
+    second, _ = c.init_producer("b")
+    assert second >> 8 == (first >> 8) + 1
+    c = cluster.restart_coordinator()
+    assert c.init_producer("c")[0] >> 8 == (first >> 8) + 2  # never one handed out twice
