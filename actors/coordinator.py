@@ -118,6 +118,8 @@ class TransactionCoordinator:
         self._txn_locks = KeyedLocks()  # one transactional id's calls in turn
         self._last_counter = 0
         self._stop = threading.Event()
+        # transactions this coordinator's own rounds completed: those a restart found
+        # prepared, and those a shard failing while their markers were written left so
         self.completed_on_start = 0
         self._load()
         self._thread = None
@@ -295,6 +297,7 @@ class TransactionCoordinator:
         self._append(done, wait=rolled)
         self._retry.pop(prepare.transactional_id, None)
         return done
+
     def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable) -> None:
         """Call ``method`` on every shard of the transaction (all sent before any answer
         is awaited); the first error is raised once every call is done."""

@@ -404,10 +404,8 @@ class KafkaTxnQueues:
         folded.expire(self.clock.now_ms(), self.expiry_ms)
         write_snapshot(self._snapshot_path, SNAPSHOT_KIND, end, folded.to_state())
         self._snapshot_offset = end
-        passed = [k for k, v in self.store.offsets.snapshot().items()
-                  if k.startswith(APPLIED_PREFIX) and v < end]
-        if passed:  # (ends before the snapshot are never replayed)
-            self.store.offsets.delete(passed)
+        # (ends before the snapshot are never replayed: their applied keys are not needed)
+        self.store.offsets.delete_below(APPLIED_PREFIX, end)
         with self.lock:
             self.state.expire(self.clock.now_ms(), self.expiry_ms)
         return True

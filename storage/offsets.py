@@ -79,6 +79,17 @@ class OffsetStore:
             self._write(table)
             self._table = table
 
+    def delete_below(self, prefix: str, bound: int) -> int:
+        """Delete the keys starting with ``prefix`` whose value is below ``bound`` (as they
+        are now: one set meanwhile to a higher value stays); how many."""
+        with self._lock:
+            gone = [k for k, v in self._table.items() if k.startswith(prefix) and v < bound]
+            if gone:
+                table = {k: v for k, v in self._table.items() if k not in set(gone)}
+                self._write(table)
+                self._table = table
+            return len(gone)
+
     def _write(self, table: dict[str, int]) -> None:
         body = json.dumps(table, sort_keys=True, separators=(",", ":"))
         doc = {"format": FORMAT, "version": VERSION, "crc": zlib.crc32(body.encode()),
