@@ -309,7 +309,8 @@ def _create_controller(cfg: dict):
 #: its anonymous memory grew for as long as load ran (15-23 MiB per million messages,
 #: the Python heap flat: free memory kept by thread arenas).  Two arenas and no thread
 #: caches keep it flat (``raymq bench soak``); other allocators ignore the variable.
-SHARD_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"}
+SHARD_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+                                       ":glibc.malloc.mmap_threshold=1048576"}
 
 
 def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list:

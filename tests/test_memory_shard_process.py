@@ -32,13 +32,15 @@ def tunables(env: dict) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(":") if "=" in item)
 
 
-def test_every_shard_actor_starts_with_two_malloc_arenas_and_no_thread_caches(monkeypatch):
+def test_every_shard_actor_starts_with_two_malloc_arenas_no_thread_caches_and_a_fixed_mmap_threshold(
+        monkeypatch):
     options = shard_actor_options(monkeypatch)
     assert len(options) == 2
     for opts in options:
         env = opts.get("runtime_env", {}).get("env_vars", {})
         assert tunables(env) == {"glibc.malloc.arena_max": "2",
-                                 "glibc.malloc.tcache_count": "0"}, opts
+                                 "glibc.malloc.tcache_count": "0",
+                                 "glibc.malloc.mmap_threshold": "1048576"}, opts
 
 
 _ARENAS = textwrap.dedent("""

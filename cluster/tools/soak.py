@@ -89,6 +89,7 @@ class _SoakLoad:
     GROUPS = ("soak-a", "soak-b")
     BATCH = 100
     KAFKA_BATCH = 10
+    CTP_BATCH = 5000  # most messages a consume-transform-produce transaction carries
 
     def __init__(self, mq, *, plain_threads: int = 2, tx_threads: int = 3,
                  kafka_threads: int = 2):
@@ -194,7 +195,7 @@ class _SoakLoad:
         source = self.mq.consumer("soak-ctp", ["soak"], auto_commit=False)
         try:
             while not self.draining.is_set():
-                msgs = source.poll(500, 0.5)
+                msgs = source.poll(self.CTP_BATCH, 0.5)
                 if not msgs:
                     continue
                 try:
@@ -236,7 +237,7 @@ class _SoakLoad:
         return ({g: t.outcome(everything) for g, t in self.tallies.items()},
                 self.ctp_tally.outcome(plain))
 
-    def finish(self, drain_s: float = 90.0):
+    def finish(self, drain_s: float = 300.0):
         """Stop sending, let the groups (and the transform) read what was sent; their
         (lost, duplicated): per group, and the transform's output."""
         self.stop.set()
