@@ -241,8 +241,9 @@ class TransactionalProducer:
         """Wait for the coordinator to add ``new`` queues (``asked``).  If it failed, the
         writes held for them (``parts`` to ``waiting`` shards) are given up, and begun
         again once a retried add answers (a write the shard stored anyway is stored
-        once: its sequence); on an error not retried, the other writes are waited for,
-        so that the shards' sequences and this producer's stay in step."""
+        once: its sequence); when the add fails for good, the other writes are waited
+        for (so that the shards' sequences and this producer's stay in step) and the
+        transaction can only be aborted (a held write may have been stored)."""
         try:
             asked.result()
         except BaseException as err:
@@ -251,13 +252,16 @@ class TransactionalProducer:
                 part[-1].abandon()
             if isinstance(err, ProducerFencedError):
                 self._state = "fenced"
-            if not isinstance(err, RayMQError) or not err.retriable:
-                self._failed(err)
+            try:
+                if not isinstance(err, RayMQError) or not err.retriable:
+                    raise
+                log.warning("%s: adding queues to the transaction: %s; retrying",
+                            self.transactional_id, err)
+                self._register(new, set())
+            except BaseException as final:  # a held write may be stored: abort only
+                self._failed(final)
                 self._settle([part for part in parts if part[0] not in waiting])
                 raise
-            log.warning("%s: adding queues to the transaction: %s; retrying",
-                        self.transactional_id, err)
-            self._register(new, set())
             for part in held:
                 part[-1] = self._begin_send(part[0], part[4])
         self._queues |= new

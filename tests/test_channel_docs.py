@@ -31,6 +31,6 @@ def test_the_trust_model_names_every_channel_limit_with_its_default():
     section = trust_model()
     settings = [(name, default) for name, default, _doc in ClusterConfig.describe()
                 if name.startswith("channel_")]
-    assert len(settings) == 8
+    assert len(settings) == 10
     for name, default in settings:
         assert f"`{name}`" in section, name
