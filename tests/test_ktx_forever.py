@@ -538,3 +538,37 @@ def test_producer_ids_are_drawn_only_when_handed_out(cluster):
     assert second >> 8 == (first >> 8) + 1
     c = cluster.restart_coordinator()
     assert c.init_producer("c")[0] >> 8 == (first >> 8) + 2  # never one handed out twice
+
+
+def test_a_snapshot_never_passes_an_end_whose_offsets_are_not_saved(tmp_path):
+    """Compaction folds the index up to the first end still applying its offsets: a crash
+    then replays that end and applies them (the snapshot alone would skip it)."""
+    import threading
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1,
+                         "state_log_compact_records": 1}, background=False)
+    sh.set_routes([("t", 0), ("src", 0)])
+    try:
+        sh.send(RecordBatch("src", 0, [b"in"] * 8))
+        sh.ktx_register(1, 0, [("t", 0)], ["g"])
+        tx_write(sh, 1, 0, 1, [b"out"])
+        sh.ktx_offsets(1, 0, "g", {("src", 0): 5})
+        save, held, go = sh.store.save_offsets, threading.Event(), threading.Event()
+
+        def paused(values):  # the end's offsets wait here, its markers written
+            if any(k.startswith("g@") for k in values):
+                held.set()
+                go.wait(30)
+            save(values)
+        sh.store.save_offsets = paused
+        ender = threading.Thread(target=sh.ktx_end, args=(1, 1, "COMMIT"))
+        ender.start()
+        assert held.wait(30)
+        end_record = sh.store.max_queue_offset("RMQ_SYS_KTX_INDEX", 0) - 1
+        sh.ktx.compact()
+        assert sh.ktx._snapshot_offset <= end_record  # not past the end still applying
+        go.set()
+        ender.join(30)
+        assert sh.ktx.compact() and sh.ktx._snapshot_offset > end_record  # now it may
+        assert sh.get_offsets("g", [("src", 0)]) == {("src", 0): 5}
+    finally:
+        sh.close()
