@@ -9,6 +9,7 @@ from raymq.storage.errors import (AlreadyDeliveredError, BrokerUnavailableError,
                                   ChannelTLSError, ConcurrentTransactionsError, ConfigError,
                                   ConfigMismatchError, CorruptLogError, InvalidMessageError,
                                   InvalidTxnStateError, JavaMissingError, MessageTooLargeError,
+                                  NotEnoughReplicasError, NotLeaderError,
                                   OutOfOrderSequenceError, ProducerFencedError,
                                   TransactionAbortedError, TransactionAbortableError,
                                   NotDeployedError, NotScheduledError, OffsetOutOfRangeError,
@@ -26,7 +27,8 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "ProtocolVersionError", "ChannelRefusedError", "ChannelTLSError",
            "QuotaExceededError", "ProducerFencedError", "TransactionAbortedError",
            "TransactionAbortableError", "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError",
-           "JavaMissingError", "AlreadyDeliveredError", "NotScheduledError"]
+           "JavaMissingError", "AlreadyDeliveredError", "NotScheduledError",
+           "NotEnoughReplicasError", "NotLeaderError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

@@ -141,6 +141,22 @@ class OutOfOrderSequenceError(RayMQError):
     code = "OUT_OF_ORDER_SEQUENCE"
 
 
+class NotEnoughReplicasError(RayMQError):
+    """Fewer replicas of a shard are in sync than ``min_insync_replicas``: nothing is
+    acknowledged until enough are (retriable)."""
+
+    code = "NOT_ENOUGH_REPLICAS"
+    retriable = True
+
+
+class NotLeaderError(RayMQError):
+    """A request carried a leader epoch that is not the group's current one (a deposed
+    leader, or a client with stale routes: ask the controller again)."""
+
+    code = "NOT_LEADER"
+    retriable = True
+
+
 # -- the cluster: connecting, deploying, the data channel
 
 
