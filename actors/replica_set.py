@@ -53,6 +53,7 @@ class ReplicaSet:
     followers: dict[str, Follower] = field(default_factory=dict)
     leader_end: int = 0
     confirmed: int = 0
+    epoch_start: int = 0           # where the current leader's epoch starts in the log
 
     def __post_init__(self):
         if self.leader not in self.replicas:
@@ -71,6 +72,12 @@ class ReplicaSet:
             raise NotLeaderError(f"shard-{self.shard}: epoch {epoch} is not the current "
                                  f"{self.epoch} (leader {self.leader})")
 
+    def took_over(self, log_end: int) -> None:
+        """The elected leader starts its epoch at its log end ``log_end`` (what it writes
+        next is the epoch's; it records (epoch, log_end) in its epoch file)."""
+        self.leader_end = self.epoch_start = log_end
+        self._advance()
+
     def appended(self, log_end: int) -> None:
         """The leader's log now ends at ``log_end``."""
         self.leader_end = max(self.leader_end, log_end)
@@ -84,9 +91,9 @@ class ReplicaSet:
         f.log_end = max(f.log_end, log_end)
         if log_end >= leader_end_when_asked:
             f.caught_up_ms = now_ms
-        if replica not in self.in_sync and f.log_end >= self.confirmed \
+        if replica not in self.in_sync and f.log_end >= max(self.confirmed, self.epoch_start) \
                 and now_ms - f.caught_up_ms <= self.lag_max_ms:
-            self.in_sync.add(replica)  # back in sync
+            self.in_sync.add(replica)  # back in sync (holding all of this epoch's start)
         self._advance()
 
     def shrink(self, now_ms: int) -> list[str]:
@@ -123,17 +130,20 @@ class ReplicaSet:
 
     # ---------------------------------------------------------- controller side
     def elect(self, alive: set[str], now_ms: int, *, prefer: str | None = None,
-              unclean: bool = False) -> str | None:
-        """A new leader among the ``alive`` in-sync replicas (``prefer`` if it is one;
-        with ``unclean``, any alive replica when none is in sync): the epoch bumped, the
-        in-sync set the new leader and the alive in-sync followers.  None (nothing
-        changed) when there is no candidate."""
-        candidates = sorted(self.in_sync & alive)
+              unclean: bool = False, ends: dict[str, int] | None = None) -> str | None:
+        """A new leader among the ``alive`` in-sync replicas: ``prefer`` if it is one, else
+        the one holding the most (``ends``: each replica's log end, when known; whole
+        64-bit offsets compared), then by name; with ``unclean``, any alive replica when
+        none is in sync.  The epoch is bumped; the in-sync set is the new leader and the
+        alive in-sync followers.  None (nothing changed) when there is no candidate."""
+        candidates = self.in_sync & alive
         if not candidates and unclean:
-            candidates = sorted(set(self.replicas) & alive)
+            candidates = set(self.replicas) & alive
         if not candidates:
             return None
-        new = prefer if prefer in candidates else candidates[0]
+        ends = ends or {}
+        new = prefer if prefer in candidates else min(
+            candidates, key=lambda r: (-ends.get(r, -1), r))
         self.epoch += 1
         old = self.leader
         self.leader = new

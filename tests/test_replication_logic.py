@@ -135,6 +135,23 @@ def test_election_only_from_the_in_sync_set_with_the_epoch_bumped_and_old_epochs
     assert g2.in_sync == {"a", "b", "c"} and g2.shrink(now_ms=5) == []  # in sync as of it
 
 
+def test_a_returning_follower_rejoins_only_holding_the_current_epoch_s_start():
+    g = group()
+    assert g.elect(alive={"b"}, now_ms=0) == "b" and g.in_sync == {"b"}
+    g.took_over(500)  # epoch 2 starts at 500 on b
+    g.fetched("a", 400, 500, now_ms=1)  # under the epoch's start: not yet
+    g.fetched("c", 450, 500, now_ms=1)
+    assert g.in_sync == {"b"}
+    g.fetched("c", 500, 500, now_ms=2)
+    assert g.in_sync == {"b", "c"}
+
+
+def test_the_candidate_holding_the_most_is_elected():
+    g = group()
+    assert g.elect(alive={"b", "c"}, now_ms=0, ends={"b": 2**40, "c": 2**40 + 1}) == "c"
+    assert group().elect(alive={"a", "b"}, now_ms=0, ends={"a": 7, "b": 7}) == "a"  # by name
+
+
 def test_a_group_is_built_valid():
     with pytest.raises(ValueError):
         group(leader="z")
