@@ -39,7 +39,7 @@ from raymq.storage.records import FRAME_ATTR_LAST, frame_headers, frame_producer
 log = logging.getLogger("raymq.storage")
 
 
-class _RebuildNeeded(Exception):
+class RebuildNeeded(Exception):
     pass
 
 
@@ -89,10 +89,10 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
     checkpoint = read_checkpoint(checkpoint_path)
     ckpt = checkpoint.offset
     queues.load()
-    replay = _Replay(queues, checkpoint.producers)
+    replay = Replay(queues, checkpoint.producers)
     try:
         if checkpoint.rebuilding:
-            raise _RebuildNeeded("a rebuild of the consume queues was interrupted")
+            raise RebuildNeeded("a rebuild of the consume queues was interrupted")
         untrusted = queues.trim_to_checkpoint(ckpt)
         if untrusted:
             log.info("store %s: %d consume-queue entries past checkpoint %d are re-indexed "
@@ -103,10 +103,10 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
             # after an I/O error): its producer snapshot would claim sequences the log
             # no longer holds -- the scheduler and resends would skip, resends of
             # clients be taken for duplicates.  Everything is rebuilt from the log.
-            raise _RebuildNeeded(f"the checkpoint ({ckpt}) is past the end of the "
+            raise RebuildNeeded(f"the checkpoint ({ckpt}) is past the end of the "
                                  f"commit log ({commit_log.max_offset})")
         replay.cut_open_put(commit_log, directory)
-    except _RebuildNeeded as why:
+    except RebuildNeeded as why:
         commit_log, replay = _rebuild(directory, commit_log, queues, why, segment_size_bytes,
                                       checkpoint_path)
     _drop_entries_past_end(replay.queues, commit_log.max_offset)
@@ -119,8 +119,8 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
     return Recovered(commit_log, replay.queues, replay.producers, replay.recovered_records)
 
 
-def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: _RebuildNeeded,
-             segment_size_bytes: int, checkpoint_path: str) -> tuple[CommitLog, "_Replay"]:
+def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: RebuildNeeded,
+             segment_size_bytes: int, checkpoint_path: str) -> tuple[CommitLog, "Replay"]:
     """Drop the consume queues and producer state; re-index the whole log into new ones.
 
     The checkpoint is marked ``rebuilding`` (durably) before anything is deleted; the
@@ -136,7 +136,7 @@ def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: _Re
     queues = QueueIndex(queues.root, queues.files.configured_limit)
     commit_log = CommitLog(commit_log.directory, segment_size_bytes,
                            commit_log.max_open_segments)
-    replay = _Replay(queues, ProducerTable())
+    replay = Replay(queues, ProducerTable())
     commit_log.open(0, replay.frame)
     replay.cut_open_put(commit_log, directory)
     crash_point("rebuild.reindexed")
@@ -165,7 +165,7 @@ def _drop_entries_past_end(queues: QueueIndex, end: int) -> None:
                         cq.path, dropped, end)
 
 
-class _Replay:
+class Replay:
     """Re-indexes the frames found past the checkpoint, one put at a time.
 
     The frames of one put are applied together when its LAST frame is seen;
@@ -211,7 +211,7 @@ class _Replay:
             waiting = pending.setdefault(cq, [])
             expected = cq.count + len(waiting)
             if qoff != expected:
-                raise _RebuildNeeded(f"{topic}/{qid}: record at {phys[i]} has queue offset "
+                raise RebuildNeeded(f"{topic}/{qid}: record at {phys[i]} has queue offset "
                                      f"{qoff}, the index expects {expected}")
             waiting.append((int(phys[i]), int(sizes[i]), int(h["tag_code"][i])))
 

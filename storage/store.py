@@ -27,7 +27,8 @@ from raymq.storage.offsets import OffsetStore
 from raymq.storage.putframes import PutFramer
 from raymq.storage.putframes import TOPIC_RE, check_topic_name  # noqa: F401  (were defined here)
 from raymq.storage.queueindex import QueueIndex
-from raymq.storage.recovery import recover
+from raymq.storage import replication
+from raymq.storage.recovery import RebuildNeeded, Replay, recover
 from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                                    RecordSpans, StoredMessage, decode_records,
                                    record_sizes)
@@ -113,6 +114,7 @@ class MessageStore:
         self._producers = recovered.producers
         self.recovered_records = recovered.recovered_records
         self._dispatched_end = self._log.max_offset
+        self._replica: Replay | None = None  # a follower's indexing of replicated frames
         self._framer = PutFramer(self.config, self._log.segment_size)
         self._durable = Durability(directory, self._log, self.clock,
                                    self.config.flush_timeout_ms)
@@ -364,6 +366,42 @@ class MessageStore:
 
     def segments(self) -> list[tuple[str, int, int]]:
         return self._log.segments()
+
+    # -------------------------------------------------------- replication
+    def read_frames(self, from_phys: int, max_bytes: int) -> tuple[int, bytes]:
+        """A leader's whole frames from ``from_phys`` (``replication.read_frames``)."""
+        return replication.read_frames(self._log, self._dispatched_end, from_phys, max_bytes)
+
+    def append_replicated(self, phys: int, data: bytes) -> int:
+        """A follower writes the leader's frames ``data`` (the first at ``phys``) at the same
+        physical offsets and indexes them as recovery does; its new log end.  Frames
+        are checked (CRC) before anything is written; a put whose last frame has not
+        come yet is indexed when it comes."""
+        frames = replication.split_frames(data)
+        with self._write_lock:
+            if self._closed:
+                raise StorageError(f"store {self.directory} is closed")
+            if self._durable.failed is not None:
+                raise self._durable.stopped()
+            positions = self._append_frames_at(phys, data, frames)
+            if self._replica is None:
+                self._replica = Replay(self._cq, self._producers)
+            try:
+                for (pos, length, count), at in zip(frames, positions):
+                    self._replica.frame(at, data, pos, length, count)
+            except RebuildNeeded as why:  # (the log is fine: a restart re-indexes it)
+                self._durable.fail(why, "indexing replicated frames failed")
+                raise StorageError(f"replicated frames do not match this store's queues: "
+                                   f"{why}") from None
+            self._dispatched_end = self._log.max_offset
+            return self._dispatched_end
+
+    def _append_frames_at(self, phys: int, data: bytes, frames) -> list[int]:
+        try:
+            return replication.place_frames(self._log, phys, data, frames)
+        except SegmentSealError as err:
+            self._durable.fail(err, "sealing a full commit-log segment failed")
+            raise
 
     # -------------------------------------------------------------- close
     def close(self) -> None:

@@ -1,0 +1,115 @@
+"""Commit-log replication at the storage level (issue 26, first part): a leader's store
+hands out whole frames of its commit log from a physical offset (``read_frames``); a
+follower's store writes them at the same physical offsets and indexes them as recovery
+does (``append_replicated``), so that every queue, offset and producer sequence of the
+follower is the leader's, byte for byte (RocketMQ HA's shape).  A returning replica
+cuts its log where it diverged (``truncate_replica``, the point from
+``raymq.storage.epochs``) and is reopened: recovery rebuilds what the cut removed.
+
+Segment boundaries need no message: a commit log starts a new segment exactly when the
+next frame does not fit, so the same frames in the same order land at the same offsets
+on a store with the same ``segment_size_bytes`` (checked: a frame placed elsewhere is an
+error, nothing written).  Pure Python, no Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
+from raymq.storage.errors import StorageError
+from raymq.storage.records import FrameError, check_frame
+
+
+@dataclass
+class RawFrame:
+    """A frame as the commit log writes it (``parts`` for ``writev``)."""
+
+    parts: tuple
+    size: int
+
+
+def read_frames(log: CommitLog, written_end: int, from_phys: int,
+                max_bytes: int) -> tuple[int, bytes]:
+    """Whole frames of ``log`` from ``from_phys`` up to ``written_end`` (what is written
+    and indexed), at most ``max_bytes`` of them but one frame at least: ``(the physical
+    offset of the first, their bytes)``.  ``from_phys`` is the end of what the follower
+    holds: a frame start, or the end of a segment (the frames go on at the next
+    segment's first frame).  ``(from_phys, b"")`` when there is nothing new."""
+    start = from_phys
+    for _path, base, size in log.segments():
+        if base <= from_phys <= base + size:
+            if from_phys == base + size and from_phys < written_end:  # a sealed segment's end
+                start = base + log.segment_size + SEGMENT_HEADER_BYTES
+            start = max(start, base + SEGMENT_HEADER_BYTES)  # (a segment's first frame)
+            break
+    else:
+        raise StorageError(f"physical offset {from_phys} is not in the commit log "
+                           f"(it holds {log.min_offset}..{log.max_offset})")
+    seg_end = log.segment_end(start) if start < written_end else start
+    end = min(written_end, seg_end)
+    if end <= start:
+        return from_phys, b""
+    data = log.read(start, min(end - start, max(max_bytes, 1)))
+    pos = 0
+    while pos < len(data):
+        try:
+            frame_len, _count = check_frame(data, pos, len(data))
+        except FrameError as err:
+            if pos == 0 and err.frame_len and err.frame_len > len(data):
+                data = log.read(start, min(end - start, err.frame_len))  # one large frame
+                continue
+            break
+        pos += frame_len
+    if pos == 0:
+        raise StorageError(f"no whole frame at physical offset {start}")
+    return start, data[:pos]
+
+
+def split_frames(data: bytes) -> list[tuple[int, int, int]]:
+    """``(position, length, records)`` of each frame of ``data`` (all CRC-checked);
+    ``StorageError`` naming the first bad one."""
+    out, pos = [], 0
+    while pos < len(data):
+        try:
+            frame_len, count = check_frame(data, pos, len(data))
+        except FrameError as err:
+            raise StorageError(f"replicated frame at byte {pos}: {err.reason}") from None
+        out.append((pos, frame_len, count))
+        pos += frame_len
+    return out
+
+
+def landing(log: CommitLog, frame_len: int) -> int:
+    """Where ``log`` writes its next frame of ``frame_len`` bytes (``CommitLog.append``'s
+    rule: a new segment when it does not fit the last one)."""
+    _path, base, size = log.segments()[-1]
+    if size + frame_len > log.segment_size:
+        return base + log.segment_size + SEGMENT_HEADER_BYTES
+    return base + size
+
+
+def place_frames(log: CommitLog, phys: int, data: bytes,
+                 frames: list[tuple[int, int, int]]) -> list[int]:
+    """Write ``frames`` of ``data`` (the leader wrote the first at ``phys``) to ``log`` at
+    the same offsets; their physical offsets.  ``StorageError`` (nothing written) when
+    the first would land elsewhere: this log is out of step with the leader's."""
+    if frames and landing(log, frames[0][1]) != phys:
+        raise StorageError(f"replicated frames start at {phys}; this log would write them "
+                           f"at {landing(log, frames[0][1])} (it ends at {log.max_offset}): "
+                           "out of step with the leader")
+    view = memoryview(data)
+    return [log.append(RawFrame((view[pos:pos + length],), length))
+            for pos, length, _count in frames]
+
+
+def truncate_log(directory: str, segment_size_bytes: int, phys: int) -> None:
+    """Cut the commit log of a closed store at ``phys`` (a returning replica, where its
+    epochs diverge from the leader's); the store reopened then rebuilds its queues and
+    producer table from what is left (its checkpoint is past the cut)."""
+    log = CommitLog(directory, segment_size_bytes)
+    log.open(0, lambda *_a: None)  # (every frame checked: a torn tail is cut first)
+    try:
+        if phys < log.max_offset:
+            log.truncate_to(phys)
+    finally:
+        log.close()
