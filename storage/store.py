@@ -397,10 +397,12 @@ class MessageStore:
             return self._dispatched_end
 
     def _append_frames_at(self, phys: int, data: bytes, frames) -> list[int]:
+        before = self._log.max_offset
         try:
             return replication.place_frames(self._log, phys, data, frames)
-        except SegmentSealError as err:
-            self._durable.fail(err, "sealing a full commit-log segment failed")
+        except BaseException as err:  # some frames written, none indexed: stop (as a put)
+            if self._log.max_offset != before or isinstance(err, SegmentSealError):
+                self._durable.fail(err, "writing replicated frames failed part-way")
             raise
 
     # -------------------------------------------------------------- close
