@@ -495,22 +495,18 @@ class _Gate:
 
     Connections in their handshake (not authenticated yet) and served ones have separate
     budgets, each in total and per peer address: peers without the key can fill only
-    the handshake budget, never take a served connection's place.  An address whose
-    handshake failed within ``FAILED_PENALTY_S`` holds one handshake at a time (a peer
-    without the key that reconnects at once keeps one slot, not its whole share),
-    unless it authenticated within ``TRUSTED_S``: such an address also goes past a full
-    handshake budget (up to twice it), so peers with the key get in during a flood.
+    the handshake budget, never take a served connection's place.  An address that
+    authenticated within ``TRUSTED_S`` goes past a full handshake budget (up to twice
+    it), so peers with the key get in while keyless ones fill it.
     Descriptors are kept for the store.  A connection is tracked by descriptor from
     ``admit`` until ``leave`` (which its thread calls before it closes the descriptor,
     so a tracked number is never reused).
     """
 
-    #: How long a failed handshake limits its address to one handshake at a time.
-    FAILED_PENALTY_S = 30.0
     #: How long an address that authenticated may go past a full handshake budget (up to
     #: twice it): a peer with the key gets in while keyless ones fill the budget.
     TRUSTED_S = 600.0
-    #: Most addresses remembered for either (the oldest are forgotten first).
+    #: Most addresses remembered (the oldest are forgotten first).
     MAX_PEERS_KEPT = 10_000
 
     def __init__(self, limits: ChannelLimits):
@@ -520,7 +516,6 @@ class _Gate:
         self._served: dict[str, int] = {}         # peer -> served connections
         self._shaking: dict[str, int] = {}        # peer -> connections in their handshake
         self._deadline: dict[int, float] = {}     # fd -> monotonic s (handshakes only)
-        self._failed: dict[str, float] = {}       # peer -> monotonic s of its last failure
         self._trusted: dict[str, float] = {}      # peer -> monotonic s it last authenticated
         self._reaped: set[int] = set()            # handshakes shut down, threads not gone
         self._closed = False
@@ -544,13 +539,10 @@ class _Gate:
                     f"{len(self._deadline)} connections in their handshake, the limit "
                     f"(channel_max_handshakes)")
             mine = self._shaking.get(peer, 0)
-            failed = not trusted and now - self._failed.get(
-                peer, -self.FAILED_PENALTY_S) < self.FAILED_PENALTY_S
-            if mine >= (1 if failed else lim.max_handshakes_per_peer):
+            if mine >= lim.max_handshakes_per_peer:
                 return "channel_max_handshakes_per_peer", (
                     f"{mine} connections from {peer} in their handshake, the limit "
-                    f"(channel_max_handshakes_per_peer"
-                    f"{'; 1 after a failed handshake' if failed else ''})")
+                    f"(channel_max_handshakes_per_peer)")
             self._peer_of[fd] = peer
             self._shaking[peer] = mine + 1
             self._deadline[fd] = now + lim.handshake_timeout_ms / 1000
@@ -580,11 +572,6 @@ class _Gate:
                 return None
             del self._peer_of[fd]  # (counted nowhere now: ``leave`` has nothing to do)
             return why
-
-    def failed(self, peer: str) -> None:
-        """A handshake from ``peer`` failed (wrong key, garbage, too slow)."""
-        with self._lock:
-            _note_peer(self._failed, peer, self.MAX_PEERS_KEPT)
 
     def leave(self, fd: int) -> None:
         with self._lock:
@@ -780,7 +767,6 @@ class Endpoint:
                 link.send_bytes(_limits_frame(self.limits.max_request_bytes))  # its last step
                 self._serve_requests(link)
         except Exception as err:  # wrong key, garbage, too slow, or a peer that went away
-            self._gate.failed(peer)
             self._note("handshake", "connection from %s refused: %s: %s", peer,
                        type(err).__name__, err)
         finally:

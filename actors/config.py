@@ -206,8 +206,7 @@ class ClusterConfig(BaseModel):
                                "place; more are closed at once.")
     channel_max_handshakes_per_peer: StrictInt = Field(
         16, ge=1, description="Most data-channel connections in their handshake from one peer "
-                              "address (one at a time for 30 s after a handshake from it "
-                              "failed).")
+                              "address.")
     channel_handshake_timeout_ms: StrictInt = Field(
         10_000, ge=1, description="A data-channel connection must finish its whole handshake "
                                   "(TLS, key challenge, versions) within this time, or it is "

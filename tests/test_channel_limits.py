@@ -137,9 +137,7 @@ def test_the_handshake_has_one_deadline_however_slowly_a_peer_trickles_bytes():
                 gone = time.monotonic() - t0
                 break
         assert gone is not None and gone < 2.5, f"still open after {time.monotonic() - t0:.1f} s"
-        # and it serves others (from that address one handshake at a time now: the
-        # trickler's slot frees once its thread has left, just after the close it saw)
-        assert wait_for(lambda: _try_connect(ep), 10, "a connect served") is not None
+        assert _try_connect(ep) is not None  # and it serves others
     finally:
         s.close()
         ep.close()
