@@ -35,10 +35,6 @@ class InProcessTransport:
         self.calls = 0
         self.faults = 0
         self._lock = threading.Lock()
-        # a request (shard, producer id, sequence) a fault hit is not hit again when it is
-        # sent again: the faults fall on call numbers, which other threads' calls move, so
-        # one request could otherwise draw a fault on every attempt and run out of retries
-        self._faulted: set = set()
 
     def begin(self, shard, method, args, *, timeout_s):
         """The call happens now; ``result()`` hands over its answer or its error."""
@@ -55,28 +51,20 @@ class InProcessTransport:
         return Answer()
 
     def call(self, shard, method, *args, timeout_s):
-        request = (shard, args[1], args[2]) if method == "send" and len(args) > 2 else None
         with self._lock:
             self.calls += 1
             k = self.calls
-            again = request is not None and request in self._faulted
         if self.refuse(k):
             self.faults += 1
             raise InvalidMessageError(f"call {k} refused")
-        if not again and self.drop_request(k):
-            self._fault(request)
+        if self.drop_request(k):
+            self.faults += 1
             raise BrokerUnavailableError(f"call {k} dropped before the shard")
         result = getattr(self.shards[shard], method)(*args)
-        if not again and self.lose_reply(k):
-            self._fault(request)
+        if self.lose_reply(k):
+            self.faults += 1
             raise BrokerUnavailableError(f"reply to call {k} lost")
         return result
-
-    def _fault(self, request) -> None:
-        with self._lock:
-            self.faults += 1
-            if request is not None:
-                self._faulted.add(request)
 
 
 @pytest.fixture
