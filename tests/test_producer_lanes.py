@@ -35,6 +35,11 @@ class InProcessTransport:
         self.calls = 0
         self.faults = 0
         self._lock = threading.Lock()
+        # a request (shard, producer id, sequence) a fault hit is not hit again when it is
+        # sent again: the faults fall periodically on the global call number (k % 7, k %
+        # 11), and lanes in lockstep can make a multiple of 7 calls between a request's
+        # attempts, so that every attempt draws the same fault until retries run out
+        self._faulted: set = set()
 
     def begin(self, shard, method, args, *, timeout_s):
         """The call happens now; ``result()`` hands over its answer or its error."""
@@ -51,20 +56,28 @@ class InProcessTransport:
         return Answer()
 
     def call(self, shard, method, *args, timeout_s):
+        request = (shard, args[1], args[2]) if method == "send" and len(args) > 2 else None
         with self._lock:
             self.calls += 1
             k = self.calls
+            again = request is not None and request in self._faulted
         if self.refuse(k):
             self.faults += 1
             raise InvalidMessageError(f"call {k} refused")
-        if self.drop_request(k):
-            self.faults += 1
+        if not again and self.drop_request(k):
+            self._fault(request)
             raise BrokerUnavailableError(f"call {k} dropped before the shard")
         result = getattr(self.shards[shard], method)(*args)
-        if self.lose_reply(k):
-            self.faults += 1
+        if not again and self.lose_reply(k):
+            self._fault(request)
             raise BrokerUnavailableError(f"reply to call {k} lost")
         return result
+
+    def _fault(self, request) -> None:
+        with self._lock:
+            self.faults += 1
+            if request is not None:
+                self._faulted.add(request)
 
 
 @pytest.fixture
