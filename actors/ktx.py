@@ -14,8 +14,12 @@ the producer id, and ``COMMIT``/``ABORT`` as body.
 State is rebuilt on restart from this shard's index topic (``KTX_INDEX_TOPIC``): a
 ``begin`` record (the queues and where each was when registered: the LSO cannot pass
 it), ``offsets`` records (a group's offsets, pending until the commit) and an ``end``
-record (outcome and marker offsets), each written durably before it is answered.
-``KafkaTxns`` is the pure state; ``KafkaTxnQueues`` does the shard's I/O for it.
+record (outcome and marker offsets), each written durably before it is answered.  The
+index is folded into a snapshot of the live state (``compact``) once enough records
+follow the last one, so a restart reads the snapshot and the tail.  A commit's group
+offsets are saved with its producer's applied end in one atomic write: a restart applies
+again exactly the commits whose offsets it lost.  ``KafkaTxns`` is the pure state;
+``KafkaTxnQueues`` does the shard's I/O for it.
 """
 from __future__ import annotations
 
@@ -361,7 +365,7 @@ class KafkaTxnQueues:
         self._snapshot_offset = 0 if snap is None else snap[0]
         if snap is not None:
             self.state = KafkaTxns.from_state(snap[1])
-        legacy = self.store.offsets.get(LEGACY_APPLIED_KEY)  # (one watermark, before 0.x)
+        legacy = self.store.offsets.get(LEGACY_APPLIED_KEY)  # (what older versions kept)
         redo, n = [], 0
         for m in self.store.scan_queue(KTX_INDEX_TOPIC, 0, self._snapshot_offset):
             rec = decode(m.body)
