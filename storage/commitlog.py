@@ -301,13 +301,22 @@ class CommitLog:
             self._bases.append(base)
         return seg
 
+    def next_frame_offset(self, size: int) -> int:
+        """Where the next frame of ``size`` bytes goes: the end of the last segment, or the
+        first frame of a new one when it does not fit there (what a follower copying
+        another log's frames checks against)."""
+        seg = self._segments[-1]
+        if seg.size + size > self.segment_size:
+            return seg.base + self.segment_size + SEGMENT_HEADER_BYTES
+        return seg.end
+
     def append(self, frame: EncodedFrame) -> int:
         """Write one frame; return its physical offset."""
         size = frame.size
         if size > self.segment_size - SEGMENT_HEADER_BYTES:
             raise StorageError(f"frame of {size} bytes cannot fit a segment of {self.segment_size}")
         seg = self._segments[-1]
-        if seg.size + size > self.segment_size:
+        if self.next_frame_offset(size) != seg.end:
             try:
                 os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
                 crash_point("segment.sealed")

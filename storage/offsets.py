@@ -75,20 +75,22 @@ class OffsetStore:
 
     def delete(self, keys) -> None:
         with self._lock:
-            table = {k: v for k, v in self._table.items() if k not in set(keys)}
-            self._write(table)
-            self._table = table
+            self._drop(set(keys))
 
     def delete_below(self, prefix: str, bound: int) -> int:
         """Delete the keys starting with ``prefix`` whose value is below ``bound`` (as they
         are now: one set meanwhile to a higher value stays); how many."""
         with self._lock:
-            gone = [k for k, v in self._table.items() if k.startswith(prefix) and v < bound]
+            gone = {k for k, v in self._table.items() if k.startswith(prefix) and v < bound}
             if gone:
-                table = {k: v for k, v in self._table.items() if k not in set(gone)}
-                self._write(table)
-                self._table = table
+                self._drop(gone)
             return len(gone)
+
+    def _drop(self, gone: set[str]) -> None:
+        """Rewrite the table without ``gone`` (under the lock)."""
+        table = {k: v for k, v in self._table.items() if k not in gone}
+        self._write(table)
+        self._table = table
 
     def _write(self, table: dict[str, int]) -> None:
         body = json.dumps(table, sort_keys=True, separators=(",", ":"))

@@ -3,7 +3,7 @@ hands out whole frames of its commit log from a physical offset (``read_frames``
 follower's store writes them at the same physical offsets and indexes them as recovery
 does (``append_replicated``), so that every queue, offset and producer sequence of the
 follower is the leader's, byte for byte (RocketMQ HA's shape).  A returning replica
-cuts its log where it diverged (``truncate_replica``, the point from
+cuts its log where it diverged (``truncate_log``, the point from
 ``raymq.storage.epochs``) and is reopened: recovery rebuilds what the cut removed.
 
 Segment boundaries need no message: a commit log starts a new segment exactly when the
@@ -79,24 +79,15 @@ def split_frames(data: bytes) -> list[tuple[int, int, int]]:
     return out
 
 
-def landing(log: CommitLog, frame_len: int) -> int:
-    """Where ``log`` writes its next frame of ``frame_len`` bytes (``CommitLog.append``'s
-    rule: a new segment when it does not fit the last one)."""
-    _path, base, size = log.segments()[-1]
-    if size + frame_len > log.segment_size:
-        return base + log.segment_size + SEGMENT_HEADER_BYTES
-    return base + size
-
-
 def place_frames(log: CommitLog, phys: int, data: bytes,
                  frames: list[tuple[int, int, int]]) -> list[int]:
     """Write ``frames`` of ``data`` (the leader wrote the first at ``phys``) to ``log`` at
     the same offsets; their physical offsets.  ``StorageError`` (nothing written) when
     the first would land elsewhere: this log is out of step with the leader's."""
-    if frames and landing(log, frames[0][1]) != phys:
+    if frames and log.next_frame_offset(frames[0][1]) != phys:
         raise StorageError(f"replicated frames start at {phys}; this log would write them "
-                           f"at {landing(log, frames[0][1])} (it ends at {log.max_offset}): "
-                           "out of step with the leader")
+                           f"at {log.next_frame_offset(frames[0][1])} (it ends at "
+                           f"{log.max_offset}): out of step with the leader")
     view = memoryview(data)
     return [log.append(RawFrame((view[pos:pos + length],), length))
             for pos, length, _count in frames]
