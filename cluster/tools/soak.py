@@ -312,18 +312,12 @@ def _soak_growth(b: Bench, samples: list, duration_s: float, warmup_s: float) ->
 
 def wedged(mq) -> list[str]:
     """What nothing will move on by itself once every producer closed: transactions left
-    prepared or open at a coordinator, transactions holding a shard's LSO, RocketMQ-style
-    halves no check will resolve."""
-    from raymq import rpc
-    out = []
-    for j in range(mq.config.num_coordinators):
-        for t in rpc.call(mq.coordinator_handle(j).list_transactions, timeout_s=60):
-            if t["state"] not in ("EMPTY", "COMPLETE_COMMIT", "COMPLETE_ABORT"):
-                out.append(f"coordinator-{j}: {t['transactional_id']} {t['state']}")
-    for i in range(mq.num_shards):
-        for t in mq.shard(i).call("ktx_status", timeout_s=60):
-            out.append(f"shard-{i}: producer {t['producer_id']} holds {sorted(t['queues'])}")
-    return out
+    prepared or open at a coordinator, and queues whose LSO a transaction holds (what
+    ``raymq tx list`` and ``raymq tx hanging`` show)."""
+    out = [f"{t['transactional_id']} {t['state']}" for t in mq.admin.tx_list()
+           if t["state"] not in ("EMPTY", "COMPLETE_COMMIT", "COMPLETE_ABORT")]
+    return out + [f"shard-{h['shard']} {h['queue']}: producer {h['producer_id']} holds its "
+                  f"LSO {h['behind']} behind" for h in mq.admin.tx_hanging()]
 
 
 def restart_s(handle) -> float:
