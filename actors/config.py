@@ -36,6 +36,7 @@ RULES = (
     "delay_levels: numbers with a unit (ms, s, m, h, d), at least one, not decreasing",
     "retry_first_level <= the number of delay levels",
     "session_timeout_ms > heartbeat_interval_ms",
+    "min_insync_replicas <= replication_factor",
     "segment_size_bytes holds one largest frame: max(8 MiB, max_message_bytes + 128 KiB) + 64",
 )
 
@@ -231,6 +232,21 @@ class ClusterConfig(BaseModel):
     channel_pull_max_wait_ms: StrictInt = Field(
         30_000, ge=0, description="Longest long-poll wait of a pull over the data channel; a "
                                   "longer wait is clamped.")
+    replication_factor: StrictInt = Field(
+        1, ge=1, le=7, description="Replicas of each shard, each on its own Ray node "
+                                   "(a STRICT_SPREAD placement group); 1: no replication.")
+    min_insync_replicas: StrictInt = Field(
+        0, ge=0, description="Replicas that must hold a write before SEND_OK (the leader "
+                             "among them); 0: 2 when replication_factor >= 2, else 1. Fewer "
+                             "in sync: sends fail with NotEnoughReplicasError.")
+    replica_lag_max_ms: StrictInt = Field(
+        10_000, ge=100, description="A follower not caught up with its leader for this long "
+                                    "leaves the in-sync set (it rejoins once caught up).")
+    replica_lease_ms: StrictInt = Field(
+        1_500, ge=200, description="A replica that has not reached the controller for this "
+                                   "long counts as dead: a new leader is elected from the "
+                                   "in-sync set, and a leader without a lease acknowledges "
+                                   "nothing.")
 
     #: ``delay_levels`` parsed once, when the config is validated (pickled with it)
     _delay_levels_ms: tuple[int, ...] = PrivateAttr(default=())
@@ -263,6 +279,9 @@ class ClusterConfig(BaseModel):
         if self.session_timeout_ms <= self.heartbeat_interval_ms:
             raise ConfigError(f"session_timeout_ms ({self.session_timeout_ms}) must be longer "
                               f"than heartbeat_interval_ms ({self.heartbeat_interval_ms})")
+        if self.min_insync_replicas > self.replication_factor:
+            raise ConfigError(f"min_insync_replicas ({self.min_insync_replicas}) is over "
+                              f"replication_factor ({self.replication_factor})")
         try:
             self.store_config()
         except ConfigError as err:
@@ -276,6 +295,11 @@ class ClusterConfig(BaseModel):
     def delay_levels_ms(self) -> tuple[int, ...]:
         """The delay of level k (from 1) at index k - 1, in ms."""
         return self._delay_levels_ms
+
+    @property
+    def min_insync(self) -> int:
+        """``min_insync_replicas`` with its default resolved."""
+        return self.min_insync_replicas or min(2, self.replication_factor)
 
     def resolved_data_dir(self) -> str:
         return self.data_dir or default_data_dir()

@@ -13,6 +13,7 @@ import threading
 
 from raymq.actors.config import ClusterConfig
 from raymq.actors.membership import Membership
+from raymq.actors.replica_groups import ReplicaGroups
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import (InvalidMessageError, QuotaExceededError, TopicExistsError,
@@ -38,7 +39,12 @@ class Controller:
         self._lock = threading.RLock()
         self._topics: dict[str, dict] = {}
         self._shard_nodes: dict[str, str] = {}
+        self._replica_groups: dict = {}
         self._load()
+        #: replicated shards' groups (``replication_factor`` > 1): leaders, epochs, in sync
+        self.replica_groups = ReplicaGroups(
+            self.config.num_shards, self.config.replication_factor,
+            self.config.replica_lease_ms, self.clock, self._save, self._replica_groups)
         self.membership = Membership(self.clock, self.config.session_timeout_ms,
                                      self._queue_count, restarted=restarted,
                                      max_groups=self.config.max_groups)
@@ -52,6 +58,7 @@ class Controller:
             return
         self._topics = doc.get("topics", {})
         self._shard_nodes = doc.get("shard_nodes", {})
+        self._replica_groups = doc.get("replica_groups", {})
         if doc.get("num_shards", self.config.num_shards) != self.config.num_shards:
             log.warning("controller: metadata was written for %s shards, config says %s; "
                         "keeping the routes on disk", doc.get("num_shards"), self.config.num_shards)
@@ -59,6 +66,9 @@ class Controller:
     def _save(self) -> None:
         doc = {"format": "raymq-controller", "version": 1, "num_shards": self.config.num_shards,
                "topics": self._topics, "shard_nodes": self._shard_nodes}
+        groups = getattr(self, "replica_groups", None)
+        if groups is not None and self.config.replication_factor > 1:
+            doc["replica_groups"] = groups.to_doc()
         atomic_write(self._path, json.dumps(doc, sort_keys=True, indent=1).encode())
 
     # ------------------------------------------------------------ topics
@@ -133,6 +143,35 @@ class Controller:
             if self._shard_nodes.get(str(shard)) != node:
                 self._shard_nodes[str(shard)] = node
                 self._save()
+
+    # ------------------------------------------------------ replica groups
+    def replica_heartbeat(self, shard: int, name: str, node: str, epoch: int, log_end: int,
+                          in_sync: list[str] | None = None, fresh: bool = False) -> dict:
+        """A shard replica lives (``ReplicaGroups.heartbeat``): its group's assignment."""
+        with self._lock:
+            return self.replica_groups.heartbeat(shard, name, node, epoch, log_end, in_sync,
+                                                 fresh)
+
+    def replica_alter_isr(self, shard: int, name: str, epoch: int,
+                          in_sync: list[str]) -> tuple[bool, dict]:
+        with self._lock:
+            return self.replica_groups.alter_isr(shard, name, epoch, in_sync)
+
+    def replica_elect(self, shard: int, to: str | None = None, unclean: bool = False) -> dict:
+        """An operator moves a shard's leadership (``raymq shard elect``)."""
+        with self._lock:
+            return self.replica_groups.elect(shard, to=to, unclean=unclean)
+
+    def replica_leaders(self) -> dict[int, tuple[str | None, int]]:
+        """Each shard's leading replica and epoch (elections whose lease ran out first)."""
+        with self._lock:
+            self.replica_groups.tick()
+            return {i: self.replica_groups.leader(i) for i in range(self.config.num_shards)}
+
+    def replicas(self) -> list[dict]:
+        with self._lock:
+            self.replica_groups.tick()
+            return self.replica_groups.describe()
 
     # ------------------------------------------------------------ groups
     def heartbeat(self, group: str, member_id: str, topics: list[str],

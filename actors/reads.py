@@ -5,6 +5,7 @@ Sends bump a data version (``wake``); a pull that found nothing waits for it.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -33,6 +34,9 @@ class QueueReads:
         self._data_version = 0
         #: Kafka-style transactions (``KafkaTxnQueues``): LSOs and what a reader may see
         self.txns = None
+        #: a replicated shard's confirmed offset (``raymq.actors.replica``): records at or
+        #: past it are not read yet (a failover may take them back)
+        self.confirmed: Callable[[], int] | None = None
 
     def wake(self) -> None:
         """New data is stored: waiting pulls look again."""
@@ -86,6 +90,14 @@ class QueueReads:
                             min(offset, real_end), end))
                 continue
             entries = self.store.read_cq(topic, qid, offset, min(max_n, end - offset))
+            if self.confirmed is not None and len(entries):
+                k = int(np.searchsorted(entries["phys"], self.confirmed(), "left"))
+                if k < len(entries):  # (a queue's records lie in log order)
+                    entries, end = entries[:k], offset + k
+                    if not k:
+                        out.append((topic, qid, RecordSpans.empty() if spans
+                                    else MessageBatch.empty(), offset, end))
+                        continue
             if len(entries) > 1:  # at most PULL_MAX_BYTES of the log read a queue (one at
                 # least).  An entry's size runs from its record's header to the end of its
                 # body: in a frame of many records that spans the frame's other headers

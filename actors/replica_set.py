@@ -88,9 +88,11 @@ class ReplicaSet:
         """A follower's fetch, asked when the leader's log ended at
         ``leader_end_when_asked``, shows it holds up to ``log_end``."""
         f = self.followers[replica]
-        f.log_end = max(f.log_end, log_end)
+        f.log_end = log_end  # (it goes back when the follower cut its log or lost its disk)
         if log_end >= leader_end_when_asked:
             f.caught_up_ms = now_ms
+        elif log_end < self.confirmed:  # it lacks what was acknowledged: out at once
+            f.caught_up_ms = -(1 << 62)
         if replica not in self.in_sync and f.log_end >= max(self.confirmed, self.epoch_start) \
                 and now_ms - f.caught_up_ms <= self.lag_max_ms:
             self.in_sync.add(replica)  # back in sync (holding all of this epoch's start)
@@ -103,6 +105,11 @@ class ReplicaSet:
         self.in_sync.difference_update(out)
         self._advance()
         return out
+
+    def set_in_sync(self, in_sync: set[str]) -> None:
+        """The in-sync set as the controller agreed it (the leader in it)."""
+        self.in_sync = set(in_sync) & (set(self.replicas))
+        self._advance()
 
     def ack(self, offset: int) -> Ack:
         """Whether a write ending at ``offset`` can be acknowledged now."""

@@ -65,12 +65,14 @@ class BrokerShard:
     def __init__(self, index: int, config: dict | ClusterConfig, *,
                  fetch_routes: Callable[[int], list] | None = None,
                  clock: Clock | None = None, metrics=None, background: bool = True,
-                 faults: Faults = NO_FAULTS):
+                 faults: Faults = NO_FAULTS, directory: str | None = None):
+        """``directory``: where its files are (default ``<data_dir>/shard-<index>``)."""
         self.index = index
         self.config = config if isinstance(config, ClusterConfig) else ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
         self.metrics = metrics or NullMetrics()
-        self.directory = os.path.join(self.config.resolved_data_dir(), f"shard-{index}")
+        self.directory = directory or os.path.join(self.config.resolved_data_dir(),
+                                                   f"shard-{index}")
         self.store = MessageStore(self.directory, self.config.store_config(), self.clock,
                                   background=background)
         self._levels_ms = self.config.delay_levels_ms
@@ -190,7 +192,7 @@ class BrokerShard:
                     self.timers.scheduled(min(codes) if batch.topics == TIMER_TOPIC else min(
                         c for t, c in zip(topics, codes) if t == TIMER_TOPIC))
         status = self.faults.send_status(status)
-        return SendReply("SEND_OK" if status is PutStatus.PUT_OK else "FLUSH_DISK_TIMEOUT",
+        return SendReply("SEND_OK" if status is PutStatus.PUT_OK else status.name,
                          res.phys_array[:n].tolist(), queue_offsets, res.duplicate)
 
     def _append(self, records: list[Record]):

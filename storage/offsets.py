@@ -28,6 +28,9 @@ class OffsetStore:
         self._lock = threading.Lock()
         self._remove_stale_temp_files()
         self._table: dict[str, int] = self._load()
+        #: counts the table's changes since it was opened (a leader ships the table to its
+        #: followers when this moved, ``raymq.actors.replica``)
+        self.version = 0
 
     def _remove_stale_temp_files(self) -> None:
         """Temp files of writes that a crash interrupted (never read: the rename did not happen)."""
@@ -73,6 +76,19 @@ class OffsetStore:
             self._write(table)
             self._table = table
 
+    def replace(self, table: dict[str, int]) -> None:
+        """Make the table ``table`` (a follower takes its leader's), durably."""
+        with self._lock:
+            table = {str(k): int(v) for k, v in table.items()}
+            if table != self._table:
+                self._write(table)
+                self._table = table
+
+    def versioned(self) -> tuple[int, dict[str, int]]:
+        """``(version, a copy of the table)``, taken together."""
+        with self._lock:
+            return self.version, dict(self._table)
+
     def delete(self, keys) -> None:
         with self._lock:
             self._drop(set(keys))
@@ -97,4 +113,5 @@ class OffsetStore:
         doc = {"format": FORMAT, "version": VERSION, "crc": zlib.crc32(body.encode()),
                "offsets": table}
         atomic_write(self.path, json.dumps(doc, sort_keys=True).encode())
+        self.version += 1
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -39,6 +39,7 @@ _SPAN_READ_SLACK_BYTES = 256 * 1024
 class PutStatus(enum.Enum):
     PUT_OK = 0
     FLUSH_DISK_TIMEOUT = 1
+    FLUSH_SLAVE_TIMEOUT = 2     # durable here; the in-sync replicas did not all copy it in time
 
 
 class PutResult:
@@ -115,6 +116,9 @@ class MessageStore:
         self.recovered_records = recovered.recovered_records
         self._dispatched_end = self._log.max_offset
         self._replica: Replay | None = None  # a follower's indexing of replicated frames
+        #: a leader's wait for its in-sync replicas (``raymq.actors.replica``): called with a
+        #: put's end offset once it is durable here; its status, or a RayMQ error
+        self.replication: Callable[[int], PutStatus] | None = None
         self._framer = PutFramer(self.config, self._log.segment_size)
         self._durable = Durability(directory, self._log, self.clock,
                                    self.config.flush_timeout_ms)
@@ -219,6 +223,8 @@ class MessageStore:
             return result.status
         if self.config.flush_mode == "sync" and not self._durable.wait_flushed(result.end_offset):
             return PutStatus.FLUSH_DISK_TIMEOUT
+        if self.replication is not None:
+            return self.replication(result.end_offset)
         return PutStatus.PUT_OK
 
     def _duplicate(self, producer_id: int, sequence: int) -> PutResult:
@@ -231,6 +237,12 @@ class MessageStore:
         finally:
             self._write_lock.acquire()
         status = PutStatus.PUT_OK if ok else PutStatus.FLUSH_DISK_TIMEOUT
+        if ok and self.replication is not None:  # a resend of a write not yet replicated
+            self._write_lock.release()
+            try:
+                status = self.replication(end)
+            finally:
+                self._write_lock.acquire()
         if cached is None:
             return PutResult(status, [], [], [], duplicate=True)
         return PutResult(status, cached.phys, cached.queue_offsets, cached.sizes,

@@ -1,0 +1,464 @@
+"""One replica of a replicated shard (``replication_factor`` > 1): a leader serving the
+shard, or a follower copying the leader's commit log; the controller says which.
+
+RocketMQ 5's shape (commit-log byte replication, a controller electing a new master
+from the in-sync set, an epoch file that truncates a returning master) with Kafka's
+rules for acknowledging and fencing:
+
+- every replica heartbeats the controller (``replica_heartbeat``) each
+  ``replica_lease_ms / 5``; the answer is its group's assignment (leader, epoch,
+  in-sync set), and a replica acts on a new one at once (``apply``);
+- a **leader** is a whole ``BrokerShard`` over its directory (recovery rebuilds
+  halves, Kafka-style transactions, timers and delays from the log, as after a
+  restart).  A write is acknowledged only once every in-sync replica holds it
+  (``LeaderState.wait_replicated``, the store's replication hook): the in-sync set
+  shrinks only with the controller's consent for the current epoch, so a deposed
+  leader -- whose in-sync set holds the new leader, which no longer fetches from it --
+  acknowledges nothing more.  Readers see up to the confirmed offset only;
+- a **follower** first cuts its log where its epochs diverge from the leader's
+  (``EpochCache.truncation_offset``), then long-polls the leader (``replica_fetch``)
+  and writes the frames at the same physical offsets (``MessageStore.append_replicated``);
+  the leader's group offsets come with a fetch whenever they changed.
+
+A plain class (no Ray): the actor (``raymq.deploy``) hands in how to reach the
+controller and the other replicas.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from raymq.actors.replica_set import Ack, ReplicaSet
+from raymq.storage import MessageStore
+from raymq.storage.clock import Clock, SystemClock
+from raymq.storage.epochs import EpochCache
+from raymq.storage.errors import (InvalidMessageError, NotEnoughReplicasError, NotLeaderError,
+                                  RayMQError)
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
+from raymq.storage.replication import truncate_log
+from raymq.storage.store import PutStatus
+
+log = logging.getLogger("raymq.replica")
+
+#: Most bytes of log one fetch carries; how long a fetch waits for new records.
+FETCH_MAX_BYTES = 8 << 20
+FETCH_WAIT_MS = 200
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What the controller says of a group: who leads with which epoch, who is in sync."""
+
+    epoch: int
+    leader: str | None
+    in_sync: tuple[str, ...]
+    replicas: tuple[str, ...]
+
+    @classmethod
+    def of(cls, doc: dict) -> "Assignment":
+        return cls(doc["epoch"], doc["leader"], tuple(doc["in_sync"]), tuple(doc["replicas"]))
+
+
+class LeaderState:
+    """A leader's side of one epoch: its ``ReplicaSet``, the writes waiting for it, and
+    the followers' fetches it serves."""
+
+    def __init__(self, shard: int, name: str, a: Assignment, store: MessageStore,
+                 epochs: EpochCache, *, min_insync: int, lag_max_ms: int, timeout_ms: int,
+                 confirmed: int, clock: Clock, wake_readers: Callable[[], None]):
+        self.name, self.store, self.epochs, self.clock = name, store, epochs, clock
+        self.timeout_ms = timeout_ms
+        self.rs = ReplicaSet(shard, list(a.replicas), name, a.epoch, min_insync, lag_max_ms,
+                             in_sync=set(a.in_sync) | {name})
+        now = clock.monotonic_ms()
+        for f in self.rs.followers.values():
+            f.caught_up_ms = now  # (in sync as of the election)
+        self.rs.took_over(store.max_phys_offset)
+        self.rs.confirmed = min(confirmed, store.max_phys_offset)
+        self._wake_readers = wake_readers
+        self._cond = threading.Condition()
+        self._answered_end: dict[str, int] = {}  # the leader's end when a fetch was answered
+        self.deposed = False
+
+    @property
+    def epoch(self) -> int:
+        return self.rs.epoch
+
+    def confirmed(self) -> int:
+        return self.rs.confirmed
+
+    def _moved(self, before: int) -> None:
+        """(under the condition) wake what a new confirmed offset lets go on."""
+        if self.rs.confirmed != before:
+            self._cond.notify_all()
+            self._wake_readers()
+
+    # --------------------------------------------------------------- writes
+    def refuse_if_short(self) -> None:
+        if self.deposed:
+            raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} no longer leads")
+        self.rs.refuse_if_short()
+
+    def wait_replicated(self, end: int) -> PutStatus:
+        """The store's replication hook: wait until every in-sync replica holds the log up
+        to ``end``.  ``FLUSH_SLAVE_TIMEOUT`` when they did not within the timeout (the
+        write stays; a resend waits again); ``NotEnoughReplicasError`` when too few are
+        in sync; ``NotLeaderError`` once this replica was deposed."""
+        deadline = self.clock.monotonic_ms() + self.timeout_ms
+        with self._cond:
+            before = self.rs.confirmed
+            self.rs.appended(self.store.max_phys_offset)
+            self._cond.notify_all()  # followers long-polling for new records
+            self._moved(before)
+            while True:
+                if self.deposed:
+                    raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} was deposed "
+                                         f"before the write was replicated (not acknowledged)")
+                ack = self.rs.ack(end)
+                if ack is Ack.OK:
+                    return PutStatus.PUT_OK
+                if ack is Ack.NOT_ENOUGH:
+                    self.rs.refuse_if_short()
+                left = deadline - self.clock.monotonic_ms()
+                if left <= 0:
+                    return PutStatus.FLUSH_SLAVE_TIMEOUT
+                self._cond.wait(left / 1000.0)
+
+    # -------------------------------------------------------------- fetches
+    def serve_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
+                    max_bytes: int, offsets_version: int) -> dict:
+        """A follower holding the log up to ``from_phys`` asks for what follows."""
+        if follower not in self.rs.followers:
+            raise InvalidMessageError(f"shard-{self.rs.shard}: {follower!r} is not a replica")
+        deadline = self.clock.monotonic_ms() + max(0, min(wait_ms, 5000))
+        with self._cond:
+            self._check(epoch)
+            before = self.rs.confirmed
+            self.rs.appended(self.store.max_phys_offset)
+            self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
+                            self.clock.monotonic_ms())
+            self._moved(before)
+            while self.store.max_phys_offset <= from_phys and not self.deposed:
+                left = deadline - self.clock.monotonic_ms()
+                if left <= 0:
+                    break
+                self._cond.wait(left / 1000.0)
+            self._check(epoch)
+            end_then = self.store.max_phys_offset
+            self._answered_end[follower] = end_then
+            confirmed = self.rs.confirmed
+        version, table = self.store.offsets.versioned()  # (before the frames: see below)
+        start, data = self.store.read_frames(from_phys, max_bytes)
+        # the offsets only with every record written before they were taken, so that an
+        # offset never passes what the follower holds
+        caught_up = start + len(data) >= end_then
+        return {"start": start, "data": data, "leader_end": end_then, "confirmed": confirmed,
+                "epochs": self.epochs.entries(), "offsets_version": version,
+                "offsets": table if caught_up and version != offsets_version else None}
+
+    def _check(self, epoch: int) -> None:
+        if self.deposed or epoch != self.rs.epoch:
+            raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} leads epoch "
+                                 f"{self.rs.epoch}{' no more' if self.deposed else ''}, "
+                                 f"not epoch {epoch}")
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ in-sync set
+    def shrink_candidates(self) -> list[str]:
+        """Followers not caught up within the lag limit (to ask the controller about)."""
+        now = self.clock.monotonic_ms()
+        with self._cond:
+            return [r for r in sorted(self.rs.in_sync) if r != self.name and
+                    now - self.rs.followers[r].caught_up_ms > self.rs.lag_max_ms]
+
+    def in_sync(self) -> list[str]:
+        with self._cond:
+            return sorted(self.rs.in_sync)
+
+    def set_in_sync(self, in_sync: set[str]) -> None:
+        """The controller agreed: the in-sync set is now ``in_sync``."""
+        with self._cond:
+            before = self.rs.confirmed
+            self.rs.set_in_sync(set(in_sync) | {self.name})
+            self._moved(before)
+            self._cond.notify_all()
+
+    def depose(self) -> None:
+        with self._cond:
+            self.deposed = True
+            self._cond.notify_all()
+
+    def status(self) -> dict:
+        with self._cond:
+            end = self.store.max_phys_offset
+            return {"confirmed": self.rs.confirmed, "in_sync": sorted(self.rs.in_sync),
+                    "lag_bytes": {r: max(0, end - f.log_end)
+                                  for r, f in self.rs.followers.items()}}
+
+
+class ShardReplica:
+    """One replica of shard ``index``, named ``name``, keeping its files in ``directory``.
+
+    ``controller(method, *args)`` calls the controller; ``call_replica(name, method,
+    args, timeout_s)`` calls another replica of the group; ``make_shard(directory)``
+    builds the ``BrokerShard`` a leader serves.  ``background`` starts the heartbeat
+    loop (tests drive ``heartbeat`` themselves).
+    """
+
+    def __init__(self, index: int, name: str, config, directory: str, *,
+                 controller: Callable, call_replica: Callable, make_shard: Callable,
+                 node: str = "", clock: Clock | None = None, background: bool = True):
+        self.index, self.name, self.config, self.directory = index, name, config, directory
+        self.node = node
+        self.clock = clock or SystemClock()
+        self._controller, self._call, self._make_shard = controller, call_replica, make_shard
+        os.makedirs(directory, exist_ok=True)
+        self.epochs = EpochCache(os.path.join(directory, "epochs"))
+        self._lock = threading.RLock()  # role changes, one at a time
+        self.assignment: Assignment | None = None
+        self.shard = None                      # the BrokerShard, while leading
+        self.leader: LeaderState | None = None
+        self.store: MessageStore | None = MessageStore(directory, config.store_config(),
+                                                       self.clock)  # a follower's
+        self._following: _Follower | None = None
+        self._confirmed = 0  # the last confirmed offset learned from a leader
+        self._fresh = True   # until the first heartbeat: this process just started
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+        if background:
+            self._beats = threading.Thread(target=self._beat_loop, daemon=True,
+                                           name=f"raymq-{name}-heartbeat")
+            self._beats.start()
+
+    # ------------------------------------------------------------ the role
+    def serving(self, write: bool = False):
+        """The shard, while this replica leads; else ``NotLeaderError`` (the SDK asks the
+        controller again).  A write is refused while too few replicas are in sync."""
+        shard, leader = self.shard, self.leader
+        if shard is None or leader is None or leader.deposed:
+            a = self.assignment
+            raise NotLeaderError(f"shard-{self.index}: {self.name} does not lead (leader: "
+                                 f"{a.leader if a else 'not known yet'})")
+        if write:
+            leader.refuse_if_short()
+        return shard
+
+    def log_end(self) -> int:
+        shard, store = self.shard, self.store
+        if shard is not None:
+            return shard.store.max_phys_offset
+        return store.max_phys_offset if store is not None else 0
+
+    def heartbeat(self) -> Assignment:
+        """Tell the controller this replica lives (and, leading, its in-sync set); act on
+        the assignment it answers."""
+        leader = self.leader
+        epoch = self.assignment.epoch if self.assignment else 0
+        doc = self._controller("replica_heartbeat", self.index, self.name, self.node, epoch,
+                               self.log_end(), leader.in_sync() if leader else None,
+                               self._fresh)
+        self._fresh = False
+        a = Assignment.of(doc)
+        self.apply(a)
+        if self.leader is not None and self.leader.epoch == a.epoch:
+            self._shrink()
+        return a
+
+    def _shrink(self) -> None:
+        """Followers past the lag limit leave the in-sync set, the controller agreeing first
+        (it elects only from its own set, which must never hold a replica without what
+        was acknowledged)."""
+        leader = self.leader
+        out = leader.shrink_candidates()
+        if not out:
+            return
+        keep = sorted(set(leader.in_sync()) - set(out))
+        ok, doc = self._controller("replica_alter_isr", self.index, self.name, leader.epoch,
+                                   keep)
+        if ok:
+            log.warning("shard-%d: %s leaves the in-sync set (not caught up within %d ms)",
+                        self.index, ", ".join(out), leader.rs.lag_max_ms)
+            leader.set_in_sync(set(doc["in_sync"]))
+        else:
+            self.apply(Assignment.of(doc))
+
+    def apply(self, a: Assignment) -> None:
+        """Act on the controller's assignment (an older epoch than known is ignored)."""
+        with self._lock:
+            known = self.assignment
+            if known is not None and a.epoch < known.epoch:
+                return
+            self.assignment = a
+            if a.leader == self.name:
+                if self.leader is None or self.leader.epoch != a.epoch:
+                    self._lead(a)
+                return
+            if self.leader is not None:
+                self._step_down()
+            if a.leader is not None and (self._following is None
+                                         or self._following.a.epoch != a.epoch):
+                self._follow(a)
+
+    def _lead(self, a: Assignment) -> None:
+        self._stop_following()
+        if self.leader is not None:  # re-elected: the same shard goes on in a new epoch
+            self.leader.depose()
+            self._confirmed = self.leader.confirmed()
+        if self.shard is None:
+            end = self.store.max_phys_offset
+            self.epochs.assign(a.epoch, end)  # before anything of the new epoch is written
+            self.store.close()
+            self.store = None
+            shard = self._make_shard(self.directory)
+        else:
+            shard = self.shard
+            self.epochs.assign(a.epoch, shard.store.max_phys_offset)
+        cfg = self.config
+        leader = LeaderState(self.index, self.name, a, shard.store, self.epochs,
+                             min_insync=cfg.min_insync, lag_max_ms=cfg.replica_lag_max_ms,
+                             timeout_ms=min(cfg.send_timeout_ms // 2, 5000),
+                             confirmed=self._confirmed, clock=self.clock,
+                             wake_readers=shard.reads.wake)
+        shard.store.replication = leader.wait_replicated
+        shard.reads.confirmed = leader.confirmed
+        self.shard, self.leader = shard, leader
+        log.warning("shard-%d: %s leads, epoch %d, from offset %d", self.index, self.name,
+                    a.epoch, shard.store.max_phys_offset)
+
+    def _step_down(self) -> None:
+        leader, shard = self.leader, self.shard
+        leader.depose()
+        self._confirmed = leader.confirmed()
+        self.shard = self.leader = None
+        shard.close()
+        self.store = MessageStore(self.directory, self.config.store_config(), self.clock)
+        log.warning("shard-%d: %s no longer leads (epoch %d)", self.index, self.name,
+                    leader.epoch)
+
+    def _follow(self, a: Assignment) -> None:
+        self._stop_following()
+        self._following = _Follower(self, a)
+        self._following.start()
+
+    def _stop_following(self) -> None:
+        f, self._following = self._following, None
+        if f is not None:
+            f.stop()
+
+    # ------------------------------------------------------- leader's calls
+    def replica_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
+                      max_bytes: int, offsets_version: int) -> dict:
+        leader = self.leader
+        if leader is None:
+            raise NotLeaderError(f"shard-{self.index}: {self.name} does not lead")
+        return leader.serve_fetch(follower, epoch, from_phys, wait_ms, max_bytes,
+                                  offsets_version)
+
+    def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
+        """Where ``epoch`` ends in this leader's log (``EpochCache.end_offset_for``)."""
+        shard = self.serving()
+        return self.epochs.end_offset_for(epoch, shard.store.max_phys_offset)
+
+    def status(self) -> dict:
+        a, leader = self.assignment, self.leader
+        out = {"shard": self.index, "name": self.name, "node": self.node,
+               "role": "leader" if leader is not None else "follower",
+               "epoch": a.epoch if a else 0, "log_end": self.log_end(),
+               "confirmed": leader.confirmed() if leader else self._confirmed}
+        if leader is not None:
+            out.update(leader.status())
+        return out
+
+    # --------------------------------------------------------------- loops
+    def _beat_loop(self) -> None:
+        every = self.config.replica_lease_ms / 5000.0
+        while not self._stop.wait(every):
+            try:
+                self.heartbeat()
+            except Exception as err:  # (the controller restarting, say): the next beat
+                log.info("shard-%d: %s heartbeat failed: %s", self.index, self.name, err)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._stop_following()
+            if self.leader is not None:
+                self.leader.depose()
+            if self.shard is not None:
+                self.shard.close()
+            if self.store is not None:
+                self.store.close()
+
+
+class _Follower:
+    """A follower's copying from the leader of assignment ``a`` (a thread)."""
+
+    def __init__(self, replica: ShardReplica, a: Assignment):
+        self.replica, self.a = replica, a
+        self._stop = threading.Event()
+        self._offsets_version = -1
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"raymq-{replica.name}-fetch")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()  # (a fetch in flight ends within its wait; what it then writes
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(2.0)  # goes to a store this replica closed: refused)
+
+    def _run(self) -> None:
+        r = self.replica
+        truncated = False
+        while not self._stop.is_set():
+            try:
+                if not truncated:
+                    self._truncate()
+                    truncated = True
+                reply = r._call(self.a.leader, "replica_fetch",
+                                (r.name, self.a.epoch, r.store.max_phys_offset, FETCH_WAIT_MS,
+                                 FETCH_MAX_BYTES, self._offsets_version), 30.0)
+                self._take(reply)
+            except Exception as err:  # the leader gone or deposed: the heartbeat says whom next
+                if not isinstance(err, RayMQError):
+                    log.warning("shard-%d: %s fetching from %s: %s: %s", r.index, r.name,
+                                self.a.leader, type(err).__name__, err)
+                self._stop.wait(0.1)
+
+    def _truncate(self) -> None:
+        """Cut the log where it diverges from the leader's (KIP-279)."""
+        r = self.replica
+        log_end = r.store.max_phys_offset
+        if log_end <= SEGMENT_HEADER_BYTES:  # (an empty log: its first segment's header)
+            return
+        e, end = r._call(self.a.leader, "replica_epoch_end", (r.epochs.latest_epoch(),), 30.0)
+        cut = max(SEGMENT_HEADER_BYTES, r.epochs.truncation_offset(e, end, log_end))
+        if cut >= log_end:
+            return
+        log.warning("shard-%d: %s cuts its log from %d to %d (where it diverges from leader "
+                    "%s, epoch %d)", r.index, r.name, log_end, cut, self.a.leader, e)
+        r.store.close()
+        truncate_log(os.path.join(r.directory, "commitlog"), r.config.segment_size_bytes, cut)
+        r.epochs.truncate_from_end(cut)
+        r.store = MessageStore(r.directory, r.config.store_config(), r.clock)
+
+    def _take(self, reply: dict) -> None:
+        r = self.replica
+        store = r.store
+        if reply["data"]:
+            store.append_replicated(reply["start"], reply["data"])
+        end = store.max_phys_offset
+        for e, s in reply["epochs"]:
+            if e > r.epochs.latest_epoch() and s <= end:
+                r.epochs.assign(e, s)
+        r._confirmed = min(reply["confirmed"], end)
+        if reply["offsets"] is not None:
+            store.offsets.replace(reply["offsets"])
+            self._offsets_version = reply["offsets_version"]
