@@ -71,7 +71,8 @@ class ClusterConfig(BaseModel):
         2, ge=1, description="Number of BrokerShard actors (shard-0 ... shard-N-1).")
     data_dir: StrictStr = Field(
         "", description="Directory (on each node) under which shards keep their files; "
-                        "default $RAYMQ_DATA_DIR or ~/.raymq/data.")
+                        "default $RAYMQ_DATA_DIR or ~/.raymq/data. A '{node}' in it is the "
+                        "Ray node id of each replica (nodes sharing one disk).")
     flush_mode: FlushMode = Field(
         "sync", description="'sync' (fsync, group commit, before SEND_OK) or 'async'.")
     segment_size_bytes: StrictInt = Field(
@@ -301,7 +302,13 @@ class ClusterConfig(BaseModel):
         """``min_insync_replicas`` with its default resolved."""
         return self.min_insync_replicas or min(2, self.replication_factor)
 
-    def resolved_data_dir(self) -> str:
+    def resolved_data_dir(self, node: str | None = None) -> str:
+        """The data directory; a ``{node}`` in it is the Ray node id of the replica that
+        keeps its files there (the first 12 characters; ``main`` for the other actors):
+        nodes sharing a disk, as in tests on one machine, keep apart."""
+        return self.data_dir_template().replace("{node}", node[:12] if node else "main")
+
+    def data_dir_template(self) -> str:
         return self.data_dir or default_data_dir()
 
     def store_config(self) -> StoreConfig:

@@ -74,12 +74,13 @@ class RayMQ:
         #: the controller's Ray handle (``control`` calls it)
         self.controller = controller
         self.control = rpc.ControllerClient(controller)
-        self._shards = list(shards)
+        self._shards = shards if isinstance(shards, deployment.ShardLeaders) else list(shards)
         #: the time of this client's producers and consumers
         self.clock: ClientClock = client_clock(clock)
         self.config = ClusterConfig.from_dict(self.control.call("get_config", timeout_s=60))
         #: how producers and consumers reach the shards (``raymq.transport``)
-        self.transport = make_transport(transport or self.config.transport, self.shard_handle)
+        self.transport = make_transport(transport or self.config.transport, self.shard_handle,
+                                        self.forget_leader if self.replicated else None)
         self._transport_kind = transport or self.config.transport
         self._coordinator_transport = None
         self._routes: dict[str, list[int]] = {}
@@ -91,6 +92,15 @@ class RayMQ:
     def shard_handle(self, i: int):
         """Shard ``i``'s Ray handle."""
         return self._shards[i]
+
+    @property
+    def replicated(self) -> bool:
+        return self.config.replication_factor > 1
+
+    def forget_leader(self, i: int) -> None:
+        """Shard ``i``'s leader changed (or died): ask the controller next time."""
+        if isinstance(self._shards, deployment.ShardLeaders):
+            self._shards.forget(i)
 
     def shard(self, i: int) -> rpc.ShardClient:
         """Calls to shard ``i`` through Ray (the data path goes through ``transport``)."""
@@ -240,6 +250,56 @@ class Admin:
                 raise found
             out += [MessageExt.from_stored(s, m) for m in found]
         return out
+
+    def replicas(self) -> list[dict]:
+        """Per shard: ``shard``, ``leader_node`` (a Ray node id), ``epoch``, ``in_sync`` (node
+        ids) and ``replicas`` (each ``name``, ``node``, ``role``, ``alive``, ``lag_bytes``:
+        how far behind the leader's log end it was at its last heartbeat).  A shard that
+        is not replicated is its one replica, leading, epoch 0."""
+        mq = self._mq
+        if not mq.replicated:
+            nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)],
+                                 30)
+            return [{"shard": s, "leader_node": n, "epoch": 0, "in_sync": [n],
+                     "replicas": [{"name": f"shard-{s}", "node": n, "role": "leader",
+                                   "alive": True, "lag_bytes": 0}]}
+                    for s, n in enumerate(nodes)]
+        out = []
+        for g in mq.control.call("replicas", timeout_s=30):
+            nodes, ends, leader = g["nodes"], g["log_end"], g["leader"]
+            top = ends.get(leader, -1)
+            out.append({"shard": g["shard"], "leader_node": nodes.get(leader) or None,
+                        "epoch": g["epoch"], "in_sync": [nodes[r] for r in g["in_sync"]],
+                        "replicas": [{"name": r, "node": nodes[r],
+                                      "role": "leader" if r == leader else "follower",
+                                      "alive": r in g["alive"],
+                                      "lag_bytes": max(0, top - ends[r]) if ends[r] >= 0
+                                      else None} for r in g["replicas"]]})
+        return out
+
+    def elect(self, shard: int, to_node: str | None = None) -> dict:
+        """Move shard ``shard``'s leadership to the in-sync replica on ``to_node`` (a Ray node
+        id, or its first characters), else to the best other in-sync replica (Kafka's
+        preferred leader election); the group as ``replicas()`` gives it."""
+        mq = self._mq
+        if not mq.replicated:
+            raise InvalidMessageError("shards are not replicated (replication_factor 1): "
+                                      "there is no other replica to lead")
+        if isinstance(shard, bool) or not isinstance(shard, int) or \
+                not 0 <= shard < mq.num_shards:
+            raise InvalidMessageError(f"no shard {shard!r} (0..{mq.num_shards - 1})")
+        to = None
+        if to_node:
+            g = next(g for g in mq.control.call("replicas", timeout_s=30)
+                     if g["shard"] == shard)
+            named = [r for r, n in g["nodes"].items() if n and n.startswith(to_node)]
+            if len(named) != 1:
+                raise InvalidMessageError(f"no replica of shard-{shard} on node {to_node!r} "
+                                          f"(its nodes: {', '.join(n for n in g['nodes'].values() if n)})")
+            to = named[0]
+        mq.control.call("replica_elect", shard, to, timeout_s=30)
+        mq.forget_leader(shard)
+        return self.replicas()[shard]
 
     def dlq_list(self, group: str, max_per_shard: int = 100) -> list[MessageExt]:
         out = []

@@ -15,6 +15,9 @@ the node it was first placed on (remembered by the controller).
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from typing import Any, Mapping
 
 from raymq.actors.checker import CheckerWorker
@@ -22,11 +25,14 @@ from raymq.actors.channel import ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.coordinator import TransactionCoordinator
 from raymq.actors.registry import ProducerGroupRegistry
+from raymq.actors.replica import ShardReplica
+from raymq.actors.replica_groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
 from raymq.actors.config import ClusterConfig
 from raymq.metrics import RayMetrics
-from raymq.storage.errors import ConfigMismatchError, NotDeployedError
+from raymq.storage.errors import (BrokerUnavailableError, ConfigError, ConfigMismatchError,
+                                  NotDeployedError, NotLeaderError)
 
 log = logging.getLogger("raymq.deploy")
 
@@ -96,6 +102,162 @@ class ShardActor(BrokerShard):
         return rpc.node_id()
 
 
+#: Replica methods that write (refused while too few replicas are in sync).
+_WRITES = frozenset({"send", "ktx_send"})
+#: What a replica answers whatever its role.
+_REPLICA_OWN = frozenset({"ping", "close", "node_id", "endpoint", "set_fault"})
+
+
+def _leader_method(name: str):
+    write = name in _WRITES
+
+    def method(self, *args, **kwargs):
+        shard = self._replica.serving(write=write)
+        return getattr(BrokerShard, name)(shard, *args, **kwargs)
+    method.__name__ = name
+    method.__doc__ = getattr(BrokerShard, name).__doc__
+    return method
+
+
+class _LeaderCalls:
+    """The shard's methods, served while the replica leads (``NotLeaderError`` else): what
+    the data channel and the replica actor serve."""
+
+    def __init__(self, replica: ShardReplica):
+        self._replica = replica
+
+
+class ReplicaActor:
+    """One replica of a replicated shard (``raymq.actors.replica``) as a Ray actor, in
+    bundle ``k`` of its shard's placement group; its files under its own node's data
+    directory."""
+
+    def __init__(self, index: int, k: int, config: dict):
+        cfg = ClusterConfig.from_dict(config)
+        controller = rpc.ControllerClient(get_controller())
+        node = rpc.node_id()
+        name = replica_name(index, k)
+        handles: dict[str, object] = {}
+
+        def call_replica(other, method, args, timeout_s):
+            handle = handles.get(other)
+            if handle is None:
+                handle = handles[other] = rpc.get_actor(other, NAMESPACE)
+            try:
+                return rpc.call(getattr(handle, method), *args, timeout_s=timeout_s)
+            except BrokerUnavailableError:
+                handles.pop(other, None)
+                raise
+
+        def make_shard(directory):
+            sh = BrokerShard(index, cfg, directory=directory,
+                             fetch_routes=lambda i: controller.call("shard_routes", i,
+                                                                    timeout_s=30),
+                             metrics=RayMetrics(shard=str(index)))
+            sh.set_routes(controller.call("shard_routes", index, timeout_s=30))
+            return sh
+        self._replica = ShardReplica(
+            index, name, cfg, os.path.join(cfg.resolved_data_dir(node), name),
+            controller=lambda m, *a: controller.call(m, *a, timeout_s=10),
+            call_replica=call_replica, make_shard=make_shard, node=node)
+        self._endpoint = Endpoint(_LeaderCalls(self._replica), host=rpc.node_ip(),
+                                  limits=ChannelLimits.from_config(cfg))
+        log.info("%s up on node %s, data channel on %s:%d", name, node,
+                 *self._endpoint.address)
+
+    def ping(self) -> dict:
+        return self._replica.status()
+
+    def replica_status(self) -> dict:
+        return self._replica.status()
+
+    def replica_fetch(self, *args) -> dict:
+        return self._replica.replica_fetch(*args)
+
+    def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
+        return self._replica.replica_epoch_end(epoch)
+
+    def endpoint(self) -> tuple[tuple[str, int], bytes]:
+        self._replica.serving()  # (clients ask the leader's only)
+        return self._endpoint.address, self._endpoint.authkey
+
+    def node_id(self) -> str:
+        return rpc.node_id()
+
+    def set_fault(self, fault: str | None) -> None:
+        self._replica.serving().set_fault(fault)
+
+    def close(self) -> None:
+        self._endpoint.close()
+        self._replica.close()
+
+
+for _name in dir(BrokerShard):
+    if not _name.startswith("_") and _name not in _REPLICA_OWN and \
+            callable(getattr(BrokerShard, _name)):
+        setattr(ReplicaActor, _name, _leader_method(_name))
+        setattr(_LeaderCalls, _name, _leader_method(_name))
+
+
+class ShardLeaders:
+    """Each shard's Ray handle, as a list of them is used: a plain shard's, or the leading
+    replica's of a replicated one (asked of the controller, cached until ``forget``)."""
+
+    def __init__(self, controller, config: ClusterConfig):
+        self._control = rpc.ControllerClient(controller)
+        self.factor = config.replication_factor
+        self._n = config.num_shards
+        self._lock = threading.Lock()
+        self._cached: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return (self[i] for i in range(self._n))
+
+    def __getitem__(self, i: int):
+        handle = self._cached.get(i)
+        if handle is not None:
+            return handle
+        if self.factor == 1:
+            handle = get_shard(i)
+        else:
+            handle = rpc.get_actor(self._leader_name(i), NAMESPACE)
+        with self._lock:
+            self._cached[i] = handle
+        return handle
+
+    def _leader_name(self, i: int, wait_s: float = 30.0) -> str:
+        deadline = time.monotonic() + wait_s
+        while True:
+            name, _epoch = self._control.call("replica_leaders", timeout_s=30)[i]
+            if name is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # (a new group: its first replica has not heartbeated yet)
+        if name is None:
+            raise BrokerUnavailableError(f"shard-{i} has no leader (no replica in sync is alive)")
+        return name
+
+    def forget(self, i: int) -> None:
+        with self._lock:
+            self._cached.pop(i, None)
+
+
+def on_leader(leaders: ShardLeaders, i: int, fn, *, wait_s: float = 20.0):
+    """``fn(shard i's handle)``, asked again of the leader (``forget``) while the answer
+    is ``NotLeaderError`` or the actor is gone, for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return fn(leaders[i])
+        except (NotLeaderError, BrokerUnavailableError):
+            if leaders.factor == 1 or time.monotonic() > deadline:
+                raise
+            leaders.forget(i)
+            time.sleep(0.1)  # (while the controller elects)
+
+
 class RegistryActor(ProducerGroupRegistry):
     def __init__(self, index: int, config: dict):
         super().__init__(lease_ms=ClusterConfig.from_dict(config).producer_lease_ms)
@@ -106,8 +268,11 @@ class CheckerActor(CheckerWorker):
     def __init__(self, index: int, config: dict):
         cfg = ClusterConfig.from_dict(config)
 
+        leaders = ShardLeaders(get_controller(), cfg)
+
         def call_shard(i, method, *args, **kwargs):
-            return rpc.ShardClient(get_shard(i)).call(method, *args, timeout_s=60, **kwargs)
+            return on_leader(leaders, i, lambda h: rpc.ShardClient(h).call(
+                method, *args, timeout_s=60, **kwargs))
 
         def call_registry(i, method, *args):
             return rpc.RegistryClient(get_registry(i)).call(method, *args, timeout_s=30)
@@ -127,8 +292,12 @@ class CoordinatorActor(TransactionCoordinator):
     shards: a Ray call costs ~10 times as much."""
 
     def __init__(self, index: int, config: dict):
-        from raymq.transport import DirectTransport
-        transport = DirectTransport(get_shard, io_threads=8)
+        from raymq.transport import DirectTransport, FailoverTransport
+        cfg = ClusterConfig.from_dict(config)
+        leaders = ShardLeaders(get_controller(), cfg)
+        transport = DirectTransport(leaders.__getitem__, io_threads=8)
+        if cfg.replication_factor > 1:
+            transport = FailoverTransport(transport, leaders.forget)
 
         def begin_shard(i, method, args):
             return transport.begin(i, method, args, timeout_s=60)
@@ -186,8 +355,15 @@ def get_controller():
 
 
 def get_shard(i: int):
-    """Shard ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
-    return rpc.get_actor(shard_name(i), NAMESPACE)
+    """Shard ``i``'s Ray handle (``ValueError`` if it is not deployed); of a replicated
+    shard, its leading replica's (``ShardLeaders`` caches them)."""
+    try:
+        return rpc.get_actor(shard_name(i), NAMESPACE)
+    except ValueError:
+        leaders = ShardLeaders(get_controller(), _running_config(get_controller()))
+        if leaders.factor == 1:
+            raise
+        return leaders[i]
 
 
 def _running_config(controller) -> ClusterConfig:
@@ -260,12 +436,12 @@ def find_deployed() -> tuple[object, list[object]]:
         raise NotDeployedError(f"RayMQ is not deployed in {where}: run `raymq up` "
                                "(deploying is up to the operator)") from None
     cfg = _running_config(controller)
-    shards, missing = [], []
-    for i in range(cfg.num_shards):
+    missing = []
+    for name in _shard_actor_names(cfg):
         try:
-            shards.append(get_shard(i))
+            rpc.get_actor(name, NAMESPACE)
         except ValueError:
-            missing.append(shard_name(i))
+            missing.append(name)
     for name in [registry_name(i) for i in range(cfg.num_registries)] + \
             [checker_name(i) for i in range(cfg.num_checkers)] + \
             [coordinator_name(i) for i in range(cfg.num_coordinators)]:
@@ -276,7 +452,14 @@ def find_deployed() -> tuple[object, list[object]]:
     if missing:
         raise NotDeployedError(f"RayMQ is only partly deployed in {where} (missing: "
                                f"{', '.join(missing)}): run `raymq up` to start what is missing")
-    return controller, shards
+    return controller, ShardLeaders(controller, cfg)
+
+
+def _shard_actor_names(cfg: ClusterConfig) -> list[str]:
+    if cfg.replication_factor == 1:
+        return [shard_name(i) for i in range(cfg.num_shards)]
+    return [replica_name(i, k) for i in range(cfg.num_shards)
+            for k in range(cfg.replication_factor)]
 
 
 def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
@@ -284,7 +467,7 @@ def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
     shards' handles.  ``config`` is used by a first deploy only: a running controller
     keeps its settings, and every actor created later gets them (not ``config``)."""
     first = config.to_dict()
-    first["data_dir"] = config.resolved_data_dir()
+    first["data_dir"] = config.data_dir_template()
     controller = _create_controller(first)
     control = rpc.ControllerClient(controller)
     control.call("ping", timeout_s=120)
@@ -313,9 +496,46 @@ SHARD_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tc
                                        ":glibc.malloc.mmap_threshold=1048576"}
 
 
+def _create_replicas(control: rpc.ControllerClient, config: ClusterConfig) -> None:
+    """Each shard's replicas, created unless they exist, one per bundle of the shard's
+    placement group (``STRICT_SPREAD``: each on its own node); waits until every group
+    has ``min_insync_replicas`` in sync."""
+    factor = config.replication_factor
+    nodes = rpc.alive_nodes()
+    if factor > len(nodes):
+        raise ConfigError(f"replication_factor {factor} needs {factor} alive Ray nodes, the "
+                          f"cluster has {len(nodes)}: add nodes or lower it")
+    cfg = config.to_dict()
+    replicas = []
+    for i in range(config.num_shards):
+        group = rpc.spread_group(f"raymq-shard-{i}", factor)
+        for k in range(factor):
+            replicas.append(rpc.create_actor(
+                ReplicaActor, i, k, cfg, name=replica_name(i, k), namespace=NAMESPACE,
+                lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
+                num_cpus=0, max_concurrency=config.shard_max_concurrency,
+                runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)},
+                scheduling_strategy=rpc.in_group(group, k)))
+    for r in replicas:
+        rpc.ShardClient(r).call("ping", timeout_s=120)
+    deadline = time.monotonic() + 120
+    while True:
+        short = [g["shard"] for g in control.call("replicas", timeout_s=30)
+                 if len(g["in_sync"]) < config.min_insync]
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise BrokerUnavailableError(f"shards {short}: fewer than min_insync_replicas "
+                                         f"({config.min_insync}) in sync after 120 s")
+        time.sleep(0.1)
+
+
 def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list:
     """The shards' handles, each created unless it exists, pinned (module doc); waits
     until every shard answers."""
+    if config.replication_factor > 1:
+        _create_replicas(control, config)
+        return ShardLeaders(control.handle, config)
     cfg = config.to_dict()
     resources = rpc.cluster_resources()
     nodes = rpc.alive_nodes()
@@ -379,13 +599,16 @@ def undeploy() -> list[str]:
     try:
         cfg = ClusterConfig.from_dict(
             rpc.ControllerClient(get_controller()).call("get_config", timeout_s=30))
-        names += [shard_name(i) for i in range(cfg.num_shards)]
+        # (replicated shards' placement groups stay: `raymq up` puts each replica back in
+        # its bundle, on the node that has its files)
+        names += _shard_actor_names(cfg)
         names += [registry_name(i) for i in range(cfg.num_registries)]
         names += [checker_name(i) for i in range(cfg.num_checkers)]
         names += [coordinator_name(i) for i in range(cfg.num_coordinators)]
     except Exception:  # controller already gone: look for the actors by name
         names += [f(i) for f in (shard_name, registry_name, checker_name, coordinator_name)
                   for i in range(64)]
+        names += [replica_name(i, k) for i in range(64) for k in range(7)]
     # the actors that call shards go first (a check round or a marker write in flight
     # would otherwise meet a killed shard, and Ray logs a retry), the controller last
     order = (checker_name, coordinator_name, registry_name, shard_name)

@@ -370,6 +370,39 @@ def pin_to_node(node: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node, soft=False)
 
 
+def spread_group(name: str, bundles: int, *, timeout_s: float = 120):
+    """The detached placement group ``name`` of ``bundles`` bundles on as many distinct
+    nodes (``STRICT_SPREAD``), created unless it exists; waits until it is placed
+    (``RayMQError`` naming the group when the cluster cannot place it in time)."""
+    from ray.util import get_placement_group, placement_group
+    try:
+        group = get_placement_group(name)
+    except ValueError:
+        group = placement_group([{"CPU": 0.001}] * bundles, strategy="STRICT_SPREAD",
+                                name=name, lifetime="detached")
+    if not group.wait(timeout_seconds=timeout_s):
+        raise RayMQError(f"placement group {name} ({bundles} bundles on distinct nodes) "
+                         f"is not placed after {timeout_s:.0f} s: too few nodes with a free CPU")
+    return group
+
+
+def remove_group(name: str) -> bool:
+    """Remove the placement group ``name``; whether there was one."""
+    from ray.util import get_placement_group, remove_placement_group
+    try:
+        remove_placement_group(get_placement_group(name))
+        return True
+    except ValueError:
+        return False
+
+
+def in_group(group, bundle: int):
+    """The ``scheduling_strategy`` option that places an actor in bundle ``bundle``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return PlacementGroupSchedulingStrategy(placement_group=group,
+                                            placement_group_bundle_index=bundle)
+
+
 def get_actor(name: str, namespace: str = NAMESPACE):
     """The handle of the named actor; ``ValueError`` if there is none."""
     return ray.get_actor(name, namespace=namespace)

@@ -35,7 +35,8 @@ from raymq import rpc
 from raymq.actors.channel import (TLS_FROM_RAY, Link, connect, encode_request, read_reply,
                                   ray_tls_enabled, readable, tls_context)
 from raymq.actors.config import TRANSPORTS
-from raymq.storage.errors import (BrokerUnavailableError, ChannelTLSError, ProtocolVersionError,
+from raymq.storage.errors import (BrokerUnavailableError, ChannelTLSError, NotLeaderError,
+                                  ProtocolVersionError,
                                   RayMQError, RequestTimeoutError)
 
 log = logging.getLogger("raymq.transport")
@@ -372,9 +373,114 @@ _PLAIN_WHY = "each shard's data channel, plain TCP: Ray's TLS is off (RAY_USE_TL
 _TLS_WHY = "each shard's data channel over TLS with Ray's certificates (RAY_USE_TLS is on)"
 
 
-def make_transport(kind: str, shard_handle: Callable[[int], Any]):
+class FailoverTransport:
+    """A transport to replicated shards (``replication_factor`` > 1): a call answered
+    ``NotLeaderError``, or whose shard is gone or silent, asks the controller for the
+    leader again (``forget``) and is sent again -- the same request (every call on this
+    path is idempotent: a producer's sequence keeps a resent write stored once) -- until
+    ``FAILOVER_S`` have passed.  Everything else is the inner transport's."""
+
+    #: How long a call follows leader changes before it fails with the last error.
+    FAILOVER_S = 20.0
+
+    def __init__(self, inner, forget: Callable[[int], None]):
+        self.inner, self._forget_leader = inner, forget
+        self.name, self.why = inner.name, inner.why + "; following each shard's leader"
+
+    def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
+        return self.begin(shard, method, args, timeout_s=timeout_s).result()
+
+    def begin(self, shard: int, method: str, args: tuple, *, timeout_s: float):
+        return _FailoverCall(self, shard, method, args, timeout_s)
+
+    def submit(self, shard: int, method: str, args: tuple, *, timeout_s: float) -> Outcome:
+        """The inner transport's submit; one that must follow a leader change goes on in
+        a thread of its own (rare: once per failover and caller)."""
+        out = Outcome()
+        first = self.inner.submit(shard, method, args, timeout_s=timeout_s)
+
+        def done(f: Outcome) -> None:
+            if not isinstance(f._error, _REROUTE):
+                out.settle(f.result)
+                return
+            self.rerouted(shard)
+            threading.Thread(target=out.settle, daemon=True, name="raymq-failover", args=(
+                lambda: self.call(shard, method, *args, timeout_s=timeout_s),)).start()
+        first.add_done_callback(done)
+        return out
+
+    def rerouted(self, shard: int) -> None:
+        self._forget_leader(shard)
+        forget = getattr(self.inner, "_forget", None)
+        if forget is not None:
+            forget(shard)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+_REROUTE = (NotLeaderError, BrokerUnavailableError, RequestTimeoutError)
+
+
+class _FailoverCall:
+    __slots__ = ("t", "shard", "method", "args", "timeout_s", "call", "deadline")
+
+    def __init__(self, t: FailoverTransport, shard: int, method: str, args: tuple,
+                 timeout_s: float):
+        self.t, self.shard, self.method, self.args, self.timeout_s = t, shard, method, args, \
+            timeout_s
+        self.deadline = time.monotonic() + max(timeout_s, t.FAILOVER_S)
+        self.call = self._begin()
+
+    def _begin(self):
+        try:
+            return self.t.inner.begin(self.shard, self.method, self.args,
+                                      timeout_s=self.timeout_s)
+        except _REROUTE as err:
+            return _Failed(err)
+
+    def result(self) -> Any:
+        pause = 0.05
+        while True:
+            try:
+                return self.call.result()
+            except _REROUTE as err:
+                if time.monotonic() + pause >= self.deadline:
+                    raise
+                log.debug("shard-%d %s: %s; asking for the leader again", self.shard,
+                          self.method, err)
+                self.t.rerouted(self.shard)
+                time.sleep(pause)  # (back-off while the controller elects)
+                pause = min(pause * 2, 0.5)
+                self.call = self._begin()
+
+    def abandon(self) -> None:
+        abandon = getattr(self.call, "abandon", None)
+        if abandon is not None:
+            abandon()
+
+
+class _Failed:
+    __slots__ = ("err",)
+
+    def __init__(self, err: BaseException):
+        self.err = err
+
+    def result(self):
+        raise self.err
+
+
+def make_transport(kind: str, shard_handle: Callable[[int], Any],
+                   forget: Callable[[int], None] | None = None):
     """The transport of ``kind``; ``"direct"`` falls back to ``"ray"`` (logged, and said
-    in its ``why``) when Ray's TLS is on but its certificates cannot be loaded here."""
+    in its ``why``) when Ray's TLS is on but its certificates cannot be loaded here.
+    With ``forget`` (replicated shards: drop shard i's cached leader) calls follow leader
+    changes (``FailoverTransport``)."""
+    inner = _make_transport(kind, shard_handle)
+    return inner if forget is None else FailoverTransport(inner, forget)
+
+
+def _make_transport(kind: str, shard_handle: Callable[[int], Any]):
     if kind == "direct":
         if not ray_tls_enabled():
             return DirectTransport(shard_handle, tls=None)
