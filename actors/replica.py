@@ -81,6 +81,7 @@ class LeaderState:
         self._wake_readers = wake_readers
         self._cond = threading.Condition()
         self._answered_end: dict[str, int] = {}  # the leader's end when a fetch was answered
+        self._offsets_held: dict[str, int] = {}  # the offsets version each follower holds
         self.deposed = False
 
     @property
@@ -140,8 +141,12 @@ class LeaderState:
             self.rs.appended(self.store.max_phys_offset)
             self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
                             self.clock.monotonic_ms())
+            if offsets_version > self._offsets_held.get(follower, -1):
+                self._cond.notify_all()  # (a commit waiting for its offsets here)
             self._moved(before)
-            while self.store.max_phys_offset <= from_phys and not self.deposed:
+            self._offsets_held[follower] = offsets_version
+            while self.store.max_phys_offset <= from_phys and not self.deposed and \
+                    self.store.offsets.version == offsets_version:
                 left = deadline - self.clock.monotonic_ms()
                 if left <= 0:
                     break
@@ -158,6 +163,22 @@ class LeaderState:
         return {"start": start, "data": data, "leader_end": end_then, "confirmed": confirmed,
                 "epochs": self.epochs.entries(), "offsets_version": version,
                 "offsets": table if caught_up and version != offsets_version else None}
+
+    def wait_offsets(self) -> bool:
+        """After group offsets changed: wait until every in-sync follower holds them (a new
+        leader then carries on from them); whether they did within the timeout."""
+        version = self.store.offsets.version
+        deadline = self.clock.monotonic_ms() + self.timeout_ms
+        with self._cond:
+            self._cond.notify_all()  # (a follower long-polling takes them now)
+            while not self.deposed:
+                behind = [r for r in self.rs.in_sync if r != self.name
+                          and self._offsets_held.get(r, -1) < version]
+                left = deadline - self.clock.monotonic_ms()
+                if not behind or left <= 0:
+                    return not behind
+                self._cond.wait(left / 1000.0)
+        return False
 
     def _check(self, epoch: int) -> None:
         if self.deposed or epoch != self.rs.epoch:
@@ -249,6 +270,11 @@ class ShardReplica:
             leader.refuse_if_short()
         return shard
 
+    def offsets_replicated(self) -> bool:
+        """After a commit of group offsets: wait until the in-sync followers hold them."""
+        leader = self.leader
+        return leader.wait_offsets() if leader is not None else False
+
     def log_end(self) -> int:
         shard, store = self.shard, self.store
         if shard is not None:
@@ -266,7 +292,11 @@ class ShardReplica:
         self._fresh = False
         a = Assignment.of(doc)
         self.apply(a)
-        if self.leader is not None and self.leader.epoch == a.epoch:
+        leader = self.leader
+        if leader is not None and leader.epoch == a.epoch:
+            mine = set(leader.in_sync())
+            if not mine <= set(a.in_sync):  # the controller let a dead follower go
+                leader.set_in_sync(mine & set(a.in_sync))
             self._shrink()
         return a
 
@@ -367,7 +397,7 @@ class ShardReplica:
 
     def status(self) -> dict:
         a, leader = self.assignment, self.leader
-        out = {"shard": self.index, "name": self.name, "node": self.node,
+        out = {"shard": self.index, "name": self.name, "node": self.node, "pid": os.getpid(),
                "role": "leader" if leader is not None else "follower",
                "epoch": a.epoch if a else 0, "log_end": self.log_end(),
                "confirmed": leader.confirmed() if leader else self._confirmed}

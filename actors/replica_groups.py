@@ -9,8 +9,9 @@ Rules (RocketMQ 5's controller, Kafka's KRaft controller):
   the in-sync set (the one holding the most, then by name), the epoch bumped, the dead
   removed from the set; with no such replica the group waits (no unclean election
   unless an operator asks: ``elect(unclean=True)``);
-- the in-sync set shrinks only when the leader of the current epoch asks
-  (``alter_isr``) and grows with what the leader reports in its heartbeat;
+- the in-sync set shrinks when the leader of the current epoch asks (``alter_isr``)
+  or when a follower's lease runs out, and grows with what the leader reports in its
+  heartbeat (a restarted replica only once it holds what the leader held);
 - an operator moves leadership to another in-sync replica (``elect(to=...)``).
 
 Pure logic: no Ray, time given by the clock.
@@ -120,6 +121,11 @@ class ReplicaGroups:
         out = []
         for i, g in self.groups.items():
             leader = g["leader"]
+            dead = [r for r in g["in_sync"] if r != leader
+                    and now - self._seen.get(r, self._started) > self.lease_ms]
+            if dead:  # (the leader adopts the smaller set at its next heartbeat)
+                g["in_sync"] = [r for r in g["in_sync"] if r not in dead]
+                self._save()
             if leader is not None and now - self._seen.get(leader, self._started) > self.lease_ms:
                 if self._elect(g, exclude={leader}):
                     out.append(int(i))

@@ -408,6 +408,8 @@ class Admin:
 
     def status(self) -> dict:
         mq = self._mq
+        for s in range(mq.num_shards):  # (each shard's leader as it is now)
+            mq.forget_leader(s)
         infos = rpc.wait_all([mq.shard(s).submit("queue_info") for s in range(mq.num_shards)], 30)
         nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)], 30)
         tx = rpc.wait_all([mq.shard(s).submit("transaction_status")
@@ -419,4 +421,5 @@ class Admin:
                                  for t in tx],
                 "shards": [{"shard": s, "node": n if not isinstance(n, Exception) else None,
                             "info": i if not isinstance(i, Exception) else {"error": str(i)}}
-                           for s, (i, n) in enumerate(zip(infos, nodes))]}
+                           for s, (i, n) in enumerate(zip(infos, nodes))],
+                **({"replicas": self.replicas()} if mq.replicated else {})}

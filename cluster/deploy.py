@@ -111,9 +111,15 @@ _REPLICA_OWN = frozenset({"ping", "close", "node_id", "endpoint", "set_fault"})
 def _leader_method(name: str):
     write = name in _WRITES
 
-    def method(self, *args, **kwargs):
-        shard = self._replica.serving(write=write)
-        return getattr(BrokerShard, name)(shard, *args, **kwargs)
+    if name == "commit_offsets":  # answered once the in-sync followers hold them too
+        def method(self, *args, **kwargs):
+            out = BrokerShard.commit_offsets(self._replica.serving(), *args, **kwargs)
+            self._replica.offsets_replicated()
+            return out
+    else:
+        def method(self, *args, **kwargs):
+            shard = self._replica.serving(write=write)
+            return getattr(BrokerShard, name)(shard, *args, **kwargs)
     method.__name__ = name
     method.__doc__ = getattr(BrokerShard, name).__doc__
     return method

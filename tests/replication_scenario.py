@@ -1,121 +1,273 @@
-"""Run by test_replication_cluster: replicated shards on a ``cluster_utils`` cluster of a
-head and four nodes on this machine (each replica's files under its node's directory).
+"""Run by test_replication_cluster, one scenario a process (each its own Ray cluster of a
+head and worker nodes on this machine: ``raymq.tools.failover.Harness``).
 
-``python -m tests.replication_scenario NAME`` runs one scenario; exit status 0 when
-every check held, what it checks printed as it goes.
+``python -m tests.replication_scenario NAME`` exits 0 when every check held, printing
+what it checks as it goes (the test asserts on those lines too).
 """
 from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
-import tempfile
 import time
 
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+from raymq.tools.failover import AckedLog, Harness, failovers  # noqa: E402
 
-NODE = dict(num_cpus=1, object_store_memory=120 * 1024 * 1024)
-
-
-def start(workers: int = 4, **settings):
-    """A head (no CPU: no replica there) and ``workers`` nodes; RayMQ on it."""
-    data = tempfile.mkdtemp(prefix="raymq-replication-")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": 200 * 1024 * 1024})
-    nodes = [cluster.add_node(**NODE) for _ in range(workers)]
-    ray.init(address=cluster.address, namespace="raymq", log_to_driver=False)
-    from raymq import connect
-    cfg = dict(data_dir=os.path.join(data, "{node}"), num_shards=1, replication_factor=3,
-               replica_lease_ms=1000, replica_lag_max_ms=3000, send_timeout_ms=4000,
-               retry_backoff_ms=50, heartbeat_interval_ms=200, session_timeout_ms=5000,
-               default_queues=2)
-    cfg.update(settings)
-    mq = connect(**cfg)
-    return cluster, nodes, mq
+CHECK_MS = dict(txn_timeout_ms=1000, txn_check_interval_ms=300)
 
 
-def node_of(cluster, nodes, node_id):
-    return next(n for n in nodes if n.node_id == node_id)
+def _listener():
+    from raymq.transaction_producer import LocalTransactionState as S, TransactionListener
+
+    class ByPrefix(TransactionListener):
+        """Commit ``c``/``u`` bodies, roll back ``r`` ones; ``u`` is decided by check-back."""
+
+        def __init__(self):
+            self.checked: list[bytes] = []
+
+        def execute_local_transaction(self, msg, arg):
+            return {b"c": S.COMMIT_MESSAGE, b"r": S.ROLLBACK_MESSAGE}.get(msg.body[:1], S.UNKNOW)
+
+        def check_local_transaction(self, msg):
+            self.checked.append(bytes(msg.body))
+            return S.ROLLBACK_MESSAGE if msg.body[:1] == b"r" else S.COMMIT_MESSAGE
+    return ByPrefix()
 
 
-def leader_node(mq, shard=0) -> str:
-    return mq.admin.replicas()[shard]["leader_node"]
+class Load:
+    """Seeded load of every kind, a round at a time, remembering what must be seen."""
+
+    def __init__(self, mq, seed: int):
+        from raymq import Message  # noqa: F401
+        self.mq, self.rnd = mq, random.Random(seed)
+        for topic in ("tx", "ktx", "tm"):
+            mq.create_topic(topic, queues=2)
+        self.plain = AckedLog(mq, "t", seed)
+        self.listener = _listener()
+        self.tx = mq.transaction_producer("g-tx", self.listener)
+        self.kp = mq.transactional_producer("ktx-1")
+        self.timer_p = mq.producer("timers")
+        self.reader = mq.consumer("g", "t")
+        self.read: list[bytes] = []
+        self.rocket_want, self.rocket_not = set(), set()
+        self.kafka_want, self.kafka_not = set(), set()
+        self.timers: dict[bytes, int] = {}  # body -> due (epoch ms)
+        self.n = 0
+
+    def _name(self, prefix: bytes) -> bytes:
+        self.n += 1
+        return prefix + b"%07d" % self.n
+
+    def round(self, k: int) -> None:
+        from raymq import Message
+        from raymq.message import SendStatus
+        self.plain.send(self.rnd.randint(50, 200))
+        for prefix in (b"c", b"r", b"u"):
+            body = self._name(prefix)
+            self.tx.send_in_transaction(Message("tx", body))
+            (self.rocket_not if prefix == b"r" else self.rocket_want).add(body)
+        bodies = [self._name(b"k") for _ in range(5)]
+        with self.kp.transaction():
+            self.kp.send_batch([Message("ktx", b) for b in bodies])
+        self.kafka_want.update(bodies)
+        aborted = [self._name(b"a") for _ in range(5)]
+        try:
+            with self.kp.transaction():
+                self.kp.send_batch([Message("ktx", b) for b in aborted])
+                raise RuntimeError("abort")
+        except RuntimeError:
+            pass
+        self.kafka_not.update(aborted)
+        for _ in range(3):
+            body, after = self._name(b"t"), self.rnd.randint(300, 2500)
+            sent_ms = int(time.time() * 1000)
+            r = self.timer_p.send(Message("tm", body, deliver_after_ms=after))
+            if r.status is SendStatus.SEND_OK:
+                self.timers[body] = sent_ms + after
+        self.read += [bytes(m.body) for m in self.reader.poll(300, 0.5)]
+        self.reader.commit()
+
+    def check(self) -> bool:
+        """Every check of the scenario; prints each."""
+        lost, dup, ordered = self.plain.missing(self.mq, "check-plain")
+        print(f"plain: acked {len(self.plain.acked)} lost {lost} duplicates {dup} "
+              f"ordered {ordered}", flush=True)
+        # the first consumer carries on from its committed offsets
+        deadline = time.monotonic() + 30
+        want = set(self.plain.acked)
+        while not want <= set(self.read) and time.monotonic() < deadline:
+            self.read += [bytes(m.body) for m in self.reader.poll(1000, 0.5)]
+            self.reader.commit()
+        redelivered = len(self.read) - len(set(self.read))
+        print(f"consumer g: missing {len(want - set(self.read))} redelivered {redelivered}",
+              flush=True)
+        got = self._drain(["tx", "ktx", "tm"], "check-rest", len(self.rocket_want)
+                          + len(self.kafka_want) + len(self.timers))
+        bodies = [b for b, _ in got]
+        rocket = [b for b in bodies if b[:1] in b"cru"]
+        kafka = [b for b in bodies if b[:1] in b"ka"]
+        print(f"rocket: committed seen once {sum(rocket.count(b) == 1 for b in self.rocket_want)}"
+              f"/{len(self.rocket_want)} rolled back seen "
+              f"{sum(b in self.rocket_not for b in rocket)}", flush=True)
+        print(f"kafka: committed seen once {sum(kafka.count(b) == 1 for b in self.kafka_want)}"
+              f"/{len(self.kafka_want)} aborted seen {sum(b in self.kafka_not for b in kafka)}",
+              flush=True)
+        early = [b for b, at in got if b in self.timers and at < self.timers[b]]
+        timers = [b for b in bodies if b[:1] == b"t"]
+        print(f"timers: delivered once {sum(timers.count(b) == 1 for b in self.timers)}"
+              f"/{len(self.timers)} early {len(early)}", flush=True)
+        return (lost == 0 and dup == 0 and ordered and not (want - set(self.read))
+                and all(rocket.count(b) == 1 for b in self.rocket_want)
+                and not any(b in self.rocket_not for b in rocket)
+                and all(kafka.count(b) == 1 for b in self.kafka_want)
+                and not any(b in self.kafka_not for b in kafka)
+                and all(timers.count(b) == 1 for b in self.timers) and not early)
+
+    def _drain(self, topics, group, want: int, timeout_s: float = 60):
+        c = self.mq.consumer(group, topics)
+        got = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < want and time.monotonic() < deadline:
+            got += [(bytes(m.body), m.store_ms) for m in c.poll(1000, 0.5)]
+            c.commit()
+        got += [(bytes(m.body), m.store_ms) for m in c.poll(1000, 1.0)]  # (nothing more)
+        c.close()
+        return got
 
 
-def remove_leader(cluster, nodes, mq, shard=0):
-    """Remove the node of shard's leader; a fresh node joins so the group can be whole
-    again; the removed node's handle is dropped from ``nodes``."""
-    gone = node_of(cluster, nodes, leader_node(mq, shard))
-    cluster.remove_node(gone)
-    nodes.remove(gone)
-    nodes.append(cluster.add_node(**NODE))
-    return gone
+def failover_all(seed: int = 11) -> int:
+    """Five removals of the leader's node under every kind of load."""
+    h = Harness(workers=4)
+    try:
+        mq = h.deploy(**CHECK_MS)
+        mq.create_topic("t", queues=2)
+        load = Load(mq, seed)
+        load.round(-1)
+        times = failovers(h, 5, load.plain, per_round=load.round)
+        times.sort()
+        print(f"failover p50 {times[2]:.2f} s max {times[-1]:.2f} s", flush=True)
+        ok = load.check()
+        print("checks held" if ok else "CHECKS FAILED", flush=True)
+        return 0 if ok else 1
+    finally:
+        h.close()
 
 
-def failover(seed: int = 7) -> int:
-    """A seeded loop of five leader-node removals under a producer: no acknowledged message
-    lost, none twice, each queue's order kept; the time to the first SEND_OK after each."""
+def follower_loss() -> int:
+    """Followers' nodes lost one, then two: sends go on with two in sync, then fail with
+    NotEnoughReplicasError; nodes come back, the replicas copy and rejoin."""
     from raymq import Message
-    from raymq.message import SendStatus
-    rnd = random.Random(seed)
-    cluster, nodes, mq = start()
-    mq.create_topic("t", queues=2)
-    p = mq.producer("p")
-    acked: list[bytes] = []
-    n = 0
-
-    def send_some(k):
-        nonlocal n
-        out = p.send_batch([Message("t", b"%08d" % (n + i), key=str(rnd.random()))
-                            for i in range(k)])
-        for i, r in enumerate(out):
-            if r.status is SendStatus.SEND_OK:
-                acked.append(b"%08d" % (n + i))
-        n += k
-        return out
-
-    send_some(200)
-    times = []
-    for round_ in range(5):
-        before = mq.admin.replicas()[0]
-        remove_leader(cluster, nodes, mq)
-        t0 = time.monotonic()
-        while True:
+    from raymq.storage.errors import NotEnoughReplicasError
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy(send_retries=1)
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 3)
+        log.send(100)
+        g = mq.admin.replicas()[0]
+        followers = [r["node"] for r in g["replicas"] if r["role"] == "follower"]
+        h.remove(followers[0], replace=False)
+        log.send(100)
+        print(f"one follower lost: acked {len(log.acked)}/{log.sent}", flush=True)
+        h.remove(followers[1], replace=False)
+        deadline = time.monotonic() + 30
+        err = None
+        while err is None and time.monotonic() < deadline:
             try:
-                r = p.send(Message("t", b"%08d" % n))
-            except Exception as err:  # noqa: BLE001 (retried until the new leader answers)
-                print("  send during failover:", type(err).__name__, err, flush=True)
-                continue
-            n += 1
-            if r.status is SendStatus.SEND_OK:
-                acked.append(b"%08d" % (n - 1))
-                break
-        times.append(time.monotonic() - t0)
-        after = mq.admin.replicas()[0]
-        print(f"failover {round_}: epoch {before['epoch']} -> {after['epoch']}, "
-              f"{times[-1]:.2f} s to SEND_OK", flush=True)
-        send_some(rnd.randint(50, 300))
-    p.close()
-    c = mq.consumer("g", "t")
-    got: list[bytes] = []
-    deadline = time.monotonic() + 60
-    while len(set(got)) < len(set(acked)) and time.monotonic() < deadline:
-        for m in c.poll(500):
-            got.append(bytes(m.body))
-        c.commit()
-    c.close()
-    lost = set(acked) - set(got)
-    dup = len(got) - len(set(got))
-    times.sort()
-    print(f"replication.failover_s p50 {times[len(times) // 2]:.2f}")
-    print(f"acked {len(acked)} lost {len(lost)} duplicates {dup}")
-    ok = not lost
-    ray.shutdown()
-    cluster.shutdown()
-    return 0 if ok else 1
+                log.p.send(Message("t", b"short"))
+            except NotEnoughReplicasError as e:
+                err = e
+        print(f"two lost: {type(err).__name__}: {err}", flush=True)
+        h.add()
+        h.add()
+        g = h.wait_in_sync(3, timeout_s=90)
+        log.send(100)
+        print(f"back: in sync {len(g['in_sync'])}, acked {len(log.acked)}/{log.sent}",
+              flush=True)
+        lost, dup, ordered = log.missing(mq, "check")
+        print(f"lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+        return 0 if err is not None and lost == 0 and len(log.acked) >= 300 else 1
+    finally:
+        h.close()
+
+
+def paused_leader() -> int:
+    """The leader's process stopped (SIGSTOP) until another is elected, then resumed: the
+    write it held acknowledges nothing, and it is cut away when the old leader rejoins."""
+    from raymq import rpc
+    from raymq.storage import RecordBatch
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy()
+        mq.create_topic("t", queues=1)
+        log = AckedLog(mq, "t", 5)
+        log.send(50)
+        old = mq.shard_handle(0)
+        status = rpc.call(old.ping, timeout_s=30)
+        os.kill(status["pid"], signal.SIGSTOP)
+        try:
+            held = old.send.remote(RecordBatch("t", 0, [b"held-by-paused-leader"]), 0, 0)
+            t = log.until_acked()  # the SDK finds the new leader
+            print(f"new leader acknowledged after {t:.2f} s", flush=True)
+        finally:
+            os.kill(status["pid"], signal.SIGCONT)
+        try:
+            reply = rpc.get(held, 30)
+            answer = reply.status
+        except Exception as err:  # noqa: BLE001
+            answer = type(err).__name__
+        print(f"paused leader's answer: {answer}", flush=True)
+        g = h.wait_in_sync(3, timeout_s=60)
+        log.send(50)
+        lost, dup, ordered = log.missing(mq, "check")
+        c = mq.consumer("peek", "t")
+        seen = [bytes(m.body) for m in c.poll(100_000, 2.0)]
+        c.close()
+        print(f"epoch {g['epoch']} lost {lost} duplicates {dup} held write delivered "
+              f"{b'held-by-paused-leader' in seen}", flush=True)
+        return 0 if answer != "SEND_OK" and lost == 0 and \
+            b"held-by-paused-leader" not in seen else 1
+    finally:
+        h.close()
+
+
+def half_check() -> int:
+    """A half message whose leader is lost before its check-back: the new leader checks
+    it, and it is committed exactly once."""
+    from raymq import Message
+    from raymq.transaction_producer import LocalTransactionState as S, TransactionListener
+
+    class Unknown(TransactionListener):
+        checks = 0
+
+        def execute_local_transaction(self, msg, arg):
+            return S.UNKNOW
+
+        def check_local_transaction(self, msg):
+            Unknown.checks += 1
+            return S.COMMIT_MESSAGE
+    h = Harness(workers=4)
+    try:
+        mq = h.deploy(txn_timeout_ms=3000, txn_check_interval_ms=300)
+        mq.create_topic("h", queues=1)
+        tx = mq.transaction_producer("g-half", Unknown())
+        tx.send_in_transaction(Message("h", b"half-1"))
+        h.remove(h.leader_node())
+        c = mq.consumer("hc", "h")
+        got = []
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            got += [bytes(m.body) for m in c.poll(10, 0.5)]
+        got += [bytes(m.body) for m in c.poll(10, 3.0)]
+        c.close()
+        print(f"half after failover: delivered {got.count(b'half-1')} time(s), checks "
+              f"{Unknown.checks}", flush=True)
+        return 0 if got.count(b"half-1") == 1 else 1
+    finally:
+        h.close()
 
 
 if __name__ == "__main__":

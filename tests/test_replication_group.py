@@ -213,3 +213,14 @@ def test_readers_see_only_what_the_in_sync_replicas_hold(group):
     reply = send(leader, [b"two"])
     assert reply.status == "FLUSH_SLAVE_TIMEOUT"
     assert bodies_of(leader) == [b"one"]  # written, not confirmed: not read
+
+
+def test_committed_offsets_are_held_by_the_followers_before_the_commit_returns(group):
+    leader = group.leader
+    send(leader, [b"a", b"b", b"c"])
+    leader.serving().commit_offsets("g", {("t", 0): 2})
+    assert leader.offsets_replicated() is True
+    group.kill(leader.name)
+    group.clock.advance(LEASE_MS + 1)
+    group.beat()
+    assert group.leader.serving().get_offsets("g", [("t", 0)]) == {("t", 0): 2}

@@ -748,6 +748,7 @@ def bench_spark(b: Bench) -> None:
 
 
 from raymq.tools import soak  # noqa: E402,F401 -- registers the soak suite
+from raymq.tools import failover  # noqa: E402,F401 -- registers the replication suite
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["e2e-consumer"]:

@@ -79,6 +79,10 @@ def _cmd_up(args) -> int:
         settings["num_shards"] = args.num_shards
     if args.data_dir:
         settings["data_dir"] = args.data_dir
+    if args.replication_factor:
+        settings["replication_factor"] = args.replication_factor
+    if args.min_insync_replicas:
+        settings["min_insync_replicas"] = args.min_insync_replicas
     mq = _connect(args, settings=settings)
     print(f"RayMQ is up: controller + {mq.num_shards} shards "
           f"(data under {mq.config.resolved_data_dir()} on each node)")
@@ -90,6 +94,25 @@ def _cmd_down(args) -> int:
     _attach(args)
     killed = undeploy()
     print(f"stopped: {', '.join(killed) or 'nothing was running'} (data kept on disk)")
+    return 0
+
+
+def _print_replicas(groups: list[dict]) -> None:
+    print("replicas:")
+    for g in groups:
+        print(f"  shard-{g['shard']}: leader on node {str(g['leader_node'])[:12]}  epoch "
+              f"{g['epoch']}  in sync {len(g['in_sync'])}/{len(g['replicas'])} "
+              f"({', '.join(str(n)[:12] for n in g['in_sync'])})")
+        for r in g["replicas"]:
+            lag = "?" if r["lag_bytes"] is None else f"{r['lag_bytes']} bytes"
+            print(f"    {r['name']}: {r['role']:8s} node {str(r['node'])[:12] or '-':12s} "
+                  f"{'alive' if r['alive'] else 'DEAD '}  lag {lag}")
+
+
+def _cmd_shard_elect(args) -> int:
+    mq = _connect(args)
+    g = mq.admin.elect(args.shard, args.to)
+    print(f"shard-{g['shard']}: leader on node {str(g['leader_node'])[:12]}, epoch {g['epoch']}")
     return 0
 
 
@@ -117,6 +140,8 @@ def _cmd_status(args) -> int:
                   f"hour {tm['next_hour']}, day {tm['next_day']}, later {tm['later']})  "
                   f"delivery lag {tm['lag_ms']} ms  max lateness {tm['max_lateness_ms']} ms  "
                   f"cancelled pending {tm['cancelled']}")
+    if "replicas" in st:
+        _print_replicas(st["replicas"])
     print(f"topics: {len(st['topics'])}")
     for name, t in st["topics"].items():
         print(f"  {name}: {t['queues']} queues on shards {sorted(set(t['routes']))}")
@@ -428,7 +453,21 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="number of shards (default: as many as the cluster places by "
                          "resources -- ray_config.yaml's RAYMQ_SHARDS -- else 2)")
     up.add_argument("--data-dir", help="data directory on each node")
+    up.add_argument("--replication-factor", type=int,
+                    help="replicas of each shard, each on its own node (default 1: none); "
+                         "refused when the cluster has fewer alive nodes")
+    up.add_argument("--min-insync-replicas", type=int,
+                    help="replicas holding a write before SEND_OK (default 2 when replicated)")
     up.set_defaults(func=_cmd_up)
+    shard = sub.add_parser("shard", help="replicated shards: move leadership")
+    shsub = shard.add_subparsers(dest="shard_command", metavar="ACTION", required=True)
+    se = shsub.add_parser("elect", help="make another in-sync replica lead shard I (Kafka's "
+                                        "preferred leader election)")
+    se.add_argument("shard", type=int, metavar="I", help="the shard")
+    se.add_argument("--to", metavar="NODE", help="the Ray node id (or its first characters) "
+                                                  "of the replica to lead (default: the best "
+                                                  "other in-sync replica)")
+    se.set_defaults(func=_cmd_shard_elect)
     sub.add_parser("down", help="stop RayMQ's actors; data stays").set_defaults(func=_cmd_down)
     st = sub.add_parser("status", help="shards, topics, depths, groups and lag")
     st.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,0 +1,215 @@
+"""Replicated shards on a ``ray.cluster_utils`` cluster of this machine: the harness the
+multi-node tests and the ``replication`` bench suite share (a head without CPUs, so no
+replica lands there, and worker nodes that tests remove and add), and the suite.
+
+Each replica keeps its files under its own node's directory (``data_dir`` ends in
+``{node}``), as on machines of their own.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+
+from raymq.tools.bench import Bench, suite
+
+#: A worker node: one CPU (a replica's bundle takes a thousandth), a small object store.
+NODE = dict(num_cpus=1, object_store_memory=120 * 1024 * 1024)
+
+#: Settings that make a failover quick on one machine (a lease of 1 s).
+FAST = dict(replica_lease_ms=1000, replica_lag_max_ms=3000, send_timeout_ms=4000,
+            retry_backoff_ms=50, heartbeat_interval_ms=200, session_timeout_ms=5000)
+
+
+class Harness:
+    """A head and ``workers`` nodes, Ray joined, nothing deployed yet (``deploy``)."""
+
+    def __init__(self, workers: int = 4, *, workdir: str | None = None):
+        import ray
+        from ray.cluster_utils import Cluster
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        self.data = tempfile.mkdtemp(prefix="raymq-replication-", dir=workdir)
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False,
+            "object_store_memory": 200 * 1024 * 1024})
+        self.nodes = [self.cluster.add_node(**NODE) for _ in range(workers)]
+        ray.init(address=self.cluster.address, namespace="raymq", log_to_driver=False,
+                 logging_level="ERROR")
+        self.mq = None
+
+    def deploy(self, name: str = "raymq", **settings):
+        """RayMQ with ``settings`` (3 replicas, ``FAST``), its files under ``name``."""
+        from raymq import connect
+        cfg = dict(data_dir=os.path.join(self.data, name, "{node}"), num_shards=1,
+                   replication_factor=3, default_queues=2, **FAST)
+        cfg.update(settings)
+        self.mq = connect(**cfg)
+        return self.mq
+
+    def undeploy(self) -> None:
+        from raymq.deploy import undeploy
+        self.mq.close()
+        undeploy()
+        self.mq = None
+
+    def leader_node(self, shard: int = 0) -> str:
+        return self.mq.admin.replicas()[shard]["leader_node"]
+
+    def node(self, node_id: str):
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def remove(self, node_id: str, *, replace: bool = True) -> None:
+        """Remove a node (a machine lost); with ``replace`` a fresh one joins, where Ray
+        puts the lost replica again (its placement-group bundle) to copy from the leader."""
+        gone = self.node(node_id)
+        self.cluster.remove_node(gone)
+        self.nodes.remove(gone)
+        if replace:
+            self.add()
+
+    def add(self):
+        node = self.cluster.add_node(**NODE)
+        self.nodes.append(node)
+        return node
+
+    def wait_in_sync(self, count: int, shard: int = 0, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            g = self.mq.admin.replicas()[shard]
+            if len(g["in_sync"]) >= count:
+                return g
+            if time.monotonic() > deadline:
+                raise AssertionError(f"shard-{shard}: {len(g['in_sync'])} in sync after "
+                                     f"{timeout_s} s, not {count}: {g}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        import ray
+        if self.mq is not None:
+            self.mq.close()
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def produce_rate(mq, topic: str, n: int, batch: int = 500, size: int = 256) -> float:
+    """Messages/s of ``n`` messages sent in batches of ``batch`` (each batch waited for)."""
+    from raymq import Message
+    p = mq.producer(f"rate-{topic}")
+    body = b"x" * size
+    t0 = time.perf_counter()
+    for start in range(0, n, batch):
+        p.send_batch([Message(topic, body) for _ in range(min(batch, n - start))])
+    rate = n / (time.perf_counter() - t0)
+    p.close()
+    return rate
+
+
+class AckedLog:
+    """What a producer got ``SEND_OK`` for, to check after failovers."""
+
+    def __init__(self, mq, topic: str, seed: int):
+        self.p = mq.producer(f"acked-{topic}")
+        self.topic, self.rnd = topic, random.Random(seed)
+        self.acked: list[bytes] = []
+        self.sent = 0
+
+    def send(self, k: int) -> None:
+        from raymq import Message
+        from raymq.message import SendStatus
+        bodies = [b"%09d" % (self.sent + i) for i in range(k)]
+        self.sent += k
+        out = self.p.send_batch([Message(self.topic, b, key=str(self.rnd.random()))
+                                 for b in bodies])
+        self.acked += [b for b, r in zip(bodies, out) if r.status is SendStatus.SEND_OK]
+
+    def until_acked(self) -> float:
+        """Send one message at a time until one is acknowledged; the seconds it took."""
+        from raymq import Message
+        from raymq.message import SendStatus
+        t0 = time.monotonic()
+        while True:
+            body = b"%09d" % self.sent
+            self.sent += 1
+            try:
+                r = self.p.send(Message(self.topic, body))
+            except Exception as err:  # noqa: BLE001 -- retried until the new leader answers
+                print(f"  (send during the failover: {type(err).__name__}: {err})", flush=True)
+                continue
+            if r.status is SendStatus.SEND_OK:
+                self.acked.append(body)
+                return time.monotonic() - t0
+
+    def missing(self, mq, group: str, timeout_s: float = 60) -> tuple[int, int, bool]:
+        """(acknowledged messages never consumed, consumed twice, each queue in order)."""
+        self.p.close()
+        c = mq.consumer(group, self.topic)
+        got: dict[int, list[int]] = {}
+        want = set(self.acked)
+        seen: set[bytes] = set()
+        dup = 0
+        deadline = time.monotonic() + timeout_s
+        while not want <= seen and time.monotonic() < deadline:
+            for m in c.poll(500):
+                body = bytes(m.body)
+                dup += body in seen
+                seen.add(body)
+                got.setdefault(m.queue_id, []).append(int(body))
+            c.commit()
+        c.close()
+        ordered = all(q == sorted(q) for q in got.values())
+        return len(want - seen), dup, ordered
+
+
+def failovers(h: Harness, rounds: int, log: AckedLog, *, per_round=None) -> list[float]:
+    """``rounds`` times: remove the leader's node (a fresh node joins), time the first
+    ``SEND_OK`` after it, then let the group be whole again (``per_round(k)`` runs load
+    in between).  The seconds of each."""
+    times = []
+    for k in range(rounds):
+        before = h.mq.admin.replicas()[0]
+        h.remove(before["leader_node"])
+        times.append(log.until_acked())
+        after = h.mq.admin.replicas()[0]
+        print(f"failover {k}: epoch {before['epoch']} -> {after['epoch']}, "
+              f"{times[-1]:.2f} s to SEND_OK", flush=True)
+        if per_round is not None:
+            per_round(k)
+        h.wait_in_sync(3)
+    return times
+
+
+@suite("replication")
+def bench_replication(b: Bench) -> None:
+    """R = 3 (min in sync 2) against R = 1, batched produce, three nodes sharing this
+    machine's cores; then five failovers of the leader's node."""
+    h = Harness(workers=3, workdir=b.workdir)
+    try:
+        n = b.n(60_000, 5_000)
+        rates = {}
+        for r in (1, 3):
+            b.progress(f"replication: R = {r}, {n} messages in batches of 500")
+            mq = h.deploy(f"r{r}", replication_factor=r)
+            mq.create_topic("bench", queues=2)
+            produce_rate(mq, "bench", n // 10)  # warm-up
+            rates[r] = produce_rate(mq, "bench", n)
+            b.emit(f"replication.produce_r{r}", rates[r], "msgs/s", n=n, batch=500, size=256,
+                   replication_factor=r, min_insync_replicas=min(2, r))
+            if r == 1:
+                h.undeploy()
+        b.ratio("replication.produce_ratio", "replication.produce_r3", "replication.produce_r1")
+        b.progress("replication: five failovers of the leader's node")
+        mq = h.mq
+        log = AckedLog(mq, "bench-failover", seed=5)
+        log.send(500)
+        times = failovers(h, 5, log, per_round=lambda _k: log.send(200))
+        times.sort()
+        b.emit("replication.failover_s", times[len(times) // 2], "s", failovers=len(times),
+               max=round(times[-1], 3), lease_ms=FAST["replica_lease_ms"])
+        lost, dup, ordered = log.missing(mq, "bench-check")
+        b.emit("replication.lost_acked", lost, "messages", acked=len(log.acked),
+               duplicates=dup, ordered=ordered)
+    finally:
+        h.close()

@@ -1,0 +1,59 @@
+"""Replicated shards on a multi-node Ray cluster of this machine (``ray.cluster_utils``),
+each scenario in a child process with a cluster of its own (``tests.replication_scenario``):
+nodes are removed and added, processes paused; every check is printed and asserted."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(name: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "tests.replication_scenario", name], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_five_leader_node_losses_under_every_kind_of_load():
+    out = run("failover_all")
+    assert len(re.findall(r"^failover \d: epoch (\d+) -> (\d+)", out, re.M)) == 5
+    assert re.search(r"^plain: acked \d+ lost 0 duplicates 0 ordered True", out, re.M)
+    assert re.search(r"^consumer g: missing 0 redelivered 0", out, re.M)
+    m = re.search(r"^rocket: committed seen once (\d+)/(\d+) rolled back seen 0", out, re.M)
+    assert m and m.group(1) == m.group(2)
+    m = re.search(r"^kafka: committed seen once (\d+)/(\d+) aborted seen 0", out, re.M)
+    assert m and m.group(1) == m.group(2)
+    m = re.search(r"^timers: delivered once (\d+)/(\d+) early 0", out, re.M)
+    assert m and m.group(1) == m.group(2)
+
+
+@pytest.mark.slow
+def test_followers_lost_then_not_enough_replicas_then_they_copy_back_and_rejoin():
+    out = run("follower_loss")
+    assert "one follower lost: acked 200/200" in out
+    line = re.search(r"^two lost: NotEnoughReplicasError: (.*)$", out, re.M).group(1)
+    assert "shard-0" in line and "min_insync_replicas is 2" in line
+    assert re.search(r"^back: in sync 3, acked 300/300", out, re.M)
+    assert "lost 0 duplicates 0 ordered True" in out
+
+
+@pytest.mark.slow
+def test_a_paused_leader_acknowledges_nothing_and_its_write_is_cut_away():
+    out = run("paused_leader")
+    answer = re.search(r"^paused leader's answer: (\S+)", out, re.M).group(1)
+    assert answer != "SEND_OK"
+    assert "lost 0 duplicates 0 held write delivered False" in out
+
+
+@pytest.mark.slow
+def test_a_half_message_whose_leader_is_lost_is_checked_by_the_new_leader_once():
+    out = run("half_check")
+    assert "half after failover: delivered 1 time(s)" in out
