@@ -5,6 +5,8 @@ and which replicas are alive (soft: their heartbeats).  Elections happen here.
 Rules (RocketMQ 5's controller, Kafka's KRaft controller):
 
 - the first replica of a new group to heartbeat leads it, epoch 1;
+- a leader whose process restarted (its disk may be new) hands over to another alive
+  in-sync replica; with none, it leads again (new epoch) only holding what it had;
 - a leader that has not heartbeated for ``lease_ms`` is replaced by an alive replica of
   the in-sync set (the one holding the most, then by name), the epoch bumped, the dead
   removed from the set; with no such replica the group waits (no unclean election
@@ -81,10 +83,13 @@ class ReplicaGroups:
         if name not in g["replicas"]:
             raise InvalidMessageError(f"{name!r} is not a replica of shard-{shard}")
         now = self.clock.monotonic_ms()
+        had = self._ends.get(name, -1)
         self._seen[name], self._ends[name], self._nodes[name] = now, int(log_end), node
-        if g["leader"] is None:
-            g.update(epoch=g["epoch"] + 1, leader=name, in_sync=[name])
+        if g["leader"] is None and g["epoch"] == 0:
+            g.update(epoch=1, leader=name, in_sync=[name])
             self._save()
+        elif fresh and name == g["leader"]:
+            self._leader_restarted(g, name, int(log_end), had)
         elif fresh and name != g["leader"]:
             # back in only once it holds what the leader held now (the leader may report
             # it in sync before it noticed the restart)
@@ -104,6 +109,22 @@ class ReplicaGroups:
         self.tick()
         return self.doc(g)
 
+    def _leader_restarted(self, g: dict, name: str, log_end: int, had: int) -> None:
+        """The leader's process started again (its disk may be new): another in-sync
+        replica leads if one lives; else it leads again, in a new epoch, only if it holds
+        at least what it last reported -- otherwise the group waits for an in-sync replica
+        (or an operator's unclean election)."""
+        if self._elect(g, exclude={name}):
+            self._floor[name] = self._ends.get(g["leader"], 0)
+            g["in_sync"] = [r for r in g["in_sync"] if r != name]
+            self._save()
+        elif log_end >= had:
+            g.update(epoch=g["epoch"] + 1)
+            self._save()
+        else:
+            g.update(leader=None, in_sync=[r for r in g["in_sync"] if r != name])
+            self._save()
+
     def alter_isr(self, shard: int, name: str, epoch: int,
                   in_sync: list[str]) -> tuple[bool, dict]:
         """The leader of ``epoch`` asks for the in-sync set ``in_sync``: (done?, assignment)."""
@@ -121,6 +142,9 @@ class ReplicaGroups:
         out = []
         for i, g in self.groups.items():
             leader = g["leader"]
+            if leader is None and g["epoch"] and self._elect(g, exclude=set()):
+                out.append(int(i))  # (a group that had lost every in-sync replica)
+                continue
             dead = [r for r in g["in_sync"] if r != leader
                     and now - self._seen.get(r, self._started) > self.lease_ms]
             if dead:  # (the leader adopts the smaller set at its next heartbeat)

@@ -6,7 +6,8 @@ where records go (``diversion``), halves and ends (``halves``), check rounds
 reads (``reads``) and group offsets (``group_offsets``).  Transaction ends are
 prepared by ``halves`` (records to write), written by the shard in one put,
 then applied; check rounds and deliveries write through the shard's store.
-Test faults are an object handed in (``faults``), asked at fixed points.
+Test faults are an object handed in (``faults``), asked at fixed points.  Its files are
+in ``directory`` (default ``<data_dir>/shard-<index>``; a replica's: its own).
 
 A plain class (no Ray import): the Ray actor is made from it at the edge
 (``raymq.deploy``), and tests can run it in-process.  All public methods are
@@ -66,13 +67,11 @@ class BrokerShard:
                  fetch_routes: Callable[[int], list] | None = None,
                  clock: Clock | None = None, metrics=None, background: bool = True,
                  faults: Faults = NO_FAULTS, directory: str | None = None):
-        """``directory``: where its files are (default ``<data_dir>/shard-<index>``)."""
         self.index = index
         self.config = config if isinstance(config, ClusterConfig) else ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
         self.metrics = metrics or NullMetrics()
-        self.directory = directory or os.path.join(self.config.resolved_data_dir(),
-                                                   f"shard-{index}")
+        self.directory = directory or os.path.join(self.config.resolved_data_dir(), f"shard-{index}")
         self.store = MessageStore(self.directory, self.config.store_config(), self.clock,
                                   background=background)
         self._levels_ms = self.config.delay_levels_ms

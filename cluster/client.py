@@ -294,8 +294,9 @@ class Admin:
                      if g["shard"] == shard)
             named = [r for r, n in g["nodes"].items() if n and n.startswith(to_node)]
             if len(named) != 1:
+                where = ", ".join(n for n in g["nodes"].values() if n)
                 raise InvalidMessageError(f"no replica of shard-{shard} on node {to_node!r} "
-                                          f"(its nodes: {', '.join(n for n in g['nodes'].values() if n)})")
+                                          f"(its nodes: {where})")
             to = named[0]
         mq.control.call("replica_elect", shard, to, timeout_s=30)
         mq.forget_leader(shard)

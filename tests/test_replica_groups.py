@@ -105,3 +105,23 @@ def test_the_groups_survive_a_controller_restart(groups):
     again = ReplicaGroups(1, 3, LEASE, ManualClock(), lambda: None, groups.to_doc())
     assert again.leader(0) == (R0, 1)
     assert again.describe()[0]["in_sync"] == [R0, R1, R2]
+
+
+def test_a_restarted_leader_hands_over_to_an_in_sync_replica(groups):
+    groups.heartbeat(0, R0, "n0", 0, 0, None)
+    beat_all(groups, ends=(500, 500, 400))
+    doc = groups.heartbeat(0, R0, "n9", 1, 24, None, True)  # back on a new node, empty
+    assert doc["leader"] == R1 and doc["epoch"] == 2  # the one holding the most
+    assert R0 not in doc["in_sync"]
+
+
+def test_a_restarted_leader_alone_leads_again_only_holding_what_it_had(groups):
+    groups.heartbeat(0, R0, "n0", 0, 0, None)
+    groups.heartbeat(0, R0, "n0", 1, 500, None)
+    doc = groups.heartbeat(0, R0, "n0", 1, 500, None, True)  # same disk: leads, new epoch
+    assert doc["leader"] == R0 and doc["epoch"] == 2
+    doc = groups.heartbeat(0, R0, "n9", 2, 24, None, True)  # a new disk: nobody leads
+    assert doc["leader"] is None and doc["in_sync"] == []
+    groups.heartbeat(0, R1, "n1", 0, 0, None)  # not "the first of a new group"
+    assert groups.leader(0) == (None, 2)
+    assert groups.elect(0, unclean=True)["leader"] in (R0, R1)

@@ -111,6 +111,7 @@ class AckedLog:
     """What a producer got ``SEND_OK`` for, to check after failovers."""
 
     def __init__(self, mq, topic: str, seed: int):
+        self.mq = mq
         self.p = mq.producer(f"acked-{topic}")
         self.topic, self.rnd = topic, random.Random(seed)
         self.acked: list[bytes] = []
@@ -125,22 +126,32 @@ class AckedLog:
                                  for b in bodies])
         self.acked += [b for b, r in zip(bodies, out) if r.status is SendStatus.SEND_OK]
 
-    def until_acked(self) -> float:
-        """Send one message at a time until one is acknowledged; the seconds it took."""
+    def until_acked(self, past_epoch: int | None = None, since: float | None = None) -> float:
+        """Send one message at a time until one is acknowledged (with ``past_epoch``: by a
+        leader elected after that epoch -- a node being removed may answer a little
+        longer); the seconds it took (from ``since``, a ``time.monotonic()``)."""
+        t0 = time.monotonic() if since is None else since
+        while True:
+            if past_epoch is not None and self.mq.admin.replicas()[0]["epoch"] <= past_epoch:
+                self._send_one()
+                continue
+            if self._send_one():
+                return time.monotonic() - t0
+
+    def _send_one(self) -> bool:
         from raymq import Message
         from raymq.message import SendStatus
-        t0 = time.monotonic()
-        while True:
-            body = b"%09d" % self.sent
-            self.sent += 1
-            try:
-                r = self.p.send(Message(self.topic, body))
-            except Exception as err:  # noqa: BLE001 -- retried until the new leader answers
-                print(f"  (send during the failover: {type(err).__name__}: {err})", flush=True)
-                continue
-            if r.status is SendStatus.SEND_OK:
-                self.acked.append(body)
-                return time.monotonic() - t0
+        body = b"%09d" % self.sent
+        self.sent += 1
+        try:
+            r = self.p.send(Message(self.topic, body))
+        except Exception as err:  # noqa: BLE001 -- retried until the new leader answers
+            print(f"  (send during the failover: {type(err).__name__}: {err})", flush=True)
+            return False
+        if r.status is SendStatus.SEND_OK:
+            self.acked.append(body)
+            return True
+        return False
 
     def missing(self, mq, group: str, timeout_s: float = 60) -> tuple[int, int, bool]:
         """(acknowledged messages never consumed, consumed twice, each queue in order)."""
@@ -170,8 +181,10 @@ def failovers(h: Harness, rounds: int, log: AckedLog, *, per_round=None) -> list
     times = []
     for k in range(rounds):
         before = h.mq.admin.replicas()[0]
-        h.remove(before["leader_node"])
-        times.append(log.until_acked())
+        t0 = time.monotonic()
+        h.remove(before["leader_node"], replace=False)
+        times.append(log.until_acked(past_epoch=before["epoch"], since=t0))
+        h.add()  # a fresh node: Ray puts the lost replica there, and it copies the log
         after = h.mq.admin.replicas()[0]
         print(f"failover {k}: epoch {before['epoch']} -> {after['epoch']}, "
               f"{times[-1]:.2f} s to SEND_OK", flush=True)
