@@ -21,7 +21,7 @@ import time
 from typing import Any, Mapping
 
 from raymq.actors.checker import CheckerWorker
-from raymq.actors.channel import ChannelLimits, Endpoint
+from raymq.actors.channel import DATA_METHODS, ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.coordinator import TransactionCoordinator
 from raymq.actors.registry import ProducerGroupRegistry
@@ -125,12 +125,22 @@ def _leader_method(name: str):
     return method
 
 
+#: What a replica's data channel serves: the clients' calls, and followers' fetches.
+REPLICA_METHODS = DATA_METHODS | {"replica_fetch", "replica_epoch_end"}
+
+
 class _LeaderCalls:
-    """The shard's methods, served while the replica leads (``NotLeaderError`` else): what
-    the data channel and the replica actor serve."""
+    """The shard's methods, served while the replica leads (``NotLeaderError`` else), and
+    the followers' calls: what the data channel serves."""
 
     def __init__(self, replica: ShardReplica):
         self._replica = replica
+
+    def replica_fetch(self, *args) -> dict:
+        return self._replica.replica_fetch(*args)
+
+    def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
+        return self._replica.replica_epoch_end(epoch)
 
 
 class ReplicaActor:
@@ -143,17 +153,14 @@ class ReplicaActor:
         controller = rpc.ControllerClient(get_controller())
         node = rpc.node_id()
         name = replica_name(index, k)
-        handles: dict[str, object] = {}
+        from raymq.transport import DirectTransport
+        # followers fetch over the leader's data channel (a Ray call costs ~10 times as much)
+        channel = DirectTransport(lambda k: rpc.get_actor(replica_name(index, k), NAMESPACE),
+                                  io_threads=2)
 
         def call_replica(other, method, args, timeout_s):
-            handle = handles.get(other)
-            if handle is None:
-                handle = handles[other] = rpc.get_actor(other, NAMESPACE)
-            try:
-                return rpc.call(getattr(handle, method), *args, timeout_s=timeout_s)
-            except BrokerUnavailableError:
-                handles.pop(other, None)
-                raise
+            return channel.call(int(other.rpartition("-r")[2]), method, *args,
+                                timeout_s=timeout_s)
 
         def make_shard(directory):
             sh = BrokerShard(index, cfg, directory=directory,
@@ -167,6 +174,7 @@ class ReplicaActor:
             controller=lambda m, *a: controller.call(m, *a, timeout_s=10),
             call_replica=call_replica, make_shard=make_shard, node=node)
         self._endpoint = Endpoint(_LeaderCalls(self._replica), host=rpc.node_ip(),
+                                  methods=REPLICA_METHODS,
                                   limits=ChannelLimits.from_config(cfg))
         log.info("%s up on node %s, data channel on %s:%d", name, node,
                  *self._endpoint.address)

@@ -104,3 +104,19 @@ def test_a_transactional_send_result_has_no_queue_offset_before_it_commits(mq, n
         assert [(r.topic, r.queue_offset) for r in res.results] == [(name, -1)]
     finally:
         tp.close()
+
+
+def test_replication_mistakes_are_one_line(mq, capsys):
+    from raymq import deploy, rpc
+    from raymq.actors.config import ClusterConfig
+    from raymq.storage.errors import ConfigError
+    assert main(["shard", "elect", "0"]) == 1  # this cluster's shards are not replicated
+    one_line_error(capsys, "not replicated")
+    # `raymq up --replication-factor 3` on a cluster of one node: refused, nothing made
+    with pytest.raises(ConfigError, match=r"replication_factor 3 needs 3 alive Ray nodes, "
+                                          r"the cluster has 1"):
+        deploy._create_replicas(rpc.ControllerClient(deploy.get_controller()),
+                                ClusterConfig(replication_factor=3))
+    with pytest.raises(ValueError):
+        rpc.get_actor("shard-0-r0")
+    assert mq.admin.replicas()[0]["epoch"] == 0  # unreplicated: its one replica leads
