@@ -195,31 +195,39 @@ class Replay:
 
     def _note_entries(self, buf, pos: int, h: np.ndarray, phys: np.ndarray,
                       sizes: np.ndarray) -> None:
-        """Queue the index entries of the frame's records the consume queues miss."""
-        topic_at: dict[tuple[int, int], str] = {}
+        """Queue the index entries of the frame's records the consume queues miss (a queue
+        at a time: the records of one topic and queue in a frame share its name's bytes)."""
+        keys = np.stack([h["meta_off"].astype(np.int64), h["topic_len"].astype(np.int64),
+                         h["queue_id"].astype(np.int64)], axis=1)
+        uniq, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         pending = self._open_entries
-        for i, (meta_off, topic_len, qid, qoff) in enumerate(zip(
-                h["meta_off"].tolist(), h["topic_len"].tolist(), h["queue_id"].tolist(),
-                h["queue_offset"].tolist())):
-            topic = topic_at.get((meta_off, topic_len))
-            if topic is None:
-                topic = topic_at[(meta_off, topic_len)] = bytes(
-                    buf[pos + meta_off:pos + meta_off + topic_len]).decode()
+        for u in np.argsort(first):  # (queues in the order their first record comes)
+            meta_off, topic_len, qid = (int(x) for x in uniq[u])
+            topic = bytes(buf[pos + meta_off:pos + meta_off + topic_len]).decode()
             cq = self.queues.get_or_create(topic, qid)
-            if phys[i] <= cq.last_phys:
+            idx = np.flatnonzero(inverse.reshape(-1) == u)
+            idx = idx[phys[idx] > cq.last_phys]
+            if not len(idx):
                 continue
             waiting = pending.setdefault(cq, [])
-            expected = cq.count + len(waiting)
-            if qoff != expected:
-                raise RebuildNeeded(f"{topic}/{qid}: record at {phys[i]} has queue offset "
-                                     f"{qoff}, the index expects {expected}")
-            waiting.append((int(phys[i]), int(sizes[i]), int(h["tag_code"][i])))
+            expected = cq.count + sum(len(w) for w in waiting)
+            qoffs = h["queue_offset"][idx].astype(np.int64)
+            wrong = np.flatnonzero(qoffs != expected + np.arange(len(idx)))
+            if len(wrong):
+                k = int(wrong[0])
+                raise RebuildNeeded(f"{topic}/{qid}: record at {phys[idx[k]]} has queue offset "
+                                    f"{qoffs[k]}, the index expects {expected + k}")
+            entries = np.empty(len(idx), CQ_ENTRY)
+            entries["phys"], entries["size"], entries["tag"] = \
+                phys[idx], sizes[idx], h["tag_code"][idx]
+            waiting.append(entries)
 
     def _apply_open_put(self) -> None:
         """The put's LAST frame is on disk: index its entries, note it for its producer."""
-        for cq, entries in self._open_entries.items():
-            if entries:
-                cq.append(np.array(entries, CQ_ENTRY).tobytes(), entries[-1][0])
+        for cq, parts in self._open_entries.items():
+            if parts:
+                entries = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                cq.append(entries.tobytes(), int(entries["phys"][-1]))
                 self.recovered_records += len(entries)
         for (_fp, pid, seq, ph, qo, sz, end, ms) in self._open_frames:
             if pid:

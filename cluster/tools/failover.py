@@ -217,6 +217,7 @@ def bench_replication(b: Bench) -> None:
         b.ratio("replication.produce_ratio", "replication.produce_r3", "replication.produce_r1")
         b.progress("replication: five failovers of the leader's node")
         mq = h.mq
+        mq.create_topic("bench-failover", queues=2)
         log = AckedLog(mq, "bench-failover", seed=5)
         log.send(500)
         times = failovers(h, 5, log, per_round=lambda _k: log.send(200))
