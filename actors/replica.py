@@ -79,7 +79,9 @@ class LeaderState:
         self.rs.took_over(store.max_phys_offset)
         self.rs.confirmed = min(confirmed, store.max_phys_offset)
         self._wake_readers = wake_readers
-        self._cond = threading.Condition()
+        self._cond = threading.Lock()  # one lock, two conditions: who waits for what
+        self._acks = threading.Condition(self._cond)  # writes waiting for the confirmed offset
+        self._data = threading.Condition(self._cond)  # fetches waiting for new records
         self._answered_end: dict[str, int] = {}  # the leader's end when a fetch was answered
         self._offsets_held: dict[str, int] = {}  # the offsets version each follower holds
         self.deposed = False
@@ -92,9 +94,9 @@ class LeaderState:
         return self.rs.confirmed
 
     def _moved(self, before: int) -> None:
-        """(under the condition) wake what a new confirmed offset lets go on."""
+        """(under the lock) wake what a new confirmed offset lets go on."""
         if self.rs.confirmed != before:
-            self._cond.notify_all()
+            self._acks.notify_all()
             self._wake_readers()
 
     # --------------------------------------------------------------- writes
@@ -112,7 +114,6 @@ class LeaderState:
         with self._cond:
             before = self.rs.confirmed
             self.rs.appended(self.store.max_phys_offset)
-            self._cond.notify_all()  # followers long-polling for new records
             self._moved(before)
             while True:
                 if self.deposed:
@@ -126,7 +127,7 @@ class LeaderState:
                 left = deadline - self.clock.monotonic_ms()
                 if left <= 0:
                     return PutStatus.FLUSH_SLAVE_TIMEOUT
-                self._cond.wait(left / 1000.0)
+                self._acks.wait(left / 1000.0)
 
     # -------------------------------------------------------------- fetches
     def serve_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
@@ -142,7 +143,7 @@ class LeaderState:
             self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
                             self.clock.monotonic_ms())
             if offsets_version > self._offsets_held.get(follower, -1):
-                self._cond.notify_all()  # (a commit waiting for its offsets here)
+                self._acks.notify_all()  # (a commit waiting for its offsets here)
             self._moved(before)
             self._offsets_held[follower] = offsets_version
             while self.store.max_phys_offset <= from_phys and not self.deposed and \
@@ -150,7 +151,7 @@ class LeaderState:
                 left = deadline - self.clock.monotonic_ms()
                 if left <= 0:
                     break
-                self._cond.wait(left / 1000.0)
+                self._data.wait(left / 1000.0)
             self._check(epoch)
             end_then = self.store.max_phys_offset
             self._answered_end[follower] = end_then
@@ -170,14 +171,14 @@ class LeaderState:
         version = self.store.offsets.version
         deadline = self.clock.monotonic_ms() + self.timeout_ms
         with self._cond:
-            self._cond.notify_all()  # (a follower long-polling takes them now)
+            self._data.notify_all()  # (a follower long-polling takes them now)
             while not self.deposed:
                 behind = [r for r in self.rs.in_sync if r != self.name
                           and self._offsets_held.get(r, -1) < version]
                 left = deadline - self.clock.monotonic_ms()
                 if not behind or left <= 0:
                     return not behind
-                self._cond.wait(left / 1000.0)
+                self._acks.wait(left / 1000.0)
         return False
 
     def _check(self, epoch: int) -> None:
@@ -187,8 +188,9 @@ class LeaderState:
                                  f"not epoch {epoch}")
 
     def wake(self) -> None:
+        """New records (the store's written hook): long-polling fetches answer."""
         with self._cond:
-            self._cond.notify_all()
+            self._data.notify_all()
 
     # ------------------------------------------------------------ in-sync set
     def shrink_candidates(self) -> list[str]:
@@ -208,12 +210,13 @@ class LeaderState:
             before = self.rs.confirmed
             self.rs.set_in_sync(set(in_sync) | {self.name})
             self._moved(before)
-            self._cond.notify_all()
+            self._acks.notify_all()
 
     def depose(self) -> None:
         with self._cond:
             self.deposed = True
-            self._cond.notify_all()
+            self._acks.notify_all()
+            self._data.notify_all()
 
     def status(self) -> dict:
         with self._cond:
@@ -356,6 +359,7 @@ class ShardReplica:
                              confirmed=self._confirmed, clock=self.clock,
                              wake_readers=shard.reads.wake)
         shard.store.replication = leader.wait_replicated
+        shard.store.written = leader.wake
         shard.reads.confirmed = leader.confirmed
         self.shard, self.leader = shard, leader
         log.warning("shard-%d: %s leads, epoch %d, from offset %d", self.index, self.name,

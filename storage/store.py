@@ -119,6 +119,9 @@ class MessageStore:
         #: a leader's wait for its in-sync replicas (``raymq.actors.replica``): called with a
         #: put's end offset once it is durable here; its status, or a RayMQ error
         self.replication: Callable[[int], PutStatus] | None = None
+        #: told after each put is written, before it is durable (a leader's followers
+        #: copy it while the leader's fsync runs)
+        self.written: Callable[[], None] | None = None
         self._framer = PutFramer(self.config, self._log.segment_size)
         self._durable = Durability(directory, self._log, self.clock,
                                    self.config.flush_timeout_ms)
@@ -171,6 +174,8 @@ class MessageStore:
             phys_parts, size_parts, end = self._index_frames(
                 batch, groups, frames, positions, qoffs, producer_id, sequence, store_ms)
         crash_point("put.indexed")
+        if self.written is not None:
+            self.written()
         result = PutResult(PutStatus.PUT_OK, _joined(phys_parts), qoffs, _joined(size_parts),
                            end_offset=end)
         if wait:

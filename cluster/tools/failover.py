@@ -94,15 +94,26 @@ class Harness:
         shutil.rmtree(self.data, ignore_errors=True)
 
 
-def produce_rate(mq, topic: str, n: int, batch: int = 500, size: int = 256) -> float:
-    """Messages/s of ``n`` messages sent in batches of ``batch`` (each batch waited for)."""
+def produce_rate(mq, topic: str, n: int, batch: int = 500, size: int = 256,
+                 threads: int = 4) -> float:
+    """Messages/s of ``n`` messages sent in batches of ``batch`` by ``threads`` threads
+    sharing one producer (each waits for its batch: ``threads`` batches in flight)."""
+    import threading
     from raymq import Message
     p = mq.producer(f"rate-{topic}")
     body = b"x" * size
+    per = n // threads
+
+    def run():
+        for start in range(0, per, batch):
+            p.send_batch([Message(topic, body) for _ in range(min(batch, per - start))])
+    workers = [threading.Thread(target=run) for _ in range(threads)]
     t0 = time.perf_counter()
-    for start in range(0, n, batch):
-        p.send_batch([Message(topic, body) for _ in range(min(batch, n - start))])
-    rate = n / (time.perf_counter() - t0)
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    rate = per * threads / (time.perf_counter() - t0)
     p.close()
     return rate
 
@@ -205,12 +216,13 @@ def bench_replication(b: Bench) -> None:
         n = b.n(60_000, 5_000)
         rates = {}
         for r in (1, 3):
-            b.progress(f"replication: R = {r}, {n} messages in batches of 500")
+            b.progress(f"replication: R = {r}, {n} messages in batches of 500, 4 threads")
             mq = h.deploy(f"r{r}", replication_factor=r)
             mq.create_topic("bench", queues=2)
             produce_rate(mq, "bench", n // 10)  # warm-up
             rates[r] = produce_rate(mq, "bench", n)
             b.emit(f"replication.produce_r{r}", rates[r], "msgs/s", n=n, batch=500, size=256,
+                   threads=4,
                    replication_factor=r, min_insync_replicas=min(2, r))
             if r == 1:
                 h.undeploy()
