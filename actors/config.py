@@ -245,9 +245,8 @@ class ClusterConfig(BaseModel):
                                     "leaves the in-sync set (it rejoins once caught up).")
     replica_lease_ms: StrictInt = Field(
         1_500, ge=200, description="A replica that has not reached the controller for this "
-                                   "long counts as dead: a new leader is elected from the "
-                                   "in-sync set, and a leader without a lease acknowledges "
-                                   "nothing.")
+                                   "long counts as dead: a dead leader is replaced by an "
+                                   "in-sync replica, a dead follower leaves the in-sync set.")
 
     #: ``delay_levels`` parsed once, when the config is validated (pickled with it)
     _delay_levels_ms: tuple[int, ...] = PrivateAttr(default=())
