@@ -222,6 +222,14 @@ def paused_leader() -> int:
         print(f"paused leader's answer: {answer}", flush=True)
         g = h.wait_in_sync(3, timeout_s=60)
         log.send(50)
+        # the operator moves leadership back to the old leader's node (`raymq shard elect`)
+        from raymq.tools.cli import _print_replicas
+        back = mq.admin.elect(0, status["node"][:12])
+        print(f"elected back: {back['leader_node'] == status['node']} epoch {back['epoch']}",
+              flush=True)
+        log.send(50)
+        _print_replicas(mq.admin.replicas())
+        g = mq.admin.replicas()[0]
         lost, dup, ordered = log.missing(mq, "check")
         c = mq.consumer("peek", "t")
         seen = [bytes(m.body) for m in c.poll(100_000, 2.0)]

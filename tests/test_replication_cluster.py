@@ -51,6 +51,11 @@ def test_a_paused_leader_acknowledges_nothing_and_its_write_is_cut_away():
     answer = re.search(r"^paused leader's answer: (\S+)", out, re.M).group(1)
     assert answer != "SEND_OK"
     assert "lost 0 duplicates 0 held write delivered False" in out
+    assert re.search(r"^elected back: True epoch \d+", out, re.M)
+    # `raymq status`'s replica lines: the leader and two followers, all alive
+    assert re.search(r"^  shard-0: leader on node \S+  epoch \d+  in sync 3/3", out, re.M)
+    roles = re.findall(r"^    shard-0-r\d: (leader|follower) +node \S+ +alive", out, re.M)
+    assert sorted(roles) == ["follower", "follower", "leader"]
 
 
 @pytest.mark.slow
