@@ -254,11 +254,11 @@ class ShardReplica:
         self._confirmed = 0  # the last confirmed offset learned from a leader
         self._fresh = True   # until the first heartbeat: this process just started
         self._stop = threading.Event()
-        self._beats: threading.Thread | None = None
+        self._acting = threading.Condition()
+        self._next: Assignment | None = None
         if background:
-            self._beats = threading.Thread(target=self._beat_loop, daemon=True,
-                                           name=f"raymq-{name}-heartbeat")
-            self._beats.start()
+            for loop, what in ((self._beat_loop, "heartbeat"), (self._act_loop, "role")):
+                threading.Thread(target=loop, daemon=True, name=f"raymq-{name}-{what}").start()
 
     # ------------------------------------------------------------ the role
     def serving(self, write: bool = False):
@@ -284,9 +284,11 @@ class ShardReplica:
             return shard.store.max_phys_offset
         return store.max_phys_offset if store is not None else 0
 
-    def heartbeat(self) -> Assignment:
+    def heartbeat(self, *, act: bool = True) -> Assignment:
         """Tell the controller this replica lives (and, leading, its in-sync set); act on
-        the assignment it answers."""
+        the assignment it answers (``act=False``: the role thread does, so that a role
+        change -- a leader's recovery takes a while on a big log -- never holds up the
+        heartbeats that keep this replica's lease)."""
         leader = self.leader
         epoch = self.assignment.epoch if self.assignment else 0
         doc = self._controller("replica_heartbeat", self.index, self.name, self.node, epoch,
@@ -294,6 +296,17 @@ class ShardReplica:
                                self._fresh)
         self._fresh = False
         a = Assignment.of(doc)
+        if act:
+            self.act(a)
+        else:
+            with self._acting:
+                self._next = a
+                self._acting.notify()
+        return a
+
+    def act(self, a: Assignment) -> None:
+        """Take the assignment ``a``; leading, adopt the controller's in-sync set where it
+        let a dead follower go, and ask it to let lagging ones go."""
         self.apply(a)
         leader = self.leader
         if leader is not None and leader.epoch == a.epoch:
@@ -301,7 +314,6 @@ class ShardReplica:
             if not mine <= set(a.in_sync):  # the controller let a dead follower go
                 leader.set_in_sync(mine & set(a.in_sync))
             self._shrink()
-        return a
 
     def _shrink(self) -> None:
         """Followers past the lag limit leave the in-sync set, the controller agreeing first
@@ -348,7 +360,12 @@ class ShardReplica:
             self.epochs.assign(a.epoch, end)  # before anything of the new epoch is written
             self.store.close()
             self.store = None
-            shard = self._make_shard(self.directory)
+            try:
+                shard = self._make_shard(self.directory)
+            except BaseException:  # not leading after all: tried again on the next beat
+                self.store = MessageStore(self.directory, self.config.store_config(),
+                                          self.clock)
+                raise
         else:
             shard = self.shard
             self.epochs.assign(a.epoch, shard.store.max_phys_offset)
@@ -414,12 +431,29 @@ class ShardReplica:
         every = self.config.replica_lease_ms / 5000.0
         while not self._stop.wait(every):
             try:
-                self.heartbeat()
+                self.heartbeat(act=False)
             except Exception as err:  # (the controller restarting, say): the next beat
                 log.info("shard-%d: %s heartbeat failed: %s", self.index, self.name, err)
 
+    def _act_loop(self) -> None:
+        """The role thread: acts on the latest assignment the heartbeats brought."""
+        while not self._stop.is_set():
+            with self._acting:
+                while self._next is None and not self._stop.is_set():
+                    self._acting.wait(1.0)
+                a, self._next = self._next, None
+            if a is None:
+                continue
+            try:
+                self.act(a)
+            except Exception:  # the next assignment tries again; never a dead role thread
+                log.exception("shard-%d: %s acting on epoch %d failed", self.index,
+                              self.name, a.epoch)
+
     def close(self) -> None:
         self._stop.set()
+        with self._acting:
+            self._acting.notify_all()
         with self._lock:
             self._stop_following()
             if self.leader is not None:
