@@ -224,3 +224,41 @@ def test_committed_offsets_are_held_by_the_followers_before_the_commit_returns(g
     group.clock.advance(LEASE_MS + 1)
     group.beat()
     assert group.leader.serving().get_offsets("g", [("t", 0)]) == {("t", 0): 2}
+
+
+def test_a_slow_take_over_keeps_the_lease(tmp_path):
+    """A new leader whose recovery takes longer than the lease keeps heartbeating (the role
+    thread recovers), so the controller does not elect another meanwhile."""
+    import threading
+    from raymq.storage.clock import SystemClock
+    cfg = ClusterConfig(data_dir=str(tmp_path), num_shards=1, replication_factor=2,
+                        replica_lease_ms=400, send_timeout_ms=4000)
+    controller = Controller(cfg, clock=SystemClock())
+    release = threading.Event()
+    replicas = {}
+
+    def make_shard(directory):
+        release.wait(10)  # recovery of a big log: three leases long
+        sh = BrokerShard(0, cfg, directory=directory)
+        sh.set_routes([("t", 0)])
+        return sh
+
+    def call(name, method, args, timeout_s):
+        return getattr(replicas[name], method)(*args)
+    names = [replica_name(0, k) for k in range(2)]
+    replicas[names[0]] = ShardReplica(0, names[0], cfg, str(tmp_path / names[0]),
+                                      controller=lambda m, *a: getattr(controller, m)(*a),
+                                      call_replica=call, make_shard=make_shard)
+    try:
+        wait_for(lambda: controller.replica_leaders()[0][0] == names[0], 10, "a leader")
+        beats_then = dict(controller.replica_groups._seen)
+        # the recovery is under way for three leases: the heartbeats go on meanwhile
+        wait_for(lambda: controller.replica_groups._seen[names[0]] - beats_then[names[0]]
+                 > 3 * 400, 10, "heartbeats during the take-over")
+        assert controller.replica_leaders()[0] == (names[0], 1)
+        release.set()
+        wait_for(lambda: replicas[names[0]].shard is not None, 10, "the take-over to end")
+        assert controller.replica_leaders()[0] == (names[0], 1)
+    finally:
+        release.set()
+        replicas[names[0]].close()
