@@ -278,5 +278,29 @@ def half_check() -> int:
         h.close()
 
 
+def down_up() -> int:
+    """`raymq down` then `raymq up` with the same settings: every replica restarts in its
+    bundle (on its node, with its files), a leader is elected, nothing is lost."""
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy()
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 9)
+        log.send(300)
+        epoch = mq.admin.replicas()[0]["epoch"]
+        h.undeploy()
+        mq = h.deploy()
+        log.mq, log.p = mq, mq.producer("acked-t")
+        g = h.wait_in_sync(3, timeout_s=90)
+        log.send(100)
+        lost, dup, ordered = log.missing(mq, "check")
+        print(f"after down and up: epoch {epoch} -> {g['epoch']}, in sync "
+              f"{len(g['in_sync'])}, acked {len(log.acked)}/{log.sent}, lost {lost} "
+              f"duplicates {dup} ordered {ordered}", flush=True)
+        return 0 if lost == 0 and len(log.acked) == 400 else 1
+    finally:
+        h.close()
+
+
 if __name__ == "__main__":
     sys.exit(globals()[sys.argv[1]]())

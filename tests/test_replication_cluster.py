@@ -62,3 +62,10 @@ def test_a_paused_leader_acknowledges_nothing_and_its_write_is_cut_away():
 def test_a_half_message_whose_leader_is_lost_is_checked_by_the_new_leader_once():
     out = run("half_check")
     assert "half after failover: delivered 1 time(s)" in out
+
+
+@pytest.mark.slow
+def test_down_and_up_restarts_every_replica_with_its_files():
+    out = run("down_up")
+    assert re.search(r"^after down and up: epoch \d+ -> \d+, in sync 3, acked 400/400, "
+                     r"lost 0 duplicates 0 ordered True", out, re.M)
