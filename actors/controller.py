@@ -40,11 +40,17 @@ class Controller:
         self._topics: dict[str, dict] = {}
         self._shard_nodes: dict[str, str] = {}
         self._replica_groups: dict = {}
+        self._coordinator_groups: dict = {}
         self._load()
         #: replicated shards' groups (``replication_factor`` > 1): leaders, epochs, in sync
         self.replica_groups = ReplicaGroups(
             self.config.num_shards, self.config.replication_factor,
             self.config.replica_lease_ms, self.clock, self._save, self._replica_groups)
+        #: the transaction coordinators' groups, when replicated as shards are
+        self.coordinator_groups = ReplicaGroups(
+            self.config.num_coordinators, self.config.replication_factor,
+            self.config.replica_lease_ms, self.clock, self._save, self._coordinator_groups,
+            kind="coordinator")
         self.membership = Membership(self.clock, self.config.session_timeout_ms,
                                      self._queue_count, restarted=restarted,
                                      max_groups=self.config.max_groups)
@@ -59,6 +65,7 @@ class Controller:
         self._topics = doc.get("topics", {})
         self._shard_nodes = doc.get("shard_nodes", {})
         self._replica_groups = doc.get("replica_groups", {})
+        self._coordinator_groups = doc.get("coordinator_groups", {})
         if doc.get("num_shards", self.config.num_shards) != self.config.num_shards:
             log.warning("controller: metadata was written for %s shards, config says %s; "
                         "keeping the routes on disk", doc.get("num_shards"), self.config.num_shards)
@@ -69,6 +76,7 @@ class Controller:
         groups = getattr(self, "replica_groups", None)
         if groups is not None and self.config.replication_factor > 1:
             doc["replica_groups"] = groups.to_doc()
+            doc["coordinator_groups"] = self.coordinator_groups.to_doc()
         atomic_write(self._path, json.dumps(doc, sort_keys=True, indent=1).encode())
 
     # ------------------------------------------------------------ topics
@@ -149,13 +157,17 @@ class Controller:
                           in_sync: list[str] | None = None, fresh: bool = False) -> dict:
         """A shard replica lives (``ReplicaGroups.heartbeat``): its group's assignment."""
         with self._lock:
-            return self.replica_groups.heartbeat(shard, name, node, epoch, log_end, in_sync,
-                                                 fresh)
+            return self._groups_of(name).heartbeat(shard, name, node, epoch, log_end,
+                                                   in_sync, fresh)
+
+    def _groups_of(self, replica: str) -> ReplicaGroups:
+        return self.coordinator_groups if str(replica).startswith("coordinator-") \
+            else self.replica_groups
 
     def replica_alter_isr(self, shard: int, name: str, epoch: int,
                           in_sync: list[str]) -> tuple[bool, dict]:
         with self._lock:
-            return self.replica_groups.alter_isr(shard, name, epoch, in_sync)
+            return self._groups_of(name).alter_isr(shard, name, epoch, in_sync)
 
     def replica_elect(self, shard: int, to: str | None = None, unclean: bool = False) -> dict:
         """An operator moves a shard's leadership (``raymq shard elect``)."""
@@ -167,6 +179,18 @@ class Controller:
         with self._lock:
             self.replica_groups.tick()
             return {i: self.replica_groups.leader(i) for i in range(self.config.num_shards)}
+
+    def coordinator_leaders(self) -> dict[int, tuple[str | None, int]]:
+        """Each replicated coordinator's leading replica and epoch."""
+        with self._lock:
+            self.coordinator_groups.tick()
+            return {i: self.coordinator_groups.leader(i)
+                    for i in range(self.config.num_coordinators)}
+
+    def coordinator_replicas(self) -> list[dict]:
+        with self._lock:
+            self.coordinator_groups.tick()
+            return self.coordinator_groups.describe()
 
     def replicas(self) -> list[dict]:
         with self._lock:

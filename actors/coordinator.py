@@ -94,7 +94,8 @@ class _Done:
 class TransactionCoordinator:
     def __init__(self, index: int, config: dict | ClusterConfig, *,
                  call_shard: Callable | None = None, begin_shard: Callable | None = None,
-                 clock: Clock | None = None, background: bool = True):
+                 clock: Clock | None = None, background: bool = True,
+                 directory: str | None = None):
         self.index = index
         self.config = config if isinstance(config, ClusterConfig) else \
             ClusterConfig.from_dict(config)
@@ -106,7 +107,8 @@ class TransactionCoordinator:
             raise TypeError("a coordinator calls shards with call_shard or begin_shard")
         self._begin_shard = begin_shard or (
             lambda shard, method, args: _Done(call_shard, shard, method, *args))
-        self.directory = os.path.join(self.config.resolved_data_dir(), f"coordinator-{index}")
+        self.directory = directory or os.path.join(self.config.resolved_data_dir(),
+                                                   f"coordinator-{index}")
         self.log = TxnLog(self.directory, self.config.store_config(), self.clock,
                           compact_records=self.config.state_log_compact_records,
                           background=background)
@@ -127,6 +129,11 @@ class TransactionCoordinator:
             self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name=f"raymq-coordinator-{index}")
             self._thread.start()
+
+    @property
+    def store(self):
+        """The store of its log (a replicated coordinator's leader hooks it)."""
+        return self.log.store
 
     # ------------------------------------------------------------- the log
     def _load(self) -> None:

@@ -370,14 +370,16 @@ class ShardReplica:
             shard = self.shard
             self.epochs.assign(a.epoch, shard.store.max_phys_offset)
         cfg = self.config
+        reads = getattr(shard, "reads", None)
         leader = LeaderState(self.index, self.name, a, shard.store, self.epochs,
                              min_insync=cfg.min_insync, lag_max_ms=cfg.replica_lag_max_ms,
                              timeout_ms=min(cfg.send_timeout_ms // 2, 5000),
                              confirmed=self._confirmed, clock=self.clock,
-                             wake_readers=shard.reads.wake)
+                             wake_readers=reads.wake if reads is not None else _nothing)
         shard.store.replication = leader.wait_replicated
         shard.store.written = leader.wake
-        shard.reads.confirmed = leader.confirmed
+        if reads is not None:  # (a shard's readers; a coordinator has none)
+            reads.confirmed = leader.confirmed
         self.shard, self.leader = shard, leader
         log.warning("shard-%d: %s leads, epoch %d, from offset %d", self.index, self.name,
                     a.epoch, shard.store.max_phys_offset)
@@ -462,6 +464,10 @@ class ShardReplica:
                 self.shard.close()
             if self.store is not None:
                 self.store.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Follower:

@@ -26,9 +26,9 @@ from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, NotEnoughReplicasError
 
 
-def replica_name(shard: int, k: int) -> str:
-    """The actor name of replica ``k`` of shard ``shard``."""
-    return f"shard-{shard}-r{k}"
+def replica_name(shard: int, k: int, kind: str = "shard") -> str:
+    """The actor name of replica ``k`` of shard (or coordinator: ``kind``) ``shard``."""
+    return f"{kind}-{shard}-r{k}"
 
 
 class ReplicaGroups:
@@ -39,14 +39,15 @@ class ReplicaGroups:
     """
 
     def __init__(self, num_shards: int, replication_factor: int, lease_ms: int,
-                 clock: Clock, save: Callable[[], None], groups: dict | None = None):
+                 clock: Clock, save: Callable[[], None], groups: dict | None = None,
+                 kind: str = "shard"):
         self.num_shards, self.factor, self.lease_ms = num_shards, replication_factor, lease_ms
-        self.clock = clock
+        self.clock, self.kind = clock, kind
         self._save = save
         self.groups: dict[str, dict] = {}
         for i in range(num_shards):
             g = (groups or {}).get(str(i)) or {"epoch": 0, "leader": None, "in_sync": []}
-            g["replicas"] = [replica_name(i, k) for k in range(replication_factor)]
+            g["replicas"] = [replica_name(i, k, kind) for k in range(replication_factor)]
             self.groups[str(i)] = g
         self._started = clock.monotonic_ms()
         self._seen: dict[str, int] = {}   # replica -> when it last heartbeated
@@ -81,7 +82,7 @@ class ReplicaGroups:
         unless it leads; it rejoins once caught up (Kafka's KIP-903 for the same)."""
         g = self._group(shard)
         if name not in g["replicas"]:
-            raise InvalidMessageError(f"{name!r} is not a replica of shard-{shard}")
+            raise InvalidMessageError(f"{name!r} is not a replica of {self.kind}-{shard}")
         now = self.clock.monotonic_ms()
         had = self._ends.get(name, -1)
         self._seen[name], self._ends[name], self._nodes[name] = now, int(log_end), node

@@ -83,6 +83,7 @@ class RayMQ:
                                         self.forget_leader if self.replicated else None)
         self._transport_kind = transport or self.config.transport
         self._coordinator_transport = None
+        self._coordinator_leaders = None
         self._routes: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._clients: list = []
@@ -173,17 +174,29 @@ class RayMQ:
         return p
 
     def coordinator_handle(self, index: int):
-        """The Ray handle of transaction coordinator ``index``."""
-        return deployment.get_coordinator(index)
+        """The Ray handle of transaction coordinator ``index`` (of a replicated one: its
+        leading replica's, cached until ``forget_coordinator``)."""
+        if not self.replicated:
+            return deployment.get_coordinator(index)
+        if self._coordinator_leaders is None:
+            self._coordinator_leaders = deployment.ShardLeaders(self.controller, self.config,
+                                                                "coordinator")
+        return self._coordinator_leaders[index]
+
+    def forget_coordinator(self, index: int) -> None:
+        if self._coordinator_leaders is not None:
+            self._coordinator_leaders.forget(index)
 
     @property
     def coordinator_transport(self):
         """How transactional producers reach the coordinators (``raymq.transport``, by
-        coordinator index: their data channels, as shards')."""
+        coordinator index: their data channels, as shards'; following leader changes when
+        they are replicated)."""
         with self._lock:
             if self._coordinator_transport is None:
-                self._coordinator_transport = make_transport(self._transport_kind,
-                                                             self.coordinator_handle)
+                self._coordinator_transport = make_transport(
+                    self._transport_kind, self.coordinator_handle,
+                    self.forget_coordinator if self.replicated else None)
             return self._coordinator_transport
 
     def registry_handle(self, group: str):
@@ -353,6 +366,8 @@ class Admin:
 
     # ------------------------------------------- Kafka-style transactions (KIP-664)
     def _coordinators(self):
+        for j in range(self._mq.config.num_coordinators):  # (each leader as it is now)
+            self._mq.forget_coordinator(j)
         return [rpc.CoordinatorClient(self._mq.coordinator_handle(j))
                 for j in range(self._mq.config.num_coordinators)]
 
@@ -365,8 +380,9 @@ class Admin:
 
     def _coordinator_of(self, transactional_id: str):
         from raymq.actors.coordinator import coordinator_for
-        return rpc.CoordinatorClient(self._mq.coordinator_handle(
-            coordinator_for(transactional_id, self._mq.config.num_coordinators)))
+        j = coordinator_for(transactional_id, self._mq.config.num_coordinators)
+        self._mq.forget_coordinator(j)  # (its leader as it is now)
+        return rpc.CoordinatorClient(self._mq.coordinator_handle(j))
 
     def tx_describe(self, transactional_id: str) -> dict:
         return self._coordinator_of(transactional_id).call("describe_transaction",

@@ -32,7 +32,7 @@ from raymq import rpc
 from raymq.actors.config import ClusterConfig
 from raymq.metrics import RayMetrics
 from raymq.storage.errors import (BrokerUnavailableError, ConfigError, ConfigMismatchError,
-                                  NotDeployedError, NotLeaderError)
+                                  InvalidMessageError, NotDeployedError, NotLeaderError)
 
 log = logging.getLogger("raymq.deploy")
 
@@ -108,21 +108,30 @@ _WRITES = frozenset({"send", "ktx_send"})
 _REPLICA_OWN = frozenset({"ping", "close", "node_id", "endpoint", "set_fault"})
 
 
-def _leader_method(name: str):
+def _leader_method(name: str, served: type):
     write = name in _WRITES
 
     if name == "commit_offsets":  # answered once the in-sync followers hold them too
         def method(self, *args, **kwargs):
-            out = BrokerShard.commit_offsets(self._replica.serving(), *args, **kwargs)
+            out = served.commit_offsets(self._replica.serving(), *args, **kwargs)
             self._replica.offsets_replicated()
             return out
     else:
         def method(self, *args, **kwargs):
-            shard = self._replica.serving(write=write)
-            return getattr(BrokerShard, name)(shard, *args, **kwargs)
+            return getattr(served, name)(self._replica.serving(write=write), *args, **kwargs)
     method.__name__ = name
-    method.__doc__ = getattr(BrokerShard, name).__doc__
+    method.__doc__ = getattr(served, name).__doc__
     return method
+
+
+def _delegate(served: type, *classes: type) -> None:
+    """Give ``classes`` each public method of ``served``, served while leading."""
+    for name in dir(served):
+        if not name.startswith("_") and name not in _REPLICA_OWN and \
+                callable(getattr(served, name)) and not isinstance(
+                    getattr(served, name), property):
+            for cls in classes:
+                setattr(cls, name, _leader_method(name, served))
 
 
 #: What a replica's data channel serves: the clients' calls, and followers' fetches.
@@ -130,8 +139,8 @@ REPLICA_METHODS = DATA_METHODS | {"replica_fetch", "replica_epoch_end"}
 
 
 class _LeaderCalls:
-    """The shard's methods, served while the replica leads (``NotLeaderError`` else), and
-    the followers' calls: what the data channel serves."""
+    """The served object's methods, while the replica leads (``NotLeaderError`` else),
+    and the followers' calls: what the data channel serves."""
 
     def __init__(self, replica: ShardReplica):
         self._replica = replica
@@ -143,25 +152,40 @@ class _LeaderCalls:
         return self._replica.replica_epoch_end(epoch)
 
 
-class ReplicaActor:
-    """One replica of a replicated shard (``raymq.actors.replica``) as a Ray actor, in
-    bundle ``k`` of its shard's placement group; its files under its own node's data
-    directory."""
+class _Replica:
+    """One replica (``raymq.actors.replica``) as a Ray actor, in bundle ``k`` of its
+    group's placement group; its files under its own node's data directory.  Subclasses
+    say what a leader serves (``_kind``, ``_maker``, the channel's ``_methods``)."""
+
+    _kind = "shard"
+    _methods = REPLICA_METHODS
+    _calls: type = _LeaderCalls
 
     def __init__(self, index: int, k: int, config: dict):
         cfg = ClusterConfig.from_dict(config)
         controller = rpc.ControllerClient(get_controller())
         node = rpc.node_id()
-        name = replica_name(index, k)
+        kind = self._kind
+        name = replica_name(index, k, kind)
         from raymq.transport import DirectTransport
         # followers fetch over the leader's data channel (a Ray call costs ~10 times as much)
-        channel = DirectTransport(lambda k: rpc.get_actor(replica_name(index, k), NAMESPACE),
-                                  io_threads=2)
+        channel = DirectTransport(
+            lambda k: rpc.get_actor(replica_name(index, k, kind), NAMESPACE), io_threads=2)
 
         def call_replica(other, method, args, timeout_s):
             return channel.call(int(other.rpartition("-r")[2]), method, *args,
                                 timeout_s=timeout_s)
+        self._replica = ShardReplica(
+            index, name, cfg, os.path.join(cfg.resolved_data_dir(node), name),
+            controller=lambda m, *a: controller.call(m, *a, timeout_s=10),
+            call_replica=call_replica, make_shard=self._maker(index, cfg, controller),
+            node=node)
+        self._endpoint = Endpoint(self._calls(self._replica), host=rpc.node_ip(),
+                                  methods=self._methods, limits=ChannelLimits.from_config(cfg))
+        log.info("%s up on node %s, data channel on %s:%d", name, node,
+                 *self._endpoint.address)
 
+    def _maker(self, index: int, cfg: ClusterConfig, controller):
         def make_shard(directory):
             sh = BrokerShard(index, cfg, directory=directory,
                              fetch_routes=lambda i: controller.call("shard_routes", i,
@@ -169,15 +193,7 @@ class ReplicaActor:
                              metrics=RayMetrics(shard=str(index)))
             sh.set_routes(controller.call("shard_routes", index, timeout_s=30))
             return sh
-        self._replica = ShardReplica(
-            index, name, cfg, os.path.join(cfg.resolved_data_dir(node), name),
-            controller=lambda m, *a: controller.call(m, *a, timeout_s=10),
-            call_replica=call_replica, make_shard=make_shard, node=node)
-        self._endpoint = Endpoint(_LeaderCalls(self._replica), host=rpc.node_ip(),
-                                  methods=REPLICA_METHODS,
-                                  limits=ChannelLimits.from_config(cfg))
-        log.info("%s up on node %s, data channel on %s:%d", name, node,
-                 *self._endpoint.address)
+        return make_shard
 
     def ping(self) -> dict:
         return self._replica.status()
@@ -206,21 +222,27 @@ class ReplicaActor:
         self._replica.close()
 
 
-for _name in dir(BrokerShard):
-    if not _name.startswith("_") and _name not in _REPLICA_OWN and \
-            callable(getattr(BrokerShard, _name)):
-        setattr(ReplicaActor, _name, _leader_method(_name))
-        setattr(_LeaderCalls, _name, _leader_method(_name))
+class ReplicaActor(_Replica):
+    """A replica of a replicated shard."""
+
+
+class _ShardCalls(_LeaderCalls):
+    pass
+
+
+ReplicaActor._calls = _ShardCalls
+_delegate(BrokerShard, ReplicaActor, _ShardCalls)
 
 
 class ShardLeaders:
     """Each shard's Ray handle, as a list of them is used: a plain shard's, or the leading
     replica's of a replicated one (asked of the controller, cached until ``forget``)."""
 
-    def __init__(self, controller, config: ClusterConfig):
+    def __init__(self, controller, config: ClusterConfig, kind: str = "shard"):
         self._control = rpc.ControllerClient(controller)
         self.factor = config.replication_factor
-        self._n = config.num_shards
+        self.kind = kind
+        self._n = config.num_shards if kind == "shard" else config.num_coordinators
         self._lock = threading.Lock()
         self._cached: dict[int, object] = {}
 
@@ -235,7 +257,8 @@ class ShardLeaders:
         if handle is not None:
             return handle
         if self.factor == 1:
-            handle = get_shard(i)
+            handle = get_shard(i) if self.kind == "shard" else \
+                rpc.get_actor(coordinator_name(i), NAMESPACE)
         else:
             handle = rpc.get_actor(self._leader_name(i), NAMESPACE)
         with self._lock:
@@ -245,12 +268,15 @@ class ShardLeaders:
     def _leader_name(self, i: int, wait_s: float = 30.0) -> str:
         deadline = time.monotonic() + wait_s
         while True:
-            name, _epoch = self._control.call("replica_leaders", timeout_s=30)[i]
+            name, _epoch = self._control.call(
+                "replica_leaders" if self.kind == "shard" else "coordinator_leaders",
+                timeout_s=30)[i]
             if name is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.1)  # (a new group: its first replica has not heartbeated yet)
         if name is None:
-            raise BrokerUnavailableError(f"shard-{i} has no leader (no replica in sync is alive)")
+            raise BrokerUnavailableError(f"{self.kind}-{i} has no leader (no replica in sync "
+                                         f"is alive)")
         return name
 
     def forget(self, i: int) -> None:
@@ -328,6 +354,38 @@ class CoordinatorActor(TransactionCoordinator):
         super().close()
 
 
+class _CoordinatorCalls(_LeaderCalls):
+    pass
+
+
+class CoordinatorReplicaActor(_Replica):
+    """A replica of a replicated transaction coordinator: its leader is the coordinator
+    (its log replicated as a shard's commit log is), calling shards' leaders."""
+
+    _kind = "coordinator"
+    _methods = COORDINATOR_METHODS | {"replica_fetch", "replica_epoch_end"}
+    _calls = _CoordinatorCalls
+
+    def _maker(self, index: int, cfg: ClusterConfig, controller):
+        from raymq.transport import DirectTransport, FailoverTransport
+        leaders = ShardLeaders(get_controller(), cfg)
+        transport = FailoverTransport(DirectTransport(leaders.__getitem__, io_threads=8),
+                                      leaders.forget)
+
+        def make_coordinator(directory):
+            return TransactionCoordinator(
+                index, cfg, directory=directory,
+                begin_shard=lambda i, method, args: transport.begin(i, method, args,
+                                                                    timeout_s=60))
+        return make_coordinator
+
+    def set_fault(self, fault: str | None) -> None:
+        raise InvalidMessageError("coordinators take no test faults")
+
+
+_delegate(TransactionCoordinator, CoordinatorReplicaActor, _CoordinatorCalls)
+
+
 class ControllerActor(Controller):
     def __init__(self, config, **kwargs):
         super().__init__(config, restarted=rpc.actor_restarted(), **kwargs)
@@ -354,8 +412,16 @@ def coordinator_name(i: int) -> str:
 
 
 def get_coordinator(i: int):
-    """Coordinator ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
-    return rpc.get_actor(coordinator_name(i), NAMESPACE)
+    """Coordinator ``i``'s Ray handle (``ValueError`` if it is not deployed); of a
+    replicated one, its leading replica's."""
+    try:
+        return rpc.get_actor(coordinator_name(i), NAMESPACE)
+    except ValueError:
+        leaders = ShardLeaders(get_controller(), _running_config(get_controller()),
+                               "coordinator")
+        if leaders.factor == 1:
+            raise
+        return leaders[i]
 
 
 def get_checker(i: int):
@@ -457,8 +523,7 @@ def find_deployed() -> tuple[object, list[object]]:
         except ValueError:
             missing.append(name)
     for name in [registry_name(i) for i in range(cfg.num_registries)] + \
-            [checker_name(i) for i in range(cfg.num_checkers)] + \
-            [coordinator_name(i) for i in range(cfg.num_coordinators)]:
+            [checker_name(i) for i in range(cfg.num_checkers)] + _coordinator_actor_names(cfg):
         try:
             rpc.get_actor(name, NAMESPACE)
         except ValueError:
@@ -473,6 +538,13 @@ def _shard_actor_names(cfg: ClusterConfig) -> list[str]:
     if cfg.replication_factor == 1:
         return [shard_name(i) for i in range(cfg.num_shards)]
     return [replica_name(i, k) for i in range(cfg.num_shards)
+            for k in range(cfg.replication_factor)]
+
+
+def _coordinator_actor_names(cfg: ClusterConfig) -> list[str]:
+    if cfg.replication_factor == 1:
+        return [coordinator_name(i) for i in range(cfg.num_coordinators)]
+    return [replica_name(i, k, "coordinator") for i in range(cfg.num_coordinators)
             for k in range(cfg.replication_factor)]
 
 
@@ -519,27 +591,40 @@ def _create_replicas(control: rpc.ControllerClient, config: ClusterConfig) -> No
     if factor > len(nodes):
         raise ConfigError(f"replication_factor {factor} needs {factor} alive Ray nodes, the "
                           f"cluster has {len(nodes)}: add nodes or lower it")
-    cfg = config.to_dict()
+    _create_group(ReplicaActor, config, config.num_shards,
+                  max_concurrency=config.shard_max_concurrency)
+    _wait_in_sync(control, config, "replicas")
+
+
+def _create_group(cls: type, config: ClusterConfig, count: int, *, max_concurrency: int):
+    """``count`` groups of ``cls`` replicas (``replication_factor`` each, a placement group
+    a group), created unless they exist; waits until each answers.  Their handles."""
+    factor, cfg, kind = config.replication_factor, config.to_dict(), cls._kind
     replicas = []
-    for i in range(config.num_shards):
-        group = rpc.spread_group(f"raymq-shard-{i}", factor)
+    for i in range(count):
+        group = rpc.spread_group(f"raymq-{kind}-{i}", factor)
         for k in range(factor):
             replicas.append(rpc.create_actor(
-                ReplicaActor, i, k, cfg, name=replica_name(i, k), namespace=NAMESPACE,
+                cls, i, k, cfg, name=replica_name(i, k, kind), namespace=NAMESPACE,
                 lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
-                num_cpus=0, max_concurrency=config.shard_max_concurrency,
+                num_cpus=0, max_concurrency=max_concurrency,
                 runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)},
                 scheduling_strategy=rpc.in_group(group, k)))
     for r in replicas:
         rpc.ShardClient(r).call("ping", timeout_s=120)
+    return replicas
+
+
+def _wait_in_sync(control: rpc.ControllerClient, config: ClusterConfig, what: str) -> None:
+    """Until every group the controller's ``what`` lists has ``min_insync_replicas`` in sync."""
     deadline = time.monotonic() + 120
     while True:
-        short = [g["shard"] for g in control.call("replicas", timeout_s=30)
+        short = [g["shard"] for g in control.call(what, timeout_s=30)
                  if len(g["in_sync"]) < config.min_insync]
         if not short:
             return
         if time.monotonic() > deadline:
-            raise BrokerUnavailableError(f"shards {short}: fewer than min_insync_replicas "
+            raise BrokerUnavailableError(f"{what} {short}: fewer than min_insync_replicas "
                                          f"({config.min_insync}) in sync after 120 s")
         time.sleep(0.1)
 
@@ -590,20 +675,26 @@ def _create_helpers(config: ClusterConfig) -> None:
     checkers = [rpc.create_actor(CheckerActor, i, cfg, name=checker_name(i),
                                  max_concurrency=4, **common)
                 for i in range(config.num_checkers)]
-    # coordinators keep their logs on the node they start on: pinned there, as the
-    # controller is (by its resource on a `ray up` cluster)
-    pinned = "raymq_controller" in rpc.cluster_resources()
-    coordinators = [rpc.create_actor(
-        CoordinatorActor, i, cfg, name=coordinator_name(i), max_concurrency=32,
-        scheduling_strategy=None if pinned else rpc.pin_to_node(rpc.node_id()),
-        resources={"raymq_controller": 0.001} if pinned else None, **common)
-        for i in range(config.num_coordinators)]
+    if config.replication_factor > 1:  # replicated as shards are, each on its own node
+        coordinators = _create_group(CoordinatorReplicaActor, config, config.num_coordinators,
+                                     max_concurrency=32)
+    else:
+        # coordinators keep their logs on the node they start on: pinned there, as the
+        # controller is (by its resource on a `ray up` cluster)
+        pinned = "raymq_controller" in rpc.cluster_resources()
+        coordinators = [rpc.create_actor(
+            CoordinatorActor, i, cfg, name=coordinator_name(i), max_concurrency=32,
+            scheduling_strategy=None if pinned else rpc.pin_to_node(rpc.node_id()),
+            resources={"raymq_controller": 0.001} if pinned else None, **common)
+            for i in range(config.num_coordinators)]
     for r in registries:
         rpc.RegistryClient(r).call("ping", timeout_s=120)
     for c in checkers:
         rpc.CheckerClient(c).call("ping", timeout_s=120)
     for c in coordinators:
         rpc.CoordinatorClient(c).call("ping", timeout_s=120)
+    if config.replication_factor > 1:
+        _wait_in_sync(rpc.ControllerClient(get_controller()), config, "coordinator_replicas")
 
 
 def undeploy() -> list[str]:
@@ -618,11 +709,12 @@ def undeploy() -> list[str]:
         names += _shard_actor_names(cfg)
         names += [registry_name(i) for i in range(cfg.num_registries)]
         names += [checker_name(i) for i in range(cfg.num_checkers)]
-        names += [coordinator_name(i) for i in range(cfg.num_coordinators)]
+        names += _coordinator_actor_names(cfg)
     except Exception:  # controller already gone: look for the actors by name
         names += [f(i) for f in (shard_name, registry_name, checker_name, coordinator_name)
                   for i in range(64)]
-        names += [replica_name(i, k) for i in range(64) for k in range(7)]
+        names += [replica_name(i, k, kind) for i in range(64) for k in range(7)
+                  for kind in ("shard", "coordinator")]
     # the actors that call shards go first (a check round or a marker write in flight
     # would otherwise meet a killed shard, and Ray logs a retry), the controller last
     order = (checker_name, coordinator_name, registry_name, shard_name)

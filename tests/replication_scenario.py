@@ -278,6 +278,65 @@ def half_check() -> int:
         h.close()
 
 
+def coordinator_loss(seed: int = 3) -> int:
+    """The node of the transaction coordinator's leader lost, twice, while Kafka-style
+    transactions run: a coordinator replica takes over from the replicated log; every
+    committed transaction is seen once, no aborted one, nothing is left open."""
+    from raymq import Message
+    rnd = random.Random(seed)
+    h = Harness(workers=4)
+    try:
+        mq = h.deploy(num_coordinators=1)
+        mq.create_topic("ktx", queues=2)
+        kp = mq.transactional_producer("ktx-c")
+        want, unwanted, n = set(), set(), 0
+
+        def transactions(k):
+            nonlocal n
+            for _ in range(k):
+                bodies = [b"k%07d" % (n + i) for i in range(rnd.randint(1, 8))]
+                n += len(bodies)
+                abort = rnd.random() < 0.3
+                try:
+                    with kp.transaction():
+                        kp.send_batch([Message("ktx", b) for b in bodies])
+                        if abort:
+                            raise RuntimeError("abort")
+                except RuntimeError:
+                    pass
+                (unwanted if abort else want).update(bodies)
+        transactions(20)
+        for round_ in range(2):
+            g = mq.control.call("coordinator_replicas", timeout_s=30)[0]
+            before = g["epoch"]
+            t0 = time.monotonic()
+            h.remove(g["nodes"][g["leader"]], replace=False)
+            transactions(5)  # (the first ones wait for the new coordinator)
+            after = mq.control.call("coordinator_replicas", timeout_s=30)[0]["epoch"]
+            print(f"coordinator failover {round_}: epoch {before} -> {after}, "
+                  f"{time.monotonic() - t0:.2f} s for 5 transactions", flush=True)
+            h.add()
+            transactions(10)
+        kp.close()
+        c = mq.consumer("check", "ktx")
+        got = []
+        deadline = time.monotonic() + 60
+        while not want <= set(got) and time.monotonic() < deadline:
+            got += [bytes(m.body) for m in c.poll(1000, 0.5)]
+        got += [bytes(m.body) for m in c.poll(1000, 1.0)]
+        c.close()
+        open_txns = [t for t in mq.admin.tx_list() if t["state"] not in
+                     ("EMPTY", "COMPLETE_COMMIT", "COMPLETE_ABORT")]
+        once = sum(got.count(b) == 1 for b in want)
+        print(f"kafka after coordinator failovers: committed seen once {once}/{len(want)} "
+              f"aborted seen {sum(b in unwanted for b in got)} left open {len(open_txns)}",
+              flush=True)
+        return 0 if once == len(want) and not any(b in unwanted for b in got) and \
+            not open_txns else 1
+    finally:
+        h.close()
+
+
 def down_up() -> int:
     """`raymq down` then `raymq up` with the same settings: every replica restarts in its
     bundle (on its node, with its files), a leader is elected, nothing is lost."""

@@ -69,3 +69,12 @@ def test_down_and_up_restarts_every_replica_with_its_files():
     out = run("down_up")
     assert re.search(r"^after down and up: epoch \d+ -> \d+, in sync 3, acked 400/400, "
                      r"lost 0 duplicates 0 ordered True", out, re.M)
+
+
+@pytest.mark.slow
+def test_the_coordinators_leader_node_lost_twice_under_kafka_style_transactions():
+    out = run("coordinator_loss")
+    assert len(re.findall(r"^coordinator failover \d: epoch (\d+) -> (\d+)", out, re.M)) == 2
+    m = re.search(r"^kafka after coordinator failovers: committed seen once (\d+)/(\d+) "
+                  r"aborted seen 0 left open 0", out, re.M)
+    assert m and m.group(1) == m.group(2)
