@@ -197,8 +197,7 @@ class LeaderState:
         """Followers not caught up within the lag limit (to ask the controller about)."""
         now = self.clock.monotonic_ms()
         with self._cond:
-            return [r for r in sorted(self.rs.in_sync) if r != self.name and
-                    now - self.rs.followers[r].caught_up_ms > self.rs.lag_max_ms]
+            return self.rs.lagging(now)
 
     def in_sync(self) -> list[str]:
         with self._cond:
@@ -248,8 +247,7 @@ class ShardReplica:
         self.assignment: Assignment | None = None
         self.shard = None                      # the BrokerShard, while leading
         self.leader: LeaderState | None = None
-        self.store: MessageStore | None = MessageStore(directory, config.store_config(),
-                                                       self.clock)  # a follower's
+        self.store: MessageStore | None = self.open_store()  # a follower's
         self._following: _Follower | None = None
         self._confirmed = 0  # the last confirmed offset learned from a leader
         self._fresh = True   # until the first heartbeat: this process just started
@@ -259,6 +257,10 @@ class ShardReplica:
         if background:
             for loop, what in ((self._beat_loop, "heartbeat"), (self._act_loop, "role")):
                 threading.Thread(target=loop, daemon=True, name=f"raymq-{name}-{what}").start()
+
+    def open_store(self) -> MessageStore:
+        """This replica's store, opened as a follower uses it (recovery on open)."""
+        return MessageStore(self.directory, self.config.store_config(), self.clock)
 
     # ------------------------------------------------------------ the role
     def serving(self, write: bool = False):
@@ -363,8 +365,7 @@ class ShardReplica:
             try:
                 shard = self._make_shard(self.directory)
             except BaseException:  # not leading after all: tried again on the next beat
-                self.store = MessageStore(self.directory, self.config.store_config(),
-                                          self.clock)
+                self.store = self.open_store()
                 raise
         else:
             shard = self.shard
@@ -390,7 +391,7 @@ class ShardReplica:
         self._confirmed = leader.confirmed()
         self.shard = self.leader = None
         shard.close()
-        self.store = MessageStore(self.directory, self.config.store_config(), self.clock)
+        self.store = self.open_store()
         log.warning("shard-%d: %s no longer leads (epoch %d)", self.index, self.name,
                     leader.epoch)
 
@@ -521,7 +522,7 @@ class _Follower:
         r.store.close()
         truncate_log(os.path.join(r.directory, "commitlog"), r.config.segment_size_bytes, cut)
         r.epochs.truncate_from_end(cut)
-        r.store = MessageStore(r.directory, r.config.store_config(), r.clock)
+        r.store = r.open_store()
 
     def _take(self, reply: dict) -> None:
         r = self.replica

@@ -98,10 +98,14 @@ class ReplicaSet:
             self.in_sync.add(replica)  # back in sync (holding all of this epoch's start)
         self._advance()
 
+    def lagging(self, now_ms: int) -> list[str]:
+        """The in-sync followers not caught up within ``lag_max_ms``."""
+        return [r for r in sorted(self.in_sync) if r != self.leader
+                and now_ms - self.followers[r].caught_up_ms > self.lag_max_ms]
+
     def shrink(self, now_ms: int) -> list[str]:
         """Followers not caught up within ``lag_max_ms`` leave the in-sync set; who."""
-        out = [r for r in sorted(self.in_sync) if r != self.leader
-               and now_ms - self.followers[r].caught_up_ms > self.lag_max_ms]
+        out = self.lagging(now_ms)
         self.in_sync.difference_update(out)
         self._advance()
         return out

@@ -257,8 +257,7 @@ class ShardLeaders:
         if handle is not None:
             return handle
         if self.factor == 1:
-            handle = get_shard(i) if self.kind == "shard" else \
-                rpc.get_actor(coordinator_name(i), NAMESPACE)
+            handle = rpc.get_actor(_NAMES[self.kind](i), NAMESPACE)
         else:
             handle = rpc.get_actor(self._leader_name(i), NAMESPACE)
         with self._lock:
@@ -284,20 +283,6 @@ class ShardLeaders:
             self._cached.pop(i, None)
 
 
-def on_leader(leaders: ShardLeaders, i: int, fn, *, wait_s: float = 20.0):
-    """``fn(shard i's handle)``, asked again of the leader (``forget``) while the answer
-    is ``NotLeaderError`` or the actor is gone, for up to ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return fn(leaders[i])
-        except (NotLeaderError, BrokerUnavailableError):
-            if leaders.factor == 1 or time.monotonic() > deadline:
-                raise
-            leaders.forget(i)
-            time.sleep(0.1)  # (while the controller elects)
-
-
 class RegistryActor(ProducerGroupRegistry):
     def __init__(self, index: int, config: dict):
         super().__init__(lease_ms=ClusterConfig.from_dict(config).producer_lease_ms)
@@ -311,8 +296,11 @@ class CheckerActor(CheckerWorker):
         leaders = ShardLeaders(get_controller(), cfg)
 
         def call_shard(i, method, *args, **kwargs):
-            return on_leader(leaders, i, lambda h: rpc.ShardClient(h).call(
-                method, *args, timeout_s=60, **kwargs))
+            try:
+                return rpc.ShardClient(leaders[i]).call(method, *args, timeout_s=60, **kwargs)
+            except (NotLeaderError, BrokerUnavailableError):
+                leaders.forget(i)  # the next round asks the leader as it is then
+                raise
 
         def call_registry(i, method, *args):
             return rpc.RegistryClient(get_registry(i)).call(method, *args, timeout_s=30)
@@ -411,14 +399,24 @@ def coordinator_name(i: int) -> str:
     return f"coordinator-{i}"
 
 
+#: The plain actor name of shard or coordinator i.
+_NAMES = {"shard": shard_name, "coordinator": coordinator_name}
+
+
 def get_coordinator(i: int):
     """Coordinator ``i``'s Ray handle (``ValueError`` if it is not deployed); of a
     replicated one, its leading replica's."""
+    return _handle("coordinator", i)
+
+
+def _handle(kind: str, i: int):
+    """The actor of shard or coordinator ``i``, by its plain name; of a replicated one,
+    its leading replica's, asked of the controller."""
     try:
-        return rpc.get_actor(coordinator_name(i), NAMESPACE)
+        return rpc.get_actor(_NAMES[kind](i), NAMESPACE)
     except ValueError:
-        leaders = ShardLeaders(get_controller(), _running_config(get_controller()),
-                               "coordinator")
+        controller = get_controller()
+        leaders = ShardLeaders(controller, _running_config(controller), kind)
         if leaders.factor == 1:
             raise
         return leaders[i]
@@ -437,13 +435,7 @@ def get_controller():
 def get_shard(i: int):
     """Shard ``i``'s Ray handle (``ValueError`` if it is not deployed); of a replicated
     shard, its leading replica's (``ShardLeaders`` caches them)."""
-    try:
-        return rpc.get_actor(shard_name(i), NAMESPACE)
-    except ValueError:
-        leaders = ShardLeaders(get_controller(), _running_config(get_controller()))
-        if leaders.factor == 1:
-            raise
-        return leaders[i]
+    return _handle("shard", i)
 
 
 def _running_config(controller) -> ClusterConfig:
@@ -517,13 +509,13 @@ def find_deployed() -> tuple[object, list[object]]:
                                "(deploying is up to the operator)") from None
     cfg = _running_config(controller)
     missing = []
-    for name in _shard_actor_names(cfg):
+    for name in _actor_names(cfg, "shard"):
         try:
             rpc.get_actor(name, NAMESPACE)
         except ValueError:
             missing.append(name)
     for name in [registry_name(i) for i in range(cfg.num_registries)] + \
-            [checker_name(i) for i in range(cfg.num_checkers)] + _coordinator_actor_names(cfg):
+            [checker_name(i) for i in range(cfg.num_checkers)] + _actor_names(cfg, "coordinator"):
         try:
             rpc.get_actor(name, NAMESPACE)
         except ValueError:
@@ -534,17 +526,12 @@ def find_deployed() -> tuple[object, list[object]]:
     return controller, ShardLeaders(controller, cfg)
 
 
-def _shard_actor_names(cfg: ClusterConfig) -> list[str]:
+def _actor_names(cfg: ClusterConfig, kind: str) -> list[str]:
+    """The actor names of the shards or coordinators (``kind``): plain, or their replicas'."""
+    count = cfg.num_shards if kind == "shard" else cfg.num_coordinators
     if cfg.replication_factor == 1:
-        return [shard_name(i) for i in range(cfg.num_shards)]
-    return [replica_name(i, k) for i in range(cfg.num_shards)
-            for k in range(cfg.replication_factor)]
-
-
-def _coordinator_actor_names(cfg: ClusterConfig) -> list[str]:
-    if cfg.replication_factor == 1:
-        return [coordinator_name(i) for i in range(cfg.num_coordinators)]
-    return [replica_name(i, k, "coordinator") for i in range(cfg.num_coordinators)
+        return [_NAMES[kind](i) for i in range(count)]
+    return [replica_name(i, k, kind) for i in range(count)
             for k in range(cfg.replication_factor)]
 
 
@@ -706,10 +693,10 @@ def undeploy() -> list[str]:
             rpc.ControllerClient(get_controller()).call("get_config", timeout_s=30))
         # (replicated shards' placement groups stay: `raymq up` puts each replica back in
         # its bundle, on the node that has its files)
-        names += _shard_actor_names(cfg)
+        names += _actor_names(cfg, "shard")
         names += [registry_name(i) for i in range(cfg.num_registries)]
         names += [checker_name(i) for i in range(cfg.num_checkers)]
-        names += _coordinator_actor_names(cfg)
+        names += _actor_names(cfg, "coordinator")
     except Exception:  # controller already gone: look for the actors by name
         names += [f(i) for f in (shard_name, registry_name, checker_name, coordinator_name)
                   for i in range(64)]

@@ -226,28 +226,28 @@ class MessageStore:
         """Wait until a put is durable under the flush mode; its final status."""
         if result.duplicate:  # its first copy's fsync was waited for already
             return result.status
-        if self.config.flush_mode == "sync" and not self._durable.wait_flushed(result.end_offset):
+        return self._settled(result.end_offset)
+
+    def _settled(self, end: int) -> PutStatus:
+        """Wait until the log up to ``end`` is durable under the flush mode, and (a leader)
+        held by its in-sync replicas; the status a put ending there is answered with."""
+        if self.config.flush_mode == "sync" and not self._durable.wait_flushed(end):
             return PutStatus.FLUSH_DISK_TIMEOUT
         if self.replication is not None:
-            return self.replication(result.end_offset)
+            return self.replication(end)
         return PutStatus.PUT_OK
 
     def _duplicate(self, producer_id: int, sequence: int) -> PutResult:
         cached = self._producers.cached(producer_id, sequence)
         # no longer remembered (later puts pushed it out): it lies somewhere before the end
         end = self._log.max_offset if cached is None else cached.end_offset
-        self._write_lock.release()  # the original put may still be waiting for its fsync
+        # the original put may still be waiting for its fsync (or its replicas): a resend
+        # waits as it does
+        self._write_lock.release()
         try:
-            ok = self.config.flush_mode != "sync" or self._durable.wait_flushed(end)
+            status = self._settled(end)
         finally:
             self._write_lock.acquire()
-        status = PutStatus.PUT_OK if ok else PutStatus.FLUSH_DISK_TIMEOUT
-        if ok and self.replication is not None:  # a resend of a write not yet replicated
-            self._write_lock.release()
-            try:
-                status = self.replication(end)
-            finally:
-                self._write_lock.acquire()
         if cached is None:
             return PutResult(status, [], [], [], duplicate=True)
         return PutResult(status, cached.phys, cached.queue_offsets, cached.sizes,
