@@ -31,7 +31,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from raymq.actors import replica_state
 from raymq.actors.replica_set import Ack, ReplicaSet
+from raymq.actors.replica_state import Part, Shipper
 from raymq.storage import MessageStore
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.epochs import EpochCache
@@ -68,7 +70,8 @@ class LeaderState:
 
     def __init__(self, shard: int, name: str, a: Assignment, store: MessageStore,
                  epochs: EpochCache, *, min_insync: int, lag_max_ms: int, timeout_ms: int,
-                 confirmed: int, clock: Clock, wake_readers: Callable[[], None]):
+                 confirmed: int, clock: Clock, wake_readers: Callable[[], None],
+                 parts: list[Part] = ()):
         self.name, self.store, self.epochs, self.clock = name, store, epochs, clock
         self.timeout_ms = timeout_ms
         self.rs = ReplicaSet(shard, list(a.replicas), name, a.epoch, min_insync, lag_max_ms,
@@ -84,6 +87,7 @@ class LeaderState:
         self._data = threading.Condition(self._cond)  # fetches waiting for new records
         self._answered_end: dict[str, int] = {}  # the leader's end when a fetch was answered
         self._offsets_held: dict[str, int] = {}  # the offsets version each follower holds
+        self.shipper = Shipper(list(parts), clock)  # what it keeps beside the log
         self.deposed = False
 
     @property
@@ -131,8 +135,10 @@ class LeaderState:
 
     # -------------------------------------------------------------- fetches
     def serve_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
-                    max_bytes: int, offsets_version: int) -> dict:
-        """A follower holding the log up to ``from_phys`` asks for what follows."""
+                    max_bytes: int, offsets_version: int, held: dict | None = None) -> dict:
+        """A follower holding the log up to ``from_phys`` (group offsets of
+        ``offsets_version``, the parts ``held``: ``raymq.actors.replica_state``) asks for
+        what follows."""
         if follower not in self.rs.followers:
             raise InvalidMessageError(f"shard-{self.rs.shard}: {follower!r} is not a replica")
         deadline = self.clock.monotonic_ms() + max(0, min(wait_ms, 5000))
@@ -156,14 +162,20 @@ class LeaderState:
             end_then = self.store.max_phys_offset
             self._answered_end[follower] = end_then
             confirmed = self.rs.confirmed
-        version, table = self.store.offsets.versioned()  # (before the frames: see below)
+        # the parts and offsets are read before the frames, and go only with every record
+        # written before they were read, so that they never pass what the follower holds
+        parts = self.shipper.due(follower, held) if held is not None and \
+            from_phys + max_bytes >= end_then else {}
+        version, table = self.store.offsets.versioned()
+        covered = self.store.max_phys_offset
         start, data = self.store.read_frames(from_phys, max_bytes)
-        # the offsets only with every record written before they were taken, so that an
-        # offset never passes what the follower holds
-        caught_up = start + len(data) >= end_then
+        caught_up = start + len(data) >= max(end_then, covered)
+        if caught_up and parts:
+            self.shipper.sent(follower, parts)
         return {"start": start, "data": data, "leader_end": end_then, "confirmed": confirmed,
                 "epochs": self.epochs.entries(), "offsets_version": version,
-                "offsets": table if caught_up and version != offsets_version else None}
+                "offsets": table if caught_up and version != offsets_version else None,
+                "parts": parts if caught_up else {}}
 
     def wait_offsets(self) -> bool:
         """After group offsets changed: wait until every in-sync follower holds them (a new
@@ -376,7 +388,8 @@ class ShardReplica:
                              min_insync=cfg.min_insync, lag_max_ms=cfg.replica_lag_max_ms,
                              timeout_ms=min(cfg.send_timeout_ms // 2, 5000),
                              confirmed=self._confirmed, clock=self.clock,
-                             wake_readers=reads.wake if reads is not None else _nothing)
+                             wake_readers=reads.wake if reads is not None else _nothing,
+                             parts=replica_state.parts_of(shard))
         shard.store.replication = leader.wait_replicated
         shard.store.written = leader.wake
         if reads is not None:  # (a shard's readers; a coordinator has none)
@@ -407,12 +420,12 @@ class ShardReplica:
 
     # ------------------------------------------------------- leader's calls
     def replica_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
-                      max_bytes: int, offsets_version: int) -> dict:
+                      max_bytes: int, offsets_version: int, held: dict | None = None) -> dict:
         leader = self.leader
         if leader is None:
             raise NotLeaderError(f"shard-{self.index}: {self.name} does not lead")
         return leader.serve_fetch(follower, epoch, from_phys, wait_ms, max_bytes,
-                                  offsets_version)
+                                  offsets_version, held)
 
     def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
         """Where ``epoch`` ends in this leader's log (``EpochCache.end_offset_for``)."""
@@ -478,16 +491,40 @@ class _Follower:
         self.replica, self.a = replica, a
         self._stop = threading.Event()
         self._offsets_version = -1
+        self._held: dict = {}  # the versions of the leader's parts this replica holds
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"raymq-{replica.name}-fetch")
+        # the frames written are indexed in a thread of their own: the next fetch (which
+        # tells the leader what this replica holds) goes out once they are written
+        self._placed = threading.Event()
+        self._indexer = threading.Thread(target=self._index, daemon=True,
+                                         name=f"raymq-{replica.name}-index")
 
     def start(self) -> None:
+        self._indexer.start()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()  # (a fetch in flight ends within its wait; what it then writes
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2.0)  # goes to a store this replica closed: refused)
+        self._placed.set()
+        if self._indexer is not threading.current_thread():
+            self._indexer.join(5.0)
+
+    def _index(self) -> None:
+        r = self.replica
+        while True:
+            self._placed.wait()
+            self._placed.clear()
+            store = r.store
+            try:
+                if store is not None:
+                    store.index_replicated()
+            except Exception as err:  # the store stopped itself: a restart re-indexes
+                log.error("shard-%d: %s indexing replicated frames: %s", r.index, r.name, err)
+            if self._stop.is_set():
+                return
 
     def _run(self) -> None:
         r = self.replica
@@ -499,7 +536,7 @@ class _Follower:
                     truncated = True
                 reply = r._call(self.a.leader, "replica_fetch",
                                 (r.name, self.a.epoch, r.store.max_phys_offset, FETCH_WAIT_MS,
-                                 FETCH_MAX_BYTES, self._offsets_version), 30.0)
+                                 FETCH_MAX_BYTES, self._offsets_version, self._held), 30.0)
                 self._take(reply)
             except Exception as err:  # the leader gone or deposed: the heartbeat says whom next
                 if not isinstance(err, RayMQError):
@@ -522,13 +559,16 @@ class _Follower:
         r.store.close()
         truncate_log(os.path.join(r.directory, "commitlog"), r.config.segment_size_bytes, cut)
         r.epochs.truncate_from_end(cut)
+        replica_state.forget(r.directory)  # (they may cover records cut away)
         r.store = r.open_store()
 
     def _take(self, reply: dict) -> None:
         r = self.replica
         store = r.store
         if reply["data"]:
-            store.append_replicated(reply["start"], reply["data"])
+            if store.place_replicated(reply["start"], reply["data"]) > 8:
+                store.index_replicated()  # (the indexer behind: index here, as before)
+            self._placed.set()
         end = store.max_phys_offset
         for e, s in reply["epochs"]:
             if e > r.epochs.latest_epoch() and s <= end:
@@ -537,3 +577,7 @@ class _Follower:
         if reply["offsets"] is not None:
             store.offsets.replace(reply["offsets"])
             self._offsets_version = reply["offsets_version"]
+        if reply["parts"]:
+            store.flush()  # (what they cover durable here first)
+            replica_state.install(r.directory, reply["parts"])
+            self._held.update({n: p["version"] for n, p in reply["parts"].items()})

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from typing import Callable
 
 import numpy as np
 
 from raymq.actors.delay import restore_real
+from raymq.actors.replica_state import TIMER_DIR, Part, read_tree
 from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC,
                                    TIMER_TOPIC, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
@@ -45,6 +47,8 @@ DELIVERY_MAX_BYTES = 32 << 20
 INDEX_CHUNK = 65_536
 #: Least wait between two rounds that delivered something (what a burst adds to lateness).
 ROUND_GAP_MS = 4
+#: How often a leader ships its wheel to a follower at most (``replica_part``).
+SHIP_WHEEL_EVERY_MS = 60_000
 #: Time buckets of ``status`` (name, ms from now).
 STATUS_BUCKETS = (("next_minute", 60_000), ("next_hour", 3_600_000),
                   ("next_day", 86_400_000))
@@ -244,6 +248,25 @@ class TimerScheduler:
         for m in self.store.scan_queue(TIMER_DONE_TOPIC, 0, offset):
             done.update(np.frombuffer(m.body, "<i8").tolist())
         return done
+
+    # ---------------------------------------------------------- replication
+    def replica_part(self) -> Part:
+        """The wheel as a leader ships it to its followers (``raymq.actors.replica_state``):
+        read under the round lock, so its checkpoint and the buckets it vouches for agree
+        (entries after the checkpoint are indexed again by a new leader, as after a
+        restart); at most once a minute (it changes with every bucket)."""
+        checkpoint = os.path.join(self.wheel.directory, "checkpoint.json")
+
+        def version():
+            try:
+                return os.stat(checkpoint).st_mtime_ns
+            except FileNotFoundError:
+                return None
+
+        def read():
+            with self._lock:
+                return read_tree(self.wheel.directory, TIMER_DIR)
+        return Part("timer", version, read, directory=TIMER_DIR, every_ms=SHIP_WHEEL_EVERY_MS)
 
     # ---------------------------------------------------------- operators
     def cancel(self, m: StoredMessage) -> str:

@@ -262,3 +262,96 @@ def test_a_slow_take_over_keeps_the_lease(tmp_path):
     finally:
         release.set()
         replicas[names[0]].close()
+
+
+def _files(directory):
+    import os
+    out = {}
+    for d, _dirs, names in os.walk(directory):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), directory)] = f.read()
+    return out
+
+
+def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whole_history(tmp_path):
+    """The Kafka-style index's snapshot and the timer wheel reach the followers, so a new
+    leader replays only what follows them (and still has every transaction and timer)."""
+    import json
+    import time
+    from raymq.actors.protocol import Prop
+    from raymq.actors.replica_state import KTX_SNAPSHOT, TIMER_DIR
+    g = Group(tmp_path, state_log_compact_records=5, timer_bucket_ms=1000)
+    try:
+        g.settle()
+        old = g.leader
+        shard = old.serving(write=True)
+        for i in range(10):  # committed transactions of ten producers
+            shard.ktx_register(100 + i, 0, [("t", 0)])
+            shard.ktx_send(RecordBatch("t", 0, [b"tx%d" % i]), 100 + i, 0, 1, 0)
+            shard.ktx_end(100 + i, 0, "COMMIT")
+        assert shard.ktx.compact()
+        now = int(time.time() * 1000)
+        batch = RecordBatch("t", 1, [b"soon", b"later"], properties=[
+            {Prop.DELIVER_AT: str(now)}, {Prop.DELIVER_AT: str(now + 3_600_000)}])
+        assert shard.send(batch, 0, 0).status == "SEND_OK"
+        # (the timer wheel's checkpoint comes once "soon"'s bucket is over)
+        wait_for(lambda: (tmp_path / old.name / TIMER_DIR / "checkpoint.json").exists(), 20,
+                 "the leader's timer checkpoint")
+        shard.ktx_register(200, 0, [("t", 0)])  # one more after the snapshot
+        shard.ktx_send(RecordBatch("t", 0, [b"tx-tail"]), 200, 0, 1, 0)
+        shard.ktx_end(200, 0, "COMMIT")
+        snapshot = (tmp_path / old.name / KTX_SNAPSHOT).read_bytes()
+        followers = [n for n in g.names if n != old.name]
+
+        def shipped():
+            return all((tmp_path / n / KTX_SNAPSHOT).exists()
+                       and (tmp_path / n / KTX_SNAPSHOT).read_bytes() == snapshot
+                       and (tmp_path / n / TIMER_DIR / "checkpoint.json").exists()
+                       for n in followers)
+        wait_for(shipped, 20, "the snapshots on the followers")
+        for n in followers:
+            wheel = json.loads((tmp_path / n / TIMER_DIR / "checkpoint.json").read_bytes())
+            assert wheel["indexed"] >= 1
+        g.kill(old.name)
+        g.clock.advance(LEASE_MS + 1)
+        g.beat()
+        new = g.leader.serving()
+        assert new.ktx.replayed < 5  # the tail after the snapshot, not all 30-odd records
+        got = new.pull([("t", 0, 0, 1000)], 0, None, None, "read_committed")[0][2]
+        assert [m.body for m in got.messages()] == [b"tx%d" % i for i in range(10)] + \
+            [b"tx-tail"]
+        assert new.timers.status()["scheduled"] == 1  # "later" still waits
+        delivered = [m.body for m in new.store.read_queue("t", 1, 0, 100)]
+        assert delivered == [b"soon"]
+    finally:
+        g.close()
+
+
+def test_a_replica_cut_back_drops_the_snapshots_of_what_it_lost(group):
+    """A deposed leader's snapshot may cover records the new leader never had: cut back,
+    it keeps no snapshot of them (the new leader's arrives instead)."""
+    from raymq.actors.replica_state import KTX_SNAPSHOT
+    old = group.leader
+    assert send(old, [b"kept"]).status == "SEND_OK"
+    group.clock.advance(LEASE_MS + 1)
+    group.beat(*[n for n in group.names if n != old.name])
+    new = group.leader
+    assert new.name != old.name
+    # the deposed leader, not yet told, takes a transaction and snapshots it
+    shard = old.shard
+    shard.ktx.compact_records = 1
+    shard.ktx_register(7, 0, [("t", 0)])  # (written, never acknowledged)
+    shard.ktx.compact()  # (or its own thread did)
+    stale = (group.tmp / old.name / KTX_SNAPSHOT).read_bytes()
+    group.beat(old.name)  # told: it follows the new leader and cuts its log back
+    group.settle()
+    wait_for(lambda: group.replicas[old.name].log_end() == new.log_end(), 10, "caught up")
+    path = group.tmp / old.name / KTX_SNAPSHOT
+    assert not path.exists() or path.read_bytes() != stale
+    group.controller.replica_elect(0, old.name)
+    group.beat()
+    assert group.leader.name == old.name
+    got = old.serving().pull([("t", 0, 0, 1000)], 0, None, None, "read_uncommitted")[0][2]
+    assert [m.body for m in got.messages()] == [b"kept"]
+    assert old.serving().ktx.state.open == {}  # no trace of the lost transaction

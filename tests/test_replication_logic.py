@@ -157,3 +157,66 @@ def test_a_group_is_built_valid():
         group(leader="z")
     with pytest.raises(ValueError):
         group(min_insync=4)
+
+
+# ------------------------------------------------ parts shipped beside the log
+def test_a_part_is_shipped_when_its_version_changes_and_a_slow_part_at_most_every_so_often(tmp_path):
+    from raymq.actors.replica_state import Part, Shipper, file_part
+    from raymq.storage.clock import ManualClock
+    clock = ManualClock()
+    (tmp_path / "snap").write_bytes(b"v1")
+    wheel = {"v": 1}
+    parts = [file_part("snap", str(tmp_path), "snap"),
+             Part("wheel", lambda: wheel["v"], lambda: {"w/x": b"%d" % wheel["v"]},
+                  directory="w", every_ms=60_000)]
+    s = Shipper(parts, clock)
+    first = s.due("f", {})
+    assert first["snap"]["files"] == {"snap": b"v1"} and first["wheel"]["files"] == {"w/x": b"1"}
+    s.sent("f", first)
+    held = {n: p["version"] for n, p in first.items()}
+    assert s.due("f", held) == {}  # nothing changed
+    wheel["v"] = 2
+    (tmp_path / "snap").write_bytes(b"v2-longer")
+    again = s.due("f", held)
+    assert list(again) == ["snap"]  # the wheel changed too, but was sent under a minute ago
+    clock.advance(60_001)
+    assert set(s.due("f", held)) == {"snap", "wheel"}
+    assert set(s.due("other", {})) == {"snap", "wheel"}  # (per follower)
+
+
+def test_installed_parts_replace_the_old_whole_and_a_cut_log_forgets_them(tmp_path):
+    from raymq.actors import replica_state as rs
+    (tmp_path / "timer" / "b" / "0").mkdir(parents=True)
+    (tmp_path / "timer" / "b" / "0" / "5").write_bytes(b"stale bucket")
+    rs.install(str(tmp_path), {
+        "wheel": {"version": 3, "directory": "timer",
+                  "files": {"timer/checkpoint.json": b"{}", "timer/b/0/7": b"pairs"}},
+        "ktx-index": {"version": [1, 2, 3], "directory": None,
+                      "files": {"ktx-index.snapshot": b"snap"}}})
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) \
+        == ["ktx-index.snapshot", "timer/b/0/7", "timer/checkpoint.json"]
+    (tmp_path / "commitlog").mkdir()
+    rs.forget(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["commitlog"]
+
+
+def test_the_parts_are_where_their_owners_write_them(tmp_path):
+    import os
+    from raymq.actors import ktx, replica_state, txn_log
+    from raymq.actors.coordinator import TransactionCoordinator
+    from raymq.actors.shard import BrokerShard
+    assert replica_state.KTX_SNAPSHOT == ktx.SNAPSHOT_FILE
+    assert replica_state.TXN_SNAPSHOT == txn_log.SNAPSHOT_FILE
+    sh = BrokerShard(0, {"data_dir": str(tmp_path / "s"), "num_shards": 1}, background=False)
+    try:
+        assert sh.timers.wheel.directory == os.path.join(sh.directory, replica_state.TIMER_DIR)
+        assert [p.name for p in replica_state.parts_of(sh)] == ["ktx-index", "timer"]
+    finally:
+        sh.close()
+    co = TransactionCoordinator(0, {"data_dir": str(tmp_path / "c"), "num_shards": 1},
+                                call_shard=lambda *a, **k: None, background=False)
+    try:
+        [part] = replica_state.parts_of(co)
+        assert part.name == "txn-log" and part.version() is None  # (no snapshot yet)
+    finally:
+        co.close()
