@@ -494,37 +494,14 @@ class _Follower:
         self._held: dict = {}  # the versions of the leader's parts this replica holds
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"raymq-{replica.name}-fetch")
-        # the frames written are indexed in a thread of their own: the next fetch (which
-        # tells the leader what this replica holds) goes out once they are written
-        self._placed = threading.Event()
-        self._indexer = threading.Thread(target=self._index, daemon=True,
-                                         name=f"raymq-{replica.name}-index")
 
     def start(self) -> None:
-        self._indexer.start()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()  # (a fetch in flight ends within its wait; what it then writes
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2.0)  # goes to a store this replica closed: refused)
-        self._placed.set()
-        if self._indexer is not threading.current_thread():
-            self._indexer.join(5.0)
-
-    def _index(self) -> None:
-        r = self.replica
-        while True:
-            self._placed.wait()
-            self._placed.clear()
-            store = r.store
-            try:
-                if store is not None:
-                    store.index_replicated()
-            except Exception as err:  # the store stopped itself: a restart re-indexes
-                log.error("shard-%d: %s indexing replicated frames: %s", r.index, r.name, err)
-            if self._stop.is_set():
-                return
 
     def _run(self) -> None:
         r = self.replica
@@ -566,9 +543,7 @@ class _Follower:
         r = self.replica
         store = r.store
         if reply["data"]:
-            if store.place_replicated(reply["start"], reply["data"]) > 8:
-                store.index_replicated()  # (the indexer behind: index here, as before)
-            self._placed.set()
+            store.append_replicated(reply["start"], reply["data"])
         end = store.max_phys_offset
         for e, s in reply["epochs"]:
             if e > r.epochs.latest_epoch() and s <= end:

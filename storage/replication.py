@@ -14,7 +14,6 @@ error, nothing written).  Pure Python, no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
 from raymq.storage.errors import StorageError
@@ -23,16 +22,6 @@ import struct
 from raymq.storage.records import FRAME_HEADER_BYTES, FRAME_MAGIC, FrameError, check_frame
 
 _MAGIC_LEN = struct.Struct("<II")  # a frame header's first fields: magic, length
-
-
-class Placed(NamedTuple):
-    """Frames a follower wrote and has still to index (``MessageStore.place_replicated``):
-    the fetched bytes, ``(position, length, records)`` of each frame in them, and where
-    each frame went in the log."""
-
-    data: bytes
-    frames: list
-    positions: list
 
 
 @dataclass

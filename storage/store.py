@@ -28,7 +28,6 @@ from raymq.storage.putframes import PutFramer
 from raymq.storage.putframes import TOPIC_RE, check_topic_name  # noqa: F401  (were defined here)
 from raymq.storage.queueindex import QueueIndex
 from raymq.storage import replication
-from raymq.storage.replication import Placed
 from raymq.storage.recovery import RebuildNeeded, Replay, recover
 from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                                    RecordSpans, StoredMessage, decode_records,
@@ -117,7 +116,6 @@ class MessageStore:
         self.recovered_records = recovered.recovered_records
         self._dispatched_end = self._log.max_offset
         self._replica: Replay | None = None  # a follower's indexing of replicated frames
-        self._unindexed: list[Placed] = []  # frames a follower wrote, not indexed yet
         self._closed_end: int | None = None  # where the log ended when the store closed
         #: a leader's wait for its in-sync replicas (``raymq.actors.replica``): called with a
         #: put's end offset once it is durable here; its status, or a RayMQ error
@@ -399,15 +397,6 @@ class MessageStore:
         physical offsets and indexes them as recovery does; its new log end.  Frames
         are checked (CRC) before anything is written; a put whose last frame has not
         come yet is indexed when it comes."""
-        self.place_replicated(phys, data)
-        self.index_replicated()
-        return self._dispatched_end
-
-    def place_replicated(self, phys: int, data: bytes) -> int:
-        """The first half of ``append_replicated``: the frames checked and written, to be
-        indexed by the next ``index_replicated`` (a follower acknowledges what it wrote
-        at once and indexes while its next fetch waits); how many placed wait for it.
-        Frames never indexed (the store closed first) are indexed by recovery on open."""
         frames = replication.split_frames(data)
         with self._write_lock:
             if self._closed:
@@ -415,27 +404,17 @@ class MessageStore:
             if self._durable.failed is not None:
                 raise self._durable.stopped()
             positions = self._append_frames_at(phys, data, frames)
-            self._unindexed.append(Placed(data, frames, positions))
-            return len(self._unindexed)
-
-    def index_replicated(self) -> None:
-        """Index every frame placed and not indexed yet, in the order placed."""
-        with self._write_lock:
-            if self._closed or not self._unindexed:  # (closed: recovery indexes them)
-                return
             if self._replica is None:
                 self._replica = Replay(self._cq, self._producers)
-            placed, self._unindexed = self._unindexed, []
             try:
-                for p in placed:
-                    for (pos, length, count), at in zip(p.frames, p.positions):
-                        self._replica.frame(at, p.data, pos, length, count)
+                for (pos, length, count), at in zip(frames, positions):
+                    self._replica.frame(at, data, pos, length, count)
             except RebuildNeeded as why:  # (the log is fine: a restart re-indexes it)
                 self._durable.fail(why, "indexing replicated frames failed")
                 raise StorageError(f"replicated frames do not match this store's queues: "
                                    f"{why}") from None
-            last = placed[-1]
-            self._dispatched_end = last.positions[-1] + last.frames[-1][1]
+            self._dispatched_end = self._log.max_offset
+            return self._dispatched_end
 
     def _append_frames_at(self, phys: int, data: bytes, frames) -> list[int]:
         before = self._log.max_offset
