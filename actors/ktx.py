@@ -406,6 +406,7 @@ class KafkaTxnQueues:
             if rec is not None:
                 folded.apply(rec)
         folded.expire(self.clock.now_ms(), self.expiry_ms)
+        self.store.offsets.flush()  # (the ends it passes are never applied again)
         write_snapshot(self._snapshot_path, SNAPSHOT_KIND, end, folded.to_state())
         self._snapshot_offset = end
         # (ends before the snapshot are never replayed: their applied keys are not needed)
@@ -530,7 +531,9 @@ class KafkaTxnQueues:
         values = {offset_key(group, t, q): off for group, got in offsets.items()
                   for (t, q), off in got.items()}
         values[applied_key(producer_id)] = index_offset
-        self.store.save_offsets(values)
+        # not fsynced here: the end record is durable, and a restart applies again every
+        # commit whose applied key is behind it (``_recover``), in the log's order
+        self.store.save_offsets(values, durable=False)
 
     # ---------------------------------------------------------- producer calls
     def send(self, batch: RecordBatch, queues: set[Queue], producer_id: int, epoch: int,

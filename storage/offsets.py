@@ -28,6 +28,7 @@ class OffsetStore:
         self._lock = threading.Lock()
         self._remove_stale_temp_files()
         self._table: dict[str, int] = self._load()
+        self._dirty = False  # changes made with ``durable=False`` not written yet
         #: counts the table's changes since it was opened (a leader ships the table to its
         #: followers when this moved, ``raymq.actors.replica``)
         self.version = 0
@@ -68,13 +69,26 @@ class OffsetStore:
         with self._lock:
             return dict(self._table)
 
-    def update(self, values: dict[str, int]) -> None:
-        """Set several offsets and persist them durably before returning."""
+    def update(self, values: dict[str, int], *, durable: bool = True) -> None:
+        """Set several offsets and persist them durably before returning; with
+        ``durable=False`` they are written by the next durable change or ``flush`` (for
+        values the caller can rebuild after a crash: a Kafka-style commit's offsets,
+        re-applied from its durable end record)."""
         with self._lock:
             table = dict(self._table)
             table.update({str(k): int(v) for k, v in values.items()})
-            self._write(table)
+            if durable:
+                self._write(table)
+            else:
+                self._dirty = True
+                self.version += 1
             self._table = table
+
+    def flush(self) -> None:
+        """Write the changes made with ``durable=False`` (nothing when there are none)."""
+        with self._lock:
+            if self._dirty:
+                self._write(self._table)
 
     def replace(self, table: dict[str, int]) -> None:
         """Make the table ``table`` (a follower takes its leader's), durably."""
@@ -113,5 +127,6 @@ class OffsetStore:
         doc = {"format": FORMAT, "version": VERSION, "crc": zlib.crc32(body.encode()),
                "offsets": table}
         atomic_write(self.path, json.dumps(doc, sort_keys=True).encode())
+        self._dirty = False
         self.version += 1
 

@@ -265,7 +265,7 @@ class MessageStore:
             return self._producers.last_sequence(producer_id) or 0
 
     # ---------------------------------------------------------- durability
-    def save_offsets(self, values: dict[str, int]) -> None:
+    def save_offsets(self, values: dict[str, int], *, durable: bool = True) -> None:
         """Save offsets that pass records (consumer positions, progress through a queue).
 
         What they pass is made durable first: a reader may have seen records not
@@ -273,7 +273,7 @@ class MessageStore:
         passed (the records written next would be skipped).
         """
         self.make_durable()
-        self.offsets.update(values)
+        self.offsets.update(values, durable=durable)
 
     def make_durable(self) -> None:
         """Return once everything written so far is durable (group commit; nothing to do
@@ -299,6 +299,7 @@ class MessageStore:
             producers = self._producers.snapshot()
             queues = list(self._cq.queues.values())
         write_checkpoint(self._checkpoint_path, end, queues, producers)
+        self.offsets.flush()
         return end
 
     # --------------------------------------------------------------- read
@@ -438,6 +439,7 @@ class MessageStore:
                 # after a failed write or queue fsync the last good checkpoint stays
                 if self._durable.failed is None:
                     self._log.sync()
+                    self.offsets.flush()
                     if not self._cq.sync_failed:
                         write_checkpoint(self._checkpoint_path,
                                          min(self._log.flushed_offset, self._dispatched_end),

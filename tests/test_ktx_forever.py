@@ -166,11 +166,11 @@ CHILD = textwrap.dedent("""
         sh.ktx_send(RecordBatch("t", 0, [b"out%d" % pid]), pid, 0, 1)
         sh.ktx_offsets(pid, 0, "g%d" % pid, {("src", 0): 2 + pid})
     save, held = sh.store.save_offsets, threading.Event()
-    def save_offsets(values):  # P1's offsets wait: the process dies before they are saved
+    def save_offsets(values, **kw):  # P1's offsets wait: the process dies before they are saved
         if any(k.startswith("g1@") for k in values):
             held.set()
             threading.Event().wait()
-        save(values)
+        save(values, **kw)
     sh.store.save_offsets = save_offsets
     threading.Thread(target=sh.ktx_end, args=(1, 1, "COMMIT"), daemon=True).start()
     held.wait()                      # P1's markers are durable, its offsets not saved
@@ -224,6 +224,39 @@ def test_recovery_reapplies_the_offsets_of_a_commit_cut_short_before_them(tmp_pa
     out = subprocess.run([sys.executable, "-c", child, str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 86 and "ktx.markers_durable" in out.stderr, out.stderr
+    sh = reopen(tmp_path)
+    try:
+        assert read(sh)[0] == [b"out"]
+        assert sh.get_offsets("g", [("src", 0)]) == {("src", 0): 6}
+    finally:
+        sh.close()
+
+
+def test_a_commit_s_offsets_need_no_fsync_of_their_own_a_crash_after_it_keeps_them(tmp_path):
+    """The offsets table is not rewritten (fsynced) by a commit (issue 27): the child dies
+    right after the commit returned, its offsets file without them; the restart applies
+    them again from the durable end record."""
+    child = textwrap.dedent("""
+        import os, sys, json
+        from raymq.actors.shard import BrokerShard
+        from raymq.storage import RecordBatch
+        sh = BrokerShard(0, {"data_dir": sys.argv[1], "num_shards": 1}, background=False)
+        sh.set_routes([("t", 0), ("src", 0)])
+        sh.send(RecordBatch("src", 0, [b"in"] * 8))
+        sh.ktx_register(5, 0, [("t", 0)], ["g"])
+        sh.ktx_send(RecordBatch("t", 0, [b"out"]), 5, 0, 1)
+        sh.ktx_offsets(5, 0, "g", {("src", 0): 6})
+        sh.ktx_end(5, 1, "COMMIT")
+        print("served", sh.get_offsets("g", [("src", 0)]), flush=True)
+        on_disk = os.path.join(sh.directory, "offsets.json")
+        print("on disk", os.path.exists(on_disk) and "g@" in open(on_disk).read(), flush=True)
+        os._exit(9)
+    """)
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr
+    assert "served {('src', 0): 6}" in out.stdout  # (read at once from the table)
+    assert "on disk False" in out.stdout  # (no rewrite of the file by the commit)
     sh = reopen(tmp_path)
     try:
         assert read(sh)[0] == [b"out"]
@@ -554,11 +587,11 @@ def test_a_snapshot_never_passes_an_end_whose_offsets_are_not_saved(tmp_path):
         sh.ktx_offsets(1, 0, "g", {("src", 0): 5})
         save, held, go = sh.store.save_offsets, threading.Event(), threading.Event()
 
-        def paused(values):  # the end's offsets wait here, its markers written
+        def paused(values, **kw):  # the end's offsets wait here, its markers written
             if any(k.startswith("g@") for k in values):
                 held.set()
                 go.wait(30)
-            save(values)
+            save(values, **kw)
         sh.store.save_offsets = paused
         ender = threading.Thread(target=sh.ktx_end, args=(1, 1, "COMMIT"))
         ender.start()

@@ -398,6 +398,12 @@ def bench_txmsg(b: Bench) -> None:
         dt = timed(lambda: [tp.send_in_transaction(Message("tx", body), commit)
                             for _ in range(n1)])
         b.emit("txmsg.p1", n1 / dt, "msgs/s", size=size, n=n1, threads=1)
+        plain1 = mq.producer("bench-plain1")
+        plain1.send(Message("tx", body))
+        dt = timed(lambda: [plain1.send(Message("tx", body)) for _ in range(n1)])
+        plain1.close()
+        b.emit("txmsg.plain_p1", n1 / dt, "msgs/s", size=size, n=n1, threads=1)
+        b.ratio("txmsg.p1_ratio", "txmsg.p1", "txmsg.plain_p1")
 
         def concurrently(fn, per_thread: int, threads: int = 8) -> float:
             ts = [threading.Thread(target=lambda: [fn() for _ in range(per_thread)])
@@ -672,11 +678,91 @@ def bench_kafkatx(b: Bench) -> None:
         b.emit("kafkatx.commit_p50_ms", lat[len(lat) // 2], "ms", n=k, shards=shards)
         b.emit("kafkatx.commit_p99_ms", lat[min(len(lat) - 1, int(len(lat) * 0.99))], "ms",
                n=k, shards=shards)
+        _kafkatx_more(b, mq, kp, p, body, shards)
         kp.close()
         p.close()
     finally:
         mq.close()
         _teardown_cluster(data)
+
+
+def _kafkatx_more(b: Bench, mq, kp, p, body: bytes, shards: int) -> None:
+    """Transactions of 100 messages over every shard, a 1-message transaction's latency,
+    and a consume-transform-produce loop, each against its plain counterpart."""
+    from raymq.message import Message
+    spread = [Message("ktx", body, key=str(i)) for i in range(100)]  # (keys: every queue)
+    n_txn = max(2, b.n(20_000) // 100 // 4)
+    b.progress(f"kafkatx: {4 * n_txn} transactions of 100 messages over {shards} shards and "
+               f"as many plain batches, in 4 alternating slices")
+
+    def transactional():
+        for _ in range(n_txn):
+            with kp.transaction():
+                kp.send_batch(spread)
+
+    def plain():
+        for _ in range(n_txn):
+            p.send_batch(spread)
+    dt_tx, dt_plain = _alternating(4, transactional, plain)
+    n = 4 * n_txn * 100
+    b.emit("kafkatx.b100_3shards", n / dt_tx, "msgs/s", per_txn=100, n=n, shards=shards)
+    b.emit("kafkatx.plain_b100_3shards", n / dt_plain, "msgs/s", batch=100, n=n, shards=shards)
+    b.ratio("kafkatx.b100_3shards_ratio", "kafkatx.b100_3shards", "kafkatx.plain_b100_3shards")
+
+    k = b.n(400, 40)
+    b.progress(f"kafkatx: latency of {k} one-message transactions and {k} plain sends, "
+               f"alternating")
+    one = Message("ktx", body)
+    tx_lat, plain_lat = [], []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        with kp.transaction():
+            kp.send(one)
+        t1 = time.perf_counter()
+        p.send(one)
+        tx_lat.append(t1 - t0)
+        plain_lat.append(time.perf_counter() - t1)
+    tx_lat.sort()
+    plain_lat.sort()
+    b.emit("kafkatx.p1_latency_ms", tx_lat[k // 2] * 1000, "ms", n=k, statistic="p50")
+    b.emit("kafkatx.plain_p1_latency_ms", plain_lat[k // 2] * 1000, "ms", n=k,
+           statistic="p50")
+    b.ratio("kafkatx.p1_latency_ratio", "kafkatx.p1_latency_ms", "kafkatx.plain_p1_latency_ms")
+
+    rounds = max(4, b.n(200, 8))
+    b.progress(f"kafkatx: consume-transform-produce, {rounds} rounds of 100 messages with "
+               f"and without transactions, alternating")
+    mq.create_topic("eos-in", queues=2)
+    mq.create_topic("eos-out", queues=2)
+    for _ in range(2 * rounds + 2):
+        p.send_batch([Message("eos-in", body) for _ in range(100)])
+    eos = mq.consumer("bench-eos", ["eos-in"], auto_commit=False)
+    loop = mq.consumer("bench-loop", ["eos-in"], auto_commit=False)
+
+    def polled(c):
+        msgs = []
+        while len(msgs) < 100:
+            msgs += c.poll(100 - len(msgs), 1.0)
+        return msgs
+
+    def with_txn():
+        msgs = polled(eos)
+        kp.begin()
+        kp.send_batch([Message("eos-out", m.body) for m in msgs])
+        kp.send_offsets({(m.topic, m.queue_id): m.queue_offset + 1 for m in msgs}, "bench-eos")
+        kp.commit()
+
+    def without():
+        msgs = polled(loop)
+        p.send_batch([Message("eos-out", m.body) for m in msgs])
+        loop.commit()
+    dt_tx, dt_plain = _alternating(rounds, with_txn, without)
+    eos.close()
+    loop.close()
+    b.emit("kafkatx.eos_b100", rounds * 100 / dt_tx, "msgs/s", rounds=rounds, per_txn=100)
+    b.emit("kafkatx.plain_eos_b100", rounds * 100 / dt_plain, "msgs/s", rounds=rounds,
+           what="poll, send_batch, commit: no transaction")
+    b.ratio("kafkatx.eos_b100_ratio", "kafkatx.eos_b100", "kafkatx.plain_eos_b100")
 
 
 # ---------------------------------------------------------------------- spark
