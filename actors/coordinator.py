@@ -24,6 +24,7 @@ import zlib
 from typing import Callable
 
 from raymq.actors.config import ClusterConfig
+from raymq.actors.fast_commit import FastCommit
 from raymq.actors.faults import faults_named
 from raymq.actors.ktx import KeyedLocks
 from raymq.actors.protocol import check_group
@@ -123,6 +124,7 @@ class TransactionCoordinator:
         # transactions this coordinator's own rounds completed: those a restart found
         # prepared, and those a shard failing while their markers were written left so
         self.completed_on_start = 0
+        self.fast = FastCommit(self, shards_of)  # one-phase commits, in-doubt ones
         self._load()
         self._thread = None
         if background:
@@ -141,6 +143,7 @@ class TransactionCoordinator:
         now, mono = self.clock.now_ms(), self.clock.monotonic_ms()
         for meta in loaded.values():  # an open transaction's age: at most its timeout
             self._keep(meta, mono, min(max(0, now - meta.start_ms), meta.timeout_ms))
+            self.fast.loaded(meta)
         if self._txns:
             log.info("coordinator-%d: %d transactional ids from its log (%d records after "
                      "its snapshot)", self.index, len(self._txns), self.log.replayed)
@@ -196,6 +199,8 @@ class TransactionCoordinator:
             meta = self._txns.get(transactional_id)
             if meta is not None and meta.state in PREPARED:
                 meta = self._complete(meta)  # a transaction left half-done: finish it
+            if meta is not None:
+                meta = self.fast.settle(meta)  # (one committed in one phase stays so)
             new, must = init_producer(meta, transactional_id, self._id_for(meta),
                                       timeout_ms, self.clock.now_ms())
             self._append(new)
@@ -253,13 +258,16 @@ class TransactionCoordinator:
             return new.epoch
 
     def end_transaction(self, transactional_id: str, producer_id: int, epoch: int,
-                        outcome: str) -> tuple[int, int]:
+                        outcome: str, seqs: dict | None = None,
+                        lazy: list = ()) -> tuple[int, int]:
         """Commit or abort the producer's transaction; returns the producer's next
         (producer id, epoch): a new producer id at epoch 0 when the epoch would overflow
         (Kafka's epoch exhaustion).  Idempotent: a retry of an end that completed answers
         the same, and a retry of one left prepared (a shard failed while its markers were
         written) drives it to its end.  ``TransactionAbortedError`` when it was aborted
-        before this commit (timeout, operator, fencing)."""
+        before this commit (timeout, operator, fencing).  ``seqs``: the producer's last
+        sequence per shard; ``lazy``: the shards it wrote to without an fsync
+        (``raymq.actors.fast_commit``: one shard commits in one phase)."""
         if outcome not in OUTCOME_STATES:
             raise InvalidMessageError(f"outcome must be COMMIT or ABORT, got {outcome!r}")
         with self._txn_locks.of(transactional_id):
@@ -267,6 +275,9 @@ class TransactionCoordinator:
             if meta is not None and meta.producer_id == producer_id and meta.epoch == epoch \
                     and meta.state in PREPARED:
                 meta = self._complete(meta)  # asked again while it is completing
+            if meta is not None and outcome == "ABORT" and meta.producer_id == producer_id \
+                    and meta.epoch == epoch:
+                meta = self.fast.settle(meta)
             if meta is not None and meta.ended_by(producer_id, epoch):
                 done = "COMMIT" if meta.state is TxnState.COMPLETE_COMMIT else "ABORT"
                 if done == outcome:  # a retry of an end that completed
@@ -280,6 +291,10 @@ class TransactionCoordinator:
             meta = self._current(transactional_id, producer_id, epoch)
             if meta.state is not TxnState.ONGOING:  # nothing sent: nothing to end
                 return meta.producer_id, meta.epoch
+            if outcome == "COMMIT":
+                meta = self.fast.commit_or_verify(meta, seqs or {}, lazy)
+                if meta.state is not TxnState.ONGOING:
+                    return meta.producer_id, meta.epoch
             prepare = transition(meta, OUTCOME_STATES[outcome][0], self.clock.now_ms())
             self._append(prepare)
             done = self._complete(prepare)
@@ -390,6 +405,11 @@ class TransactionCoordinator:
                     if meta.state is not TxnState.ONGOING or tid not in self._began \
                             or now - self._began[tid] <= meta.timeout_ms:
                         continue
+                    meta = self.fast.settle(meta)
+                    if meta.state is not TxnState.ONGOING:  # (settled by its one shard)
+                        if meta.state is TxnState.COMPLETE_ABORT:
+                            aborted.append(tid)
+                        continue
                     log.warning("coordinator-%d: %r open for %d ms, past its timeout: "
                                 "aborting it", self.index, tid, now - self._began[tid])
                     self._append(transition(meta, TxnState.PREPARE_ABORT, self.clock.now_ms()))
@@ -448,6 +468,7 @@ class TransactionCoordinator:
                 raise InvalidTxnStateError(f"no transactional id {transactional_id!r} here")
             if meta.state in PREPARED:
                 return self._complete(meta).state.name
+            meta = self.fast.settle(meta)
             if meta.state is not TxnState.ONGOING:
                 return meta.state.name
             self._append(transition(meta, TxnState.PREPARE_ABORT, self.clock.now_ms()))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from raymq.actors.admission import refusals
 from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, TIMER_TOPIC, Prop
 from raymq.storage import RecordBatch
 from raymq.storage.errors import InvalidMessageError
@@ -141,3 +142,15 @@ def _with_real(p: dict, topic: str, qid: int, flags: int | None = None) -> dict:
     if flags is not None:
         q[Prop.REAL_FLAGS] = str(flags)
     return q
+
+
+def check_transactional(batch: RecordBatch | None, n_levels: int, system_props) -> None:
+    """A Kafka-style transactional write's messages: some, none refused, none delayed."""
+    if batch is None or not len(batch):
+        raise InvalidMessageError("a transactional write needs messages")
+    refused = refusals(batch, n_levels, system_props)
+    if refused:
+        raise InvalidMessageError(f"message {min(refused)}: {refused[min(refused)]}")
+    if batch.properties is not None and diverts(batch.properties):
+        raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
+                                  "transaction")

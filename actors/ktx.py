@@ -40,7 +40,7 @@ from raymq.storage.faults import crash_point
 from raymq.storage.snapshots import read_snapshot, write_snapshot
 from raymq.storage.errors import (InvalidMessageError, InvalidTxnStateError,
                                   OutOfOrderSequenceError, ProducerFencedError,
-                                  RequestTimeoutError)
+                                  RequestTimeoutError, TransactionAbortedError)
 from raymq.storage.records import Record, RecordBatch, SysFlag
 from raymq.storage.store import PutStatus
 
@@ -468,16 +468,28 @@ class KafkaTxnQueues:
                 self.state.apply(rec)
                 self._changed.notify_all()
 
-    def end(self, producer_id: int, epoch: int, outcome: str) -> dict:
+    def end(self, producer_id: int, epoch: int, outcome: str, *, expect: int | None = None,
+            decide: bool = False) -> dict:
         """Write the markers of a producer's transaction open here with ``epoch`` or an
         older one (idempotent: nothing when none is open); the producer's epochs before
-        ``epoch`` are fenced from now on.  On COMMIT its groups' offsets take effect."""
+        ``epoch`` are fenced from now on.  On COMMIT its groups' offsets take effect.
+
+        ``decide`` (the transaction's only shard: a one-phase commit, ``one_phase``): the
+        answer says the outcome the transaction has here (``"outcome"``) -- an end that
+        contradicts one written before is answered with that one, not refused -- and a
+        COMMIT whose writes are not all here (``expect``: the producer's last sequence;
+        writes not yet durable when the shard crashed) is refused with
+        ``TransactionAbortedError``, nothing written."""
         check_producer(producer_id, epoch)
         if outcome not in OUTCOMES:
             raise InvalidMessageError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
         with self._locks.of(producer_id):
             with self.lock:
                 txn = self.state.open.get(producer_id)
+                if decide:
+                    decided = self._decided(producer_id, epoch, outcome, txn, expect)
+                    if decided is not None:
+                        return decided
                 if txn is None or epoch < txn.epoch:
                     last = self.state.ends.get(producer_id) if txn is None else None
                     if last is not None and last[0] == epoch and last[1] != outcome:
@@ -490,10 +502,47 @@ class KafkaTxnQueues:
                     return {"markers": 0}
                 self._ending[producer_id] = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
             try:
-                return self._end(producer_id, epoch, outcome, txn)
+                done = self._end(producer_id, epoch, outcome, txn)
+                return {**done, "outcome": outcome} if decide else done
             finally:
                 with self.lock:
                     del self._ending[producer_id]
+
+    def _decided(self, producer_id: int, epoch: int, outcome: str, txn,
+                 expect: int | None) -> dict | None:
+        """(under the locks) A one-phase end's answer when it writes nothing: the outcome
+        written before, or a COMMIT refused for writes that are missing; None: go on."""
+        last = self.state.ends.get(producer_id)
+        if (txn is None or epoch <= txn.epoch) and last is not None and last[0] == epoch:
+            return {"markers": 0, "outcome": last[1]}  # (asked again, or by a new leader)
+        if outcome != "COMMIT" or not expect:
+            return None
+        held = self.sequence_of(producer_id, txn.epoch) if txn is not None else 0
+        if held < expect:
+            raise TransactionAbortedError(
+                f"producer {producer_id} epoch {epoch - 1}: write {expect} of the transaction "
+                f"is not here (this shard holds up to {held}: lost with a crash before it "
+                f"was durable); it cannot commit")
+        return None
+
+    def sequence_of(self, producer_id: int, epoch: int) -> int:
+        """The last sequence of the producer's transactional writes at ``epoch`` stored
+        here (0: none)."""
+        last = self.store.last_sequence(ktx_store_pid(producer_id))
+        return last & MAX_SEQUENCE if last >> SEQ_BITS == epoch else 0
+
+    def verify(self, producer_id: int, epoch: int, expect: int) -> None:
+        """Before a two-phase commit: the producer's writes at ``epoch`` up to ``expect``
+        are here and durable (they were written without waiting for it), else
+        ``TransactionAbortedError``."""
+        check_producer(producer_id, epoch)
+        self.store.make_durable()
+        with self._locks.of(producer_id):
+            held = self.sequence_of(producer_id, epoch)
+        if held < expect:
+            raise TransactionAbortedError(
+                f"producer {producer_id} epoch {epoch}: write {expect} of the transaction "
+                f"is not here (this shard holds up to {held}); it cannot commit")
 
     def _end(self, producer_id: int, epoch: int, outcome: str, txn: OpenTxn) -> dict:
         """``end``'s markers and offsets for the open ``txn`` (under the producer's lock)."""
@@ -557,8 +606,7 @@ class KafkaTxnQueues:
         with self._locks.of(producer_id):
             with self.lock:
                 self.state.check_send(producer_id, epoch, queues)
-            last = self.store.last_sequence(store_pid)
-            last = last & MAX_SEQUENCE if last >> SEQ_BITS == epoch else 0  # (this epoch's)
+            last = self.sequence_of(producer_id, epoch)
             if sequence > last + 1:
                 raise OutOfOrderSequenceError(
                     f"producer {producer_id} epoch {epoch}: sequence {sequence} after {last} "

@@ -37,7 +37,7 @@ from raymq.actors.checkback import CheckRounds
 from raymq.actors.config import ClusterConfig
 from raymq.actors.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
 from raymq.actors.delay import SCHEDULER_PID_BASE, DelayScheduler  # noqa: F401 (tests)
-from raymq.actors.diversion import divert_to_system_topics, diverts
+from raymq.actors.diversion import check_transactional, divert_to_system_topics, diverts
 from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
 from raymq.actors.half_records import ops_record
@@ -417,22 +417,17 @@ class BrokerShard:
         self.ktx.register(producer_id, epoch, queues, list(groups))
 
     def ktx_send(self, batch: RecordBatch, producer_id: int, epoch: int,
-                 sequence: int, wait_ms: int = 0) -> SendReply:
-        """A Kafka-style transactional write (``KafkaTxnQueues.send``): all or nothing."""
+                 sequence: int, wait_ms: int = 0, durable: bool = True) -> SendReply:
+        """A Kafka-style transactional write (``KafkaTxnQueues.send``): all or nothing;
+        ``durable=False``: answered once written (its commit makes it durable)."""
         check_send(batch, producer_id, sequence, None)
-        if batch is None or not len(batch):
-            raise InvalidMessageError("a transactional write needs messages")
-        refused = refusals(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
-        if refused:
-            raise InvalidMessageError(f"message {min(refused)}: {refused[min(refused)]}")
-        if batch.properties is not None and diverts(batch.properties):
-            raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
-                                      "transaction")
+        check_transactional(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
         queues = batch.queues()
         self.routes.check(queues)
         t0 = self.clock.monotonic_ms()
         res = self.ktx.send(batch, queues, producer_id, epoch, sequence,
-                            lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq),
+                            lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq,
+                                                               wait=durable is not False),
                             wait_ms, self.config.send_timeout_ms)
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         self.faults.ktx_stored()
@@ -446,9 +441,14 @@ class BrokerShard:
         self.offsets.values(group, offsets)  # (each in its queue's range)
         self.ktx.add_offsets(producer_id, epoch, group, dict(offsets))
 
-    def ktx_end(self, producer_id: int, epoch: int, outcome: str) -> dict:
-        """The coordinator ends a producer's transaction here: markers, offsets."""
-        return self.ktx.end(producer_id, epoch, outcome)
+    def ktx_end(self, producer_id: int, epoch: int, outcome: str, expect: int | None = None,
+                decide: bool = False) -> dict:
+        """The coordinator ends a producer's transaction here (``KafkaTxnQueues.end``)."""
+        return self.ktx.end(producer_id, epoch, outcome, expect=expect, decide=decide is True)
+
+    def ktx_verify(self, producer_id: int, epoch: int, expect: int) -> None:
+        """Before a two-phase commit: the producer's writes here are all here, durable."""
+        self.ktx.verify(producer_id, epoch, int(expect))
 
     def ktx_status(self) -> list[dict]:
         """Open Kafka-style transactions on this shard (``raymq tx hanging``)."""
@@ -469,7 +469,8 @@ class BrokerShard:
 _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
                  "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",
                  "get_message", "find_by_key", "send_back", "dlq_list", "dlq_resend",
-                 "ktx_register", "ktx_send", "ktx_offsets", "ktx_end", "cancel_scheduled",
+                 "ktx_register", "ktx_send", "ktx_offsets", "ktx_verify", "ktx_end",
+                 "cancel_scheduled",
                  "timer_list")
 for _name in _PUBLIC_CALLS:
     setattr(BrokerShard, _name, answers_in_one_line(getattr(BrokerShard, _name)))

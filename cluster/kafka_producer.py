@@ -57,6 +57,10 @@ class TransactionalProducer:
         self._queues: set[tuple[int, str, int]] = set()
         self._groups: set[tuple[int, str]] = set()
         self._seq: dict[int, int] = defaultdict(int)
+        # shards written to without an fsync: while a transaction has one shard, its
+        # writes are answered once written, and its commit (one fsync there) checks they
+        # are all there (``raymq.actors.fast_commit``)
+        self._lazy: set[int] = set()
         # why the open transaction can only be aborted (None: it can commit): a write
         # failed after it was sent, so whether its shard stored it is unknown, and its
         # sequence may not be given to other messages (Kafka's abortable error)
@@ -113,6 +117,8 @@ class TransactionalProducer:
                 if new else None
             waiting = {s for s, _t, _q in new}
             wait_ms = self.config.send_timeout_ms // 2
+            lazy = len({s for s, _t, _q in self._queues | queues}
+                       | {s for s, _g in self._groups}) == 1
             born_ms = int(time.time() * 1000)
             parts = []
             for shard in np.unique(shards).tolist():  # to every shard at once
@@ -121,7 +127,9 @@ class TransactionalProducer:
                 batch = columns_to_batch(cols, idx, q, born_ms)
                 seq = self._seq[shard] + 1
                 args = (batch, self.producer_id, self.epoch, seq,
-                        wait_ms if shard in waiting else 0)
+                        wait_ms if shard in waiting else 0, not lazy)
+                if lazy:
+                    self._lazy.add(shard)
                 parts.append([shard, idx, q, seq, args, self._begin_send(shard, args)])
             if asked is not None:
                 self._registered(asked, new, parts, waiting)
@@ -335,7 +343,7 @@ class TransactionalProducer:
             try:
                 self.producer_id, self.epoch = self._ask(
                     "end_transaction", self.transactional_id, self.producer_id, self.epoch,
-                    asked)
+                    asked, dict(self._seq), sorted(self._lazy))
             except TransactionAbortedError:
                 # aborted before this commit: go on with the epoch after that abort
                 self.producer_id, self.epoch = self._ask("init_producer",
@@ -353,6 +361,7 @@ class TransactionalProducer:
                 self._queues.clear()
                 self._groups.clear()
                 self._seq.clear()
+                self._lazy.clear()
                 self._unknown = None
             if unknown is not None and outcome == "COMMIT":
                 raise TransactionAbortedError(

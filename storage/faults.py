@@ -41,6 +41,8 @@ CRASH_POINTS = {
                               "not registered on its shard, not answered",
     "ktx.markers_durable": "a Kafka-style end's markers and end record are durable, the "
                            "group offsets committed with it not saved yet",
+    "coordinator.one_phase_decided": "a one-shard Kafka-style transaction's shard committed "
+                                     "(or aborted) it, the coordinator logged nothing of it",
     "timer.checkpoint.before_rename": "a timer wheel checkpoint (a finished minute) is in its "
                                       "fsynced temp file, not renamed",
     "timer.checkpoint.renamed": "a timer wheel checkpoint is renamed in place, the finished "

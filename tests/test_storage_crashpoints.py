@@ -192,8 +192,9 @@ def test_a_kill_at_a_timer_checkpoint_delivers_each_due_message_once(tmp_path, p
 def test_every_crash_point_is_killed_at_by_a_test():
     """The tests above cover every point, and every point the code names is listed."""
     covered = {p for p, _ in WRITER_KILLS + REBUILD_KILLS + TIMER_KILLS} | {"recovery.put_cut"}
-    # tests/test_ktx_forever.py and test_kafka_transactions.py kill there
+    # tests/test_ktx_forever.py, test_kafka_transactions.py and test_fast_commit.py kill there
     covered |= {"ktx.markers_durable", "coordinator.add_logged"}
+    covered |= {"coordinator.one_phase_decided"}  # tests/test_fast_commit.py
     assert covered == set(CRASH_POINTS)
     named = set()
     for name in [os.path.join(d, f) for d in ("storage", "actors")
