@@ -18,17 +18,10 @@ from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
 from raymq.storage.errors import (BrokerUnavailableError, InvalidTxnStateError,
                                   TransactionAbortedError)
-from tests.test_coordinator import ROUTES, Cluster
+from tests.test_coordinator import ROUTES, Cluster, cluster  # noqa: F401 (a fixture)
 from tests.test_storage_powerloss import FsyncRecorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def lazy_write(cluster, tid, pid, epoch, seq, shard, body, qid=0, durable=False):
@@ -36,6 +29,16 @@ def lazy_write(cluster, tid, pid, epoch, seq, shard, body, qid=0, durable=False)
     reply = cluster.shards[shard].ktx_send(RecordBatch("t", qid, [body]), pid, epoch, seq, 0,
                                            durable)
     assert reply.status == "SEND_OK"
+
+
+def power_cut(cluster, rec: FsyncRecorder, tmp_path) -> None:
+    """Shard-0's machine loses power: it restarts from what was fsynced."""
+    image = tmp_path / "after-power-cut"
+    rec.write_image(str(image), "drop", random.Random(1))
+    cluster.shards[0].close()
+    cluster.shards[0] = BrokerShard(0, {**cluster.cfg, "data_dir": str(tmp_path / "x")},
+                                    directory=str(image), background=False)
+    cluster.shards[0].set_routes(ROUTES)
 
 
 def fsyncs_of(monkeypatch, part: str) -> list:
@@ -71,59 +74,49 @@ def test_one_shard_commits_in_one_phase_its_writes_made_durable_by_the_marker_s_
         c.end_transaction("job", pid, epoch, "ABORT")
 
 
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    """A cluster whose shard-0 files are followed by an ``FsyncRecorder`` (for
+    ``power_cut``)."""
+    rec = FsyncRecorder(str(tmp_path / "shard-0"))
+    rec.install(monkeypatch)
+    cluster = Cluster(tmp_path)
+    yield cluster, rec
+    cluster.close()
+
+
 def test_writes_a_power_cut_lost_abort_the_commit_instead_of_committing_part_of_it(
-        tmp_path, monkeypatch):
-    rec = FsyncRecorder(str(tmp_path / "shard-0"))
-    rec.install(monkeypatch)
-    cluster = Cluster(tmp_path)
-    try:
-        c = cluster.coordinator
-        pid, epoch = c.init_producer("job")
-        lazy_write(cluster, "job", pid, epoch, 1, 0, b"kept", durable=True)  # (fsynced)
-        lazy_write(cluster, "job", pid, epoch, 2, 0, b"lost")  # answered, never fsynced
-        # the shard's machine loses power: it restarts from what was fsynced
-        image = tmp_path / "after-power-cut"
-        rec.write_image(str(image), "drop", random.Random(1))
-        cluster.shards[0].close()
-        cluster.shards[0] = BrokerShard(0, {**cluster.cfg, "data_dir": str(tmp_path / "x")},
-                                        directory=str(image), background=False)
-        cluster.shards[0].set_routes(ROUTES)
-        with pytest.raises(TransactionAbortedError, match="lost writes"):
-            c.end_transaction("job", pid, epoch, "COMMIT", {0: 2}, [0])
-        assert c.describe_transaction("job")["state"] == "COMPLETE_ABORT"
-        assert cluster.read(0) == []  # nothing of it: not the write that survived either
-        assert cluster.read(0, isolation="read_uncommitted") == [b"kept"]
-        assert cluster.shards[0].ktx_status() == []  # its LSO is not held
-        pid, epoch = c.describe_transaction("job")["producer_id"], epoch + 1
-        lazy_write(cluster, "job", pid, epoch, 1, 0, b"next")  # the next one commits
-        c.end_transaction("job", pid, epoch, "COMMIT", {0: 1}, [0])
-        assert cluster.read(0) == [b"next"]
-    finally:
-        cluster.close()
+        tmp_path, recorded):
+    cluster, rec = recorded
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job")
+    lazy_write(cluster, "job", pid, epoch, 1, 0, b"kept", durable=True)  # (fsynced)
+    lazy_write(cluster, "job", pid, epoch, 2, 0, b"lost")  # answered, never fsynced
+    power_cut(cluster, rec, tmp_path)
+    with pytest.raises(TransactionAbortedError, match="lost writes"):
+        c.end_transaction("job", pid, epoch, "COMMIT", {0: 2}, [0])
+    assert c.describe_transaction("job")["state"] == "COMPLETE_ABORT"
+    assert cluster.read(0) == []  # nothing of it: not the write that survived either
+    assert cluster.read(0, isolation="read_uncommitted") == [b"kept"]
+    assert cluster.shards[0].ktx_status() == []  # its LSO is not held
+    pid, epoch = c.describe_transaction("job")["producer_id"], epoch + 1
+    lazy_write(cluster, "job", pid, epoch, 1, 0, b"next")  # the next one commits
+    c.end_transaction("job", pid, epoch, "COMMIT", {0: 1}, [0])
+    assert cluster.read(0) == [b"next"]
 
 
-def test_two_shards_verify_the_lazily_written_one_before_prepare(tmp_path, monkeypatch):
-    rec = FsyncRecorder(str(tmp_path / "shard-0"))
-    rec.install(monkeypatch)
-    cluster = Cluster(tmp_path)
-    try:
-        c = cluster.coordinator
-        pid, epoch = c.init_producer("job")
-        lazy_write(cluster, "job", pid, epoch, 1, 0, b"lost")  # one shard so far: lazy
-        lazy_write(cluster, "job", pid, epoch, 1, 1, b"other", durable=True)
-        image = tmp_path / "after-power-cut"
-        rec.write_image(str(image), "drop", random.Random(1))
-        cluster.shards[0].close()
-        cluster.shards[0] = BrokerShard(0, {**cluster.cfg, "data_dir": str(tmp_path / "x")},
-                                        directory=str(image), background=False)
-        cluster.shards[0].set_routes(ROUTES)
-        with pytest.raises(TransactionAbortedError):
-            c.end_transaction("job", pid, epoch, "COMMIT", {0: 1, 1: 1}, [0])
-        assert c.describe_transaction("job")["state"] == "COMPLETE_ABORT"
-        assert cluster.read(1) == [] and cluster.read(0) == []
-        assert cluster.shards[1].ktx_status() == []
-    finally:
-        cluster.close()
+def test_two_shards_verify_the_lazily_written_one_before_prepare(tmp_path, recorded):
+    cluster, rec = recorded
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job")
+    lazy_write(cluster, "job", pid, epoch, 1, 0, b"lost")  # one shard so far: lazy
+    lazy_write(cluster, "job", pid, epoch, 1, 1, b"other", durable=True)
+    power_cut(cluster, rec, tmp_path)
+    with pytest.raises(TransactionAbortedError):
+        c.end_transaction("job", pid, epoch, "COMMIT", {0: 1, 1: 1}, [0])
+    assert c.describe_transaction("job")["state"] == "COMPLETE_ABORT"
+    assert cluster.read(1) == [] and cluster.read(0) == []
+    assert cluster.shards[1].ktx_status() == []
 
 
 def test_an_in_doubt_transaction_is_never_aborted_blindly_while_its_shard_is_down(cluster):

@@ -204,11 +204,9 @@ def test_a_commit_whose_offsets_were_lost_is_applied_again_whatever_committed_af
         sh.close()
 
 
-def test_recovery_reapplies_the_offsets_of_a_commit_cut_short_before_them(tmp_path):
-    """Crash point between the end record and its offsets: the child dies inside the
-    production path (``ktx.markers_durable``), the restart applies them."""
-    child = textwrap.dedent("""
-        import sys
+#: A child's shard with one transaction (a write and a group's offsets) ready to end.
+ONE_COMMIT_WITH_OFFSETS = textwrap.dedent("""
+        import os, sys
         from raymq.actors.faults import faults_named
         from raymq.actors.shard import BrokerShard
         from raymq.storage import RecordBatch
@@ -218,12 +216,24 @@ def test_recovery_reapplies_the_offsets_of_a_commit_cut_short_before_them(tmp_pa
         sh.ktx_register(5, 0, [("t", 0)], ["g"])
         sh.ktx_send(RecordBatch("t", 0, [b"out"]), 5, 0, 1)
         sh.ktx_offsets(5, 0, "g", {("src", 0): 6})
+""")
+
+
+def test_recovery_reapplies_the_offsets_of_a_commit_cut_short_before_them(tmp_path):
+    """Crash point between the end record and its offsets: the child dies inside the
+    production path (``ktx.markers_durable``), the restart applies them."""
+    child = ONE_COMMIT_WITH_OFFSETS + textwrap.dedent("""
         faults_named("crash_at:ktx.markers_durable")
         sh.ktx_end(5, 1, "COMMIT")
     """)
     out = subprocess.run([sys.executable, "-c", child, str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 86 and "ktx.markers_durable" in out.stderr, out.stderr
+    assert_committed_with_offsets(tmp_path)
+
+
+def assert_committed_with_offsets(tmp_path) -> None:
+    """``ONE_COMMIT_WITH_OFFSETS``'s transaction, reopened: committed, offsets applied."""
     sh = reopen(tmp_path)
     try:
         assert read(sh)[0] == [b"out"]
@@ -236,16 +246,7 @@ def test_a_commit_s_offsets_need_no_fsync_of_their_own_a_crash_after_it_keeps_th
     """The offsets table is not rewritten (fsynced) by a commit (issue 27): the child dies
     right after the commit returned, its offsets file without them; the restart applies
     them again from the durable end record."""
-    child = textwrap.dedent("""
-        import os, sys, json
-        from raymq.actors.shard import BrokerShard
-        from raymq.storage import RecordBatch
-        sh = BrokerShard(0, {"data_dir": sys.argv[1], "num_shards": 1}, background=False)
-        sh.set_routes([("t", 0), ("src", 0)])
-        sh.send(RecordBatch("src", 0, [b"in"] * 8))
-        sh.ktx_register(5, 0, [("t", 0)], ["g"])
-        sh.ktx_send(RecordBatch("t", 0, [b"out"]), 5, 0, 1)
-        sh.ktx_offsets(5, 0, "g", {("src", 0): 6})
+    child = ONE_COMMIT_WITH_OFFSETS + textwrap.dedent("""
         sh.ktx_end(5, 1, "COMMIT")
         print("served", sh.get_offsets("g", [("src", 0)]), flush=True)
         on_disk = os.path.join(sh.directory, "offsets.json")
@@ -257,12 +258,7 @@ def test_a_commit_s_offsets_need_no_fsync_of_their_own_a_crash_after_it_keeps_th
     assert out.returncode == 9, out.stderr
     assert "served {('src', 0): 6}" in out.stdout  # (read at once from the table)
     assert "on disk False" in out.stdout  # (no rewrite of the file by the commit)
-    sh = reopen(tmp_path)
-    try:
-        assert read(sh)[0] == [b"out"]
-        assert sh.get_offsets("g", [("src", 0)]) == {("src", 0): 6}
-    finally:
-        sh.close()
+    assert_committed_with_offsets(tmp_path)
 
 
 # ------------------------------------------------------- 4. a quota in the middle of a commit
