@@ -71,6 +71,13 @@ LEGACY_APPLIED_KEY = APPLIED_PREFIX + KTX_INDEX_TOPIC
 Queue = tuple[str, int]
 
 
+def _check_wait(wait_ms, max_wait_ms: int) -> None:
+    if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) \
+            or not 0 <= wait_ms <= max_wait_ms:
+        raise InvalidMessageError(f"wait_ms must be an int of 0-{max_wait_ms} ms, "
+                                  f"got {wait_ms!r}")
+
+
 def ktx_store_pid(producer_id: int) -> int:
     return KTX_STORE_PID_BASE + producer_id
 
@@ -593,10 +600,7 @@ class KafkaTxnQueues:
         ``max_wait_ms``), a queue not registered yet is waited for that long (the producer
         asked its coordinator to add it as it sent this); a fenced epoch is refused at once."""
         check_producer(producer_id, epoch)
-        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) \
-                or not 0 <= wait_ms <= max_wait_ms:
-            raise InvalidMessageError(f"wait_ms must be an int of 0-{max_wait_ms} ms, "
-                                      f"got {wait_ms!r}")
+        _check_wait(wait_ms, max_wait_ms)
         if wait_ms:
             self._await_registration(producer_id, epoch, queues, wait_ms / 1000)
         if not 0 < sequence <= MAX_SEQUENCE:
@@ -616,12 +620,16 @@ class KafkaTxnQueues:
             return put(batch, store_pid, (epoch << SEQ_BITS) | sequence)
 
     def _await_registration(self, producer_id: int, epoch: int, queues: set[Queue],
-                            wait_s: float) -> None:
+                            wait_s: float, group: str | None = None) -> None:
+        """Wait up to ``wait_s`` for ``queues`` (or ``group``) to be registered for the
+        producer's epoch (its coordinator adds them as the write travels)."""
         deadline = time.monotonic() + wait_s  # (a real wait, whatever clock the shard keeps)
         with self._changed:
             while True:
                 try:
                     self.state.check_send(producer_id, epoch, queues)
+                    if group is not None and group not in self.state.open[producer_id].offsets:
+                        raise InvalidTxnStateError(group)
                     return
                 except InvalidTxnStateError:
                     left = deadline - time.monotonic()
@@ -630,10 +638,16 @@ class KafkaTxnQueues:
                     self._changed.wait(left)
 
     def add_offsets(self, producer_id: int, epoch: int, group: str,
-                    offsets: dict[Queue, int]) -> None:
+                    offsets: dict[Queue, int], wait_ms: int = 0,
+                    max_wait_ms: int = 0) -> None:
         """A group's next offsets, committed with the producer's transaction.  Everything
-        that could refuse them at the commit (the group quota) is checked here."""
+        that could refuse them at the commit (the group quota) is checked here.  With
+        ``wait_ms``, a group not registered yet is waited for that long (its add travels
+        with these offsets)."""
         check_producer(producer_id, epoch)
+        _check_wait(wait_ms, max_wait_ms)
+        if wait_ms:
+            self._await_registration(producer_id, epoch, set(), wait_ms / 1000, group)
         with self._locks.of(producer_id):
             with self.lock:
                 self.state.check_epoch(producer_id, epoch)

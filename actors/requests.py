@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from raymq.actors.protocol import EndRequest
+from raymq.actors.protocol import EndRequest, check_group
 from raymq.storage.errors import InvalidMessageError, RayMQError
 from raymq.storage.records import RecordBatch
 
@@ -75,7 +75,9 @@ def check_pull(requests, wait_ms, tags) -> None:
         for t, v in tags.items())), "tags: {topic: [tag, ...]}")
 
 
-def check_offsets(offsets) -> None:
+def check_offsets(offsets, group: str) -> None:
+    """A group's offsets: a valid group name, ``{(topic, queue id): offset}``."""
+    check_group(group)
     need(isinstance(offsets, dict), "offsets: {(topic, queue id): offset}")
     check_queues(list(offsets))
     need(all(is_int(o) for o in offsets.values()), "an offset is an int >= 0")

@@ -333,8 +333,7 @@ class BrokerShard:
 
     def commit_offsets(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
-        check_group(group)
-        check_offsets(offsets)
+        check_offsets(offsets, group)
         self._check_readable(set(offsets), group)
         self.offsets.commit(group, offsets)
 
@@ -433,13 +432,13 @@ class BrokerShard:
         self.faults.ktx_stored()
         return self._sent(batch, res, res.status)
 
-    def ktx_offsets(self, producer_id: int, epoch: int, group: str, offsets: dict) -> None:
+    def ktx_offsets(self, producer_id: int, epoch: int, group: str, offsets: dict, wait_ms=0):
         """A group's next offsets, to commit with the producer's transaction."""
-        check_group(group)
-        check_offsets(offsets)
+        check_offsets(offsets, group)
         self._check_readable(set(offsets), group)
         self.offsets.values(group, offsets)  # (each in its queue's range)
-        self.ktx.add_offsets(producer_id, epoch, group, dict(offsets))
+        self.ktx.add_offsets(producer_id, epoch, group, dict(offsets), wait_ms,
+                             self.config.send_timeout_ms)
 
     def ktx_end(self, producer_id: int, epoch: int, outcome: str, expect: int | None = None,
                 decide: bool = False) -> dict:

@@ -172,13 +172,43 @@ class TransactionalProducer:
                 if not 0 <= qid < len(routes[topic]):
                     raise InvalidMessageError(f"{topic} has no queue {qid}")
                 by_shard[routes[topic][qid]][(topic, qid)] = off
-            self._register(set(), {(s, group) for s in by_shard})
-            for shard, values in by_shard.items():
-                try:
-                    self._write(shard, "ktx_offsets", group, values)
-                except BaseException as err:
-                    self._failed(err)
-                    raise
+            if not self._offsets_with_add(group, by_shard):
+                # (the add or a write failed: in turn now, each retried while retriable)
+                self._register(set(), {(s, group) for s in by_shard})
+                for shard, values in by_shard.items():
+                    try:
+                        self._write(shard, "ktx_offsets", group, values)
+                    except BaseException as err:
+                        self._failed(err)
+                        raise
+
+    def _offsets_with_add(self, group: str, by_shard: dict) -> bool:
+        """The offsets to every shard at once, each travelling with the add of its group
+        (a shard holds them until the coordinator registers the group there, as it holds
+        a write); whether all were taken (False: nothing is known lost -- offsets are
+        idempotent -- and the caller goes on in turn)."""
+        new = {(s, group) for s in by_shard} - self._groups
+        asked = self._begin_ask("add_to_transaction", self.transactional_id,
+                                self.producer_id, self.epoch, [], sorted(new)) if new else None
+        wait_ms = self.config.send_timeout_ms // 2
+        calls = [self._mq.transport.begin(
+            shard, "ktx_offsets", (self.producer_id, self.epoch, group, values,
+                                   wait_ms if (shard, group) in new else 0),
+            timeout_s=self.config.send_timeout_ms / 1000) for shard, values in by_shard.items()]
+        ok = True
+        for call in ([asked] if asked is not None else []) + calls:
+            try:
+                call.result()
+            except ProducerFencedError:
+                self._state = "fenced"
+                raise
+            except RayMQError as err:
+                log.info("%s: offsets with their add: %s; again in turn",
+                         self.transactional_id, err)
+                ok = False
+        if ok:
+            self._groups |= new
+        return ok
 
     def commit(self) -> None:
         """Commit the transaction: every message and offset of it becomes visible at once.

@@ -77,6 +77,28 @@ def test_an_aborted_transaction_is_invisible_committed_and_visible_uncommitted(s
     assert read(shard)[0] == [b"other", b"kept"]
 
 
+def test_offsets_sent_with_their_group_s_registration_wait_for_it_and_no_longer(shard):
+    """``send_offsets`` sends a group's offsets together with the add of the group
+    (issue 27): the shard holds them until the registration lands, refuses them when
+    none comes in time."""
+    shard.send(RecordBatch("t", 1, [b"in"] * 4))
+    shard.ktx_register(7, 0, [("t", 0)])
+    later = threading.Timer(0.3, shard.ktx_register, (7, 0, [], ["g"]))
+    later.start()
+    t0 = time.monotonic()
+    shard.ktx_offsets(7, 0, "g", {("t", 1): 3}, 5000)
+    assert 0.25 < time.monotonic() - t0 < 3  # taken once the registration came
+    later.join()
+    t0 = time.monotonic()
+    with pytest.raises(InvalidTxnStateError, match="'h' is not registered"):
+        shard.ktx_offsets(7, 0, "h", {("t", 1): 3}, 300)
+    assert 0.25 < time.monotonic() - t0 < 3
+    with pytest.raises(InvalidMessageError, match="wait_ms"):
+        shard.ktx_offsets(7, 0, "g", {("t", 1): 3}, -1)
+    assert shard.ktx_end(7, 1, "COMMIT") == {"markers": 1}
+    assert shard.get_offsets("g", [("t", 1)]) == {("t", 1): 3}
+
+
 def test_a_write_sent_with_its_registration_waits_for_it_and_no_longer(shard):
     """The producer asks its coordinator to add a queue and sends the write at the same
     time (``wait_ms``): the shard holds the write until the registration lands, refuses
