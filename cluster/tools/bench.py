@@ -604,26 +604,8 @@ def bench_kafkatx(b: Bench) -> None:
         total = 0
         for per_txn in (10, 100, 1000):
             msgs = [Message("ktx", body) for _ in range(per_txn)]
-            n_txn = max(2, b.n(20_000) // per_txn // 4)  # per slice; 4 slices
-            b.progress(f"kafkatx: {4 * n_txn} transactions of {per_txn} messages and as many "
-                       f"plain batches, in 4 alternating slices")
-
-            def transactional():
-                for _ in range(n_txn):
-                    with kp.transaction():
-                        kp.send_batch(msgs)
-
-            def plain():
-                for _ in range(n_txn):
-                    p.send_batch(msgs)
-            dt_tx, dt_plain = _alternating(4, transactional, plain)
-            n = 4 * n_txn * per_txn
+            n, plain_rate = _txns_vs_batches(b, kp, p, msgs, f"b{per_txn}", size=256)
             total += 2 * n
-            b.emit(f"kafkatx.b{per_txn}", n / dt_tx, "msgs/s", per_txn=per_txn, n=n, size=256)
-            b.emit(f"kafkatx.plain_b{per_txn}", n / dt_plain, "msgs/s", batch=per_txn, n=n)
-            b.ratio(f"kafkatx.b{per_txn}_ratio", f"kafkatx.b{per_txn}",
-                    f"kafkatx.plain_b{per_txn}")
-            plain_rate = n / dt_plain
         # Kafka's own figure (~0.97) is at 100 ms commit intervals: a transaction of as
         # many 1000-message batches as plain batched produce sends in about 100 ms
         per_batch = 1000
@@ -686,28 +668,37 @@ def bench_kafkatx(b: Bench) -> None:
         _teardown_cluster(data)
 
 
+def _txns_vs_batches(b: Bench, kp, p, msgs: list, name: str, **params) -> tuple:
+    """Transactions of ``msgs`` against plain batches of them, in 4 alternating slices:
+    ``kafkatx.<name>``, ``kafkatx.plain_<name>`` and their ratio; (messages each, the
+    plain rate)."""
+    per_txn = len(msgs)
+    n_txn = max(2, b.n(20_000) // per_txn // 4)  # per slice; 4 slices
+    b.progress(f"kafkatx: {4 * n_txn} transactions of {per_txn} messages ({name}) and as many "
+               f"plain batches, in 4 alternating slices")
+
+    def transactional():
+        for _ in range(n_txn):
+            with kp.transaction():
+                kp.send_batch(msgs)
+
+    def plain():
+        for _ in range(n_txn):
+            p.send_batch(msgs)
+    dt_tx, dt_plain = _alternating(4, transactional, plain)
+    n = 4 * n_txn * per_txn
+    b.emit(f"kafkatx.{name}", n / dt_tx, "msgs/s", per_txn=per_txn, n=n, **params)
+    b.emit(f"kafkatx.plain_{name}", n / dt_plain, "msgs/s", batch=per_txn, n=n, **params)
+    b.ratio(f"kafkatx.{name}_ratio", f"kafkatx.{name}", f"kafkatx.plain_{name}")
+    return n, n / dt_plain
+
+
 def _kafkatx_more(b: Bench, mq, kp, p, body: bytes, shards: int) -> None:
     """Transactions of 100 messages over every shard, a 1-message transaction's latency,
     and a consume-transform-produce loop, each against its plain counterpart."""
     from raymq.message import Message
     spread = [Message("ktx", body, key=str(i)) for i in range(100)]  # (keys: every queue)
-    n_txn = max(2, b.n(20_000) // 100 // 4)
-    b.progress(f"kafkatx: {4 * n_txn} transactions of 100 messages over {shards} shards and "
-               f"as many plain batches, in 4 alternating slices")
-
-    def transactional():
-        for _ in range(n_txn):
-            with kp.transaction():
-                kp.send_batch(spread)
-
-    def plain():
-        for _ in range(n_txn):
-            p.send_batch(spread)
-    dt_tx, dt_plain = _alternating(4, transactional, plain)
-    n = 4 * n_txn * 100
-    b.emit("kafkatx.b100_3shards", n / dt_tx, "msgs/s", per_txn=100, n=n, shards=shards)
-    b.emit("kafkatx.plain_b100_3shards", n / dt_plain, "msgs/s", batch=100, n=n, shards=shards)
-    b.ratio("kafkatx.b100_3shards_ratio", "kafkatx.b100_3shards", "kafkatx.plain_b100_3shards")
+    _txns_vs_batches(b, kp, p, spread, "b100_3shards", shards=shards)
 
     k = b.n(400, 40)
     b.progress(f"kafkatx: latency of {k} one-message transactions and {k} plain sends, "
