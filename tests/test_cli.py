@@ -174,6 +174,8 @@ def test_bench_txmsg_prints_its_figures(tmp_path):
     # settled by a check-back: not before the transaction timeout, every one of them
     assert check["value"] >= check["params"]["txn_timeout_ms"] and check["params"]["n"] == 20
     assert got["txmsg.p8"]["params"]["requests"] > 0
+    assert got["txmsg.p1_ratio"]["value"] == pytest.approx(
+        got["txmsg.p1"]["value"] / got["txmsg.plain_p1"]["value"], abs=0.001)
 
 
 def _bench_figures(suite: str, tmp_path, scale: str) -> dict:
@@ -203,6 +205,14 @@ def test_bench_kafkatx_prints_the_issues_metric_names(tmp_path):
     assert got["kafkatx.read_committed_ratio"]["value"] > 0
     p50, p99 = got["kafkatx.commit_p50_ms"], got["kafkatx.commit_p99_ms"]
     assert 0 < p50["value"] <= p99["value"] and p99["params"]["shards"] == 3
+    # issue 27's figures: each a ratio of two figures of the same run
+    for ratio, num, den in (("b100_3shards_ratio", "b100_3shards", "plain_b100_3shards"),
+                            ("p1_latency_ratio", "p1_latency_ms", "plain_p1_latency_ms"),
+                            ("eos_b100_ratio", "eos_b100", "plain_eos_b100")):
+        assert got[f"kafkatx.{num}"]["value"] > 0 and got[f"kafkatx.{den}"]["value"] > 0
+        assert got[f"kafkatx.{ratio}"]["value"] == pytest.approx(
+            got[f"kafkatx.{num}"]["value"] / got[f"kafkatx.{den}"]["value"], abs=0.001)
+    assert got["kafkatx.b100_3shards"]["params"]["shards"] == 3
 
 
 @pytest.mark.slow
