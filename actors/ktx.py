@@ -506,7 +506,9 @@ class KafkaTxnQueues:
                     self.state.epochs[producer_id] = max(epoch, self.state.epochs.get(
                         producer_id, -1))
                     self._changed.notify_all()  # (a fence: a waiting write is refused)
-                    return {"markers": 0}
+                    # (deciding: nothing of it is here -- lost, or never written -- so
+                    # nothing of it can ever be visible: aborted)
+                    return {"markers": 0, "outcome": "ABORT"} if decide else {"markers": 0}
                 self._ending[producer_id] = self.store.max_queue_offset(KTX_INDEX_TOPIC, 0)
             try:
                 done = self._end(producer_id, epoch, outcome, txn)

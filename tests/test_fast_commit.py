@@ -105,6 +105,24 @@ def test_writes_a_power_cut_lost_abort_the_commit_instead_of_committing_part_of_
     assert cluster.read(0) == [b"next"]
 
 
+def test_a_power_cut_that_lost_the_whole_transaction_on_its_shard_aborts_it(
+        tmp_path, recorded):
+    """The registration too was written lazily (covered by the first durable write, which
+    never came): the shard knows nothing of the transaction; the commit aborts it."""
+    cluster, rec = recorded
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job")
+    lazy_write(cluster, "job", pid, epoch, 1, 0, b"lost")
+    power_cut(cluster, rec, tmp_path)
+    with pytest.raises(TransactionAbortedError):
+        c.end_transaction("job", pid, epoch, "COMMIT", {0: 1}, [0])
+    assert c.describe_transaction("job")["state"] == "COMPLETE_ABORT"
+    assert cluster.read(0, isolation="read_uncommitted") == []
+    lazy_write(cluster, "job", pid, epoch + 1, 1, 0, b"next")  # and the id goes on
+    c.end_transaction("job", pid, epoch + 1, "COMMIT", {0: 1}, [0])
+    assert cluster.read(0) == [b"next"]
+
+
 def test_two_shards_verify_the_lazily_written_one_before_prepare(tmp_path, recorded):
     cluster, rec = recorded
     c = cluster.coordinator
