@@ -253,7 +253,7 @@ class TransactionCoordinator:
             # take a registration they have as a no-op
             added = TxnMetadata(transactional_id, producer_id, epoch, new.timeout_ms,
                                 TxnState.ONGOING, frozenset(queues), frozenset(entries))
-            self._on_shards(added, "ktx_register", lambda queues_, groups_: (
+            self._on_shards(added, "ktx_register", lambda _s, queues_, groups_: (
                 producer_id, epoch, queues_, groups_))
             return new.epoch
 
@@ -272,12 +272,11 @@ class TransactionCoordinator:
             raise InvalidMessageError(f"outcome must be COMMIT or ABORT, got {outcome!r}")
         with self._txn_locks.of(transactional_id):
             meta = self._txns.get(transactional_id)
-            if meta is not None and meta.producer_id == producer_id and meta.epoch == epoch \
-                    and meta.state in PREPARED:
-                meta = self._complete(meta)  # asked again while it is completing
-            if meta is not None and outcome == "ABORT" and meta.producer_id == producer_id \
-                    and meta.epoch == epoch:
-                meta = self.fast.settle(meta)
+            if meta is not None and meta.producer_id == producer_id and meta.epoch == epoch:
+                if meta.state in PREPARED:
+                    meta = self._complete(meta)  # asked again while it is completing
+                elif outcome == "ABORT":
+                    meta = self.fast.settle(meta)  # (one committed in one phase stays so)
             if meta is not None and meta.ended_by(producer_id, epoch):
                 done = "COMMIT" if meta.state is TxnState.COMPLETE_COMMIT else "ABORT"
                 if done == outcome:  # a retry of an end that completed
@@ -312,22 +311,26 @@ class TransactionCoordinator:
         fence = MAX_EPOCH if rolled else done.epoch
         outcome = "COMMIT" if commit else "ABORT"
         # the markers carry the next epoch: a late write of this transaction is fenced
-        self._on_shards(prepare, "ktx_end", lambda _q, _g: (prepare.producer_id, fence,
-                                                           outcome))
+        self._on_shards(prepare, "ktx_end", lambda _s, _q, _g: (prepare.producer_id, fence,
+                                                               outcome))
         # (markers are idempotent: a lost COMPLETE is redone.  A new producer id is made
         # durable before it is handed out: never given twice, never taken back)
         self._append(done, wait=rolled)
         self._retry.pop(prepare.transactional_id, None)
         return done
 
-    def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable) -> None:
-        """Call ``method`` on every shard of the transaction (all sent before any answer
-        is awaited); the first error is raised once every call is done."""
+    def _on_shards(self, meta: TxnMetadata, method: str, args_of: Callable,
+                   only: set | None = None) -> None:
+        """``method(*args_of(shard, queues, groups))`` on the transaction's shards (``only``:
+        those of them), all sent before any answer is awaited; then the first error raised
+        (a ``TransactionAbortedError`` first: it cannot commit, whatever else failed)."""
         calls, errors = [], []
         for shard, (queues, groups) in shards_of(meta).items():
+            if only is not None and shard not in only:
+                continue
             try:
                 calls.append((shard, self._begin_shard(shard, method,
-                                                       args_of(queues, groups))))
+                                                       args_of(shard, queues, groups))))
             except Exception as err:  # noqa: BLE001 -- raised below, after every call
                 errors.append((shard, err))
         for shard, call in calls:
@@ -336,7 +339,7 @@ class TransactionCoordinator:
             except Exception as err:  # noqa: BLE001 -- raised below, after every call
                 errors.append((shard, err))
         if errors:
-            shard, err = errors[0]
+            shard, err = min(errors, key=lambda e: not isinstance(e[1], TransactionAbortedError))
             log.warning("coordinator-%d: %s of %r on shard-%d failed: %s", self.index, method,
                         meta.transactional_id, shard, err)
             raise err
@@ -413,7 +416,7 @@ class TransactionCoordinator:
                     log.warning("coordinator-%d: %r open for %d ms, past its timeout: "
                                 "aborting it", self.index, tid, now - self._began[tid])
                     self._append(transition(meta, TxnState.PREPARE_ABORT, self.clock.now_ms()))
-                    aborted.append(tid)
+                    aborted.append(tid)  # (prepared: complete_prepared finishes it)
                     self._complete(self._txns[tid])
             except Exception as err:  # noqa: BLE001 -- prepared: complete_prepared goes on
                 log.warning("coordinator-%d: aborting %r: %s", self.index, tid, err)

@@ -102,18 +102,10 @@ class FastCommit:
     def verify(self, meta: TxnMetadata, seqs: dict, lazy) -> None:
         """Before a two-phase commit: every shard that took writes without an fsync has
         them all, durably; ``TransactionAbortedError`` else (the caller aborts)."""
-        calls = [self.c._begin_shard(s, "ktx_verify", (meta.producer_id, meta.epoch,
-                                                        int(seqs.get(s, 0))))
-                 for s in sorted({int(s) for s in lazy}) if int(seqs.get(s, 0)) > 0]
-        errors = []
-        for call in calls:
-            try:
-                call.result()
-            except Exception as err:  # noqa: BLE001 -- raised below, after every call
-                errors.append(err)
-        missing = [e for e in errors if isinstance(e, TransactionAbortedError)]
-        if missing or errors:
-            raise (missing or errors)[0]
+        written = {int(s) for s in lazy if seqs.get(int(s), 0) > 0}
+        if written:
+            self.c._on_shards(meta, "ktx_verify", lambda s, _q, _g: (
+                meta.producer_id, meta.epoch, seqs[s]), only=written)
 
     def _end(self, meta: TxnMetadata, shard: int, outcome: str, expect: int | None) -> dict:
         # the markers carry the next epoch, as a two-phase end's (``_complete``)

@@ -481,7 +481,8 @@ class KafkaTxnQueues:
         older one (idempotent: nothing when none is open); the producer's epochs before
         ``epoch`` are fenced from now on.  On COMMIT its groups' offsets take effect.
 
-        ``decide`` (the transaction's only shard: a one-phase commit, ``one_phase``): the
+        ``decide`` (the transaction's only shard: a one-phase commit,
+        ``raymq.actors.fast_commit``): the
         answer says the outcome the transaction has here (``"outcome"``) -- an end that
         contradicts one written before is answered with that one, not refused -- and a
         COMMIT whose writes are not all here (``expect``: the producer's last sequence;
@@ -526,12 +527,9 @@ class KafkaTxnQueues:
             return {"markers": 0, "outcome": last[1]}  # (asked again, or by a new leader)
         if outcome != "COMMIT" or not expect:
             return None
-        held = self.sequence_of(producer_id, txn.epoch) if txn is not None else 0
-        if held < expect:
-            raise TransactionAbortedError(
-                f"producer {producer_id} epoch {epoch - 1}: write {expect} of the transaction "
-                f"is not here (this shard holds up to {held}: lost with a crash before it "
-                f"was durable); it cannot commit")
+        if txn is None:  # (nothing of it here)
+            self._require_writes(producer_id, epoch - 1, expect, held=0)
+        self._require_writes(producer_id, txn.epoch, expect)
         return None
 
     def sequence_of(self, producer_id: int, epoch: int) -> int:
@@ -547,11 +545,19 @@ class KafkaTxnQueues:
         check_producer(producer_id, epoch)
         self.store.make_durable()
         with self._locks.of(producer_id):
+            self._require_writes(producer_id, epoch, expect)
+
+    def _require_writes(self, producer_id: int, epoch: int, expect: int,
+                        held: int | None = None) -> None:
+        """``TransactionAbortedError`` unless the producer's writes at ``epoch`` up to
+        sequence ``expect`` are here (``held``: the last here, when known)."""
+        if held is None:
             held = self.sequence_of(producer_id, epoch)
         if held < expect:
             raise TransactionAbortedError(
                 f"producer {producer_id} epoch {epoch}: write {expect} of the transaction "
-                f"is not here (this shard holds up to {held}); it cannot commit")
+                f"is not here (this shard holds up to {held}: lost with a crash before it "
+                f"was durable); it cannot commit")
 
     def _end(self, producer_id: int, epoch: int, outcome: str, txn: OpenTxn) -> dict:
         """``end``'s markers and offsets for the open ``txn`` (under the producer's lock)."""

@@ -167,9 +167,9 @@ class LeaderState:
         parts = self.shipper.due(follower, held) if held is not None and \
             from_phys + max_bytes >= end_then else {}
         version, table = self.store.offsets.versioned()
-        covered = self.store.max_phys_offset
+        covered = self.store.max_phys_offset  # (>= end_then: a leader's log only grows)
         start, data = self.store.read_frames(from_phys, max_bytes)
-        caught_up = start + len(data) >= max(end_then, covered)
+        caught_up = start + len(data) >= covered
         if caught_up and parts:
             self.shipper.sent(follower, parts)
         return {"start": start, "data": data, "leader_end": end_then, "confirmed": confirmed,

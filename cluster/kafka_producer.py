@@ -195,17 +195,19 @@ class TransactionalProducer:
             shard, "ktx_offsets", (self.producer_id, self.epoch, group, values,
                                    wait_ms if (shard, group) in new else 0),
             timeout_s=self.config.send_timeout_ms / 1000) for shard, values in by_shard.items()]
-        ok = True
+        ok, fenced = True, None
         for call in ([asked] if asked is not None else []) + calls:
-            try:
+            try:  # (every answer read: each call's connection goes back to its pool)
                 call.result()
-            except ProducerFencedError:
-                self._state = "fenced"
-                raise
+            except ProducerFencedError as err:
+                fenced = fenced or err
             except RayMQError as err:
                 log.info("%s: offsets with their add: %s; again in turn",
                          self.transactional_id, err)
                 ok = False
+        if fenced is not None:
+            self._state = "fenced"
+            raise fenced
         if ok:
             self._groups |= new
         return ok
