@@ -335,6 +335,27 @@ def alive_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
+def nodes() -> list[dict]:
+    """Every node Ray knows: ``node`` (id), ``alive``, ``address``, ``head`` and its
+    ``resources`` (totals)."""
+    return [{"node": n["NodeID"], "alive": bool(n.get("Alive")),
+             "address": n.get("NodeManagerAddress"),
+             "head": "node:__internal_head__" in n.get("Resources", {}),
+             "resources": {k: v for k, v in n.get("Resources", {}).items()
+                           if not k.startswith("node:")}} for n in ray.nodes()]
+
+
+def named_actors(namespace: str = NAMESPACE) -> list[str]:
+    """The names of the live named actors of ``namespace``, sorted."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == namespace)
+
+
+def ready(handle) -> Pending:
+    """A call that answers once the actor is up (Ray's own readiness method)."""
+    return Pending(handle.__ray_ready__.remote())
+
+
 def cluster_resources() -> dict[str, float]:
     """The cluster's total resources, custom ones included (``raymq_shard_<i>``, ...)."""
     return ray.cluster_resources()

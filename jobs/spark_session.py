@@ -8,6 +8,12 @@ RayDP's app master's JVM options.  A missing or too old Java is one line naming 
 fix.  Executors leave a CPU to Ray's own tasks (Ray Data's reads and block metadata
 need one; Spark on every CPU makes them wait for ever).  Nested ``spark_session``
 blocks share the outer session (RayDP runs one per process).
+
+``quiet=True`` (``raymq demo`` without ``--verbose``) sets the log levels, not filters
+text: Spark's JVMs get ``log4j2-quiet.properties`` (errors only) and no console progress
+bar, the JVM's Ray core worker logs warnings and up, Ray Data logs warnings and up
+(``quiet_ray_data``), and PySpark's deprecation warning about ``DataFrame.sql_ctx`` (which
+RayDP's dataset hand-off uses) is not shown.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+import warnings
 
 from raymq.storage.errors import JavaMissingError
 
@@ -29,6 +36,30 @@ JAVA17_OPTIONS = " ".join(["-XX:+IgnoreUnrecognizedVMOptions"] +
 JAVA_FIX = "apt-get install openjdk-17-jre-headless (make install does it)"
 
 _active = None
+
+#: Spark's JVMs' log4j2 configuration when quiet: errors only, on stderr
+QUIET_LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2-quiet.properties")
+
+
+def quiet_ray_data() -> None:
+    """Ray Data at warnings and up, without progress bars (its start-up and per-dataset
+    progress lines are INFO).  Set before ``ray.data`` is imported, the level holds for its
+    own logging set-up too (``RAY_DATA_LOG_LEVEL``)."""
+    import logging
+    os.environ["RAY_DATA_LOG_LEVEL"] = "WARNING"
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    if "ray.data" in sys.modules:
+        from ray.data import DataContext
+        DataContext.get_current().enable_progress_bars = False
+
+
+def quiet_configs() -> dict[str, str]:
+    """Spark settings of a quiet session: RayMQ's log4j2 configuration in the driver and in
+    RayDP's app master (RayDP passes each as ``-Dlog4j2.configurationFile``), no stage
+    progress bar."""
+    return {"spark.log4j.config.file.name": QUIET_LOG4J2,
+            "spark.ray.log4j.config.file.name": QUIET_LOG4J2,
+            "spark.ui.showConsoleProgress": "false"}
 
 
 def java_major(version_output: str) -> int:
@@ -65,9 +96,11 @@ def spark_configs(executors: int, cores: int, extra: dict | None = None) -> dict
 
 @contextlib.contextmanager
 def spark_session(mq=None, *, num_executors: int | None = None, executor_cores: int = 1,
-                  executor_memory: str = "1g", configs: dict | None = None):
+                  executor_memory: str = "1g", configs: dict | None = None,
+                  quiet: bool = False):
     """A SparkSession on this Ray cluster (``raydp.init_spark``), stopped on exit.  By
-    default one 1-core executor per Ray CPU but one (at least one executor)."""
+    default one 1-core executor per Ray CPU but one (at least one executor).  ``quiet``:
+    errors only from Spark, its JVMs and Ray Data (see the module's text)."""
     global _active
     if _active is not None:
         yield _active
@@ -76,6 +109,11 @@ def spark_session(mq=None, *, num_executors: int | None = None, executor_cores: 
     import ray
     import raydp
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if quiet:
+        quiet_ray_data()
+        os.environ["RAY_BACKEND_LOG_LEVEL"] = "warning"  # (the JVM's Ray core worker)
+        warnings.filterwarnings("ignore", message="DataFrame.sql_ctx", category=UserWarning)
+        configs = {**quiet_configs(), **(configs or {})}
     cpus = int(ray.cluster_resources().get("CPU", 1))
     executors = num_executors or max(1, (cpus - 1) // executor_cores)
     spark = raydp.init_spark(f"raymq-{os.getpid()}-{uuid.uuid4().hex[:6]}", executors,
@@ -86,4 +124,28 @@ def spark_session(mq=None, *, num_executors: int | None = None, executor_cores: 
         yield spark
     finally:
         _active = None
+
+#: Spark's JVMs' log4j2 configuration when quiet: errors only, on stderr
+QUIET_LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2-quiet.properties")
+
+
+def quiet_ray_data() -> None:
+    """Ray Data at warnings and up, without progress bars (its start-up and per-dataset
+    progress lines are INFO).  Set before ``ray.data`` is imported, the level holds for its
+    own logging set-up too (``RAY_DATA_LOG_LEVEL``)."""
+    import logging
+    os.environ["RAY_DATA_LOG_LEVEL"] = "WARNING"
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    if "ray.data" in sys.modules:
+        from ray.data import DataContext
+        DataContext.get_current().enable_progress_bars = False
+
+
+def quiet_configs() -> dict[str, str]:
+    """Spark settings of a quiet session: RayMQ's log4j2 configuration in the driver and in
+    RayDP's app master (RayDP passes each as ``-Dlog4j2.configurationFile``), no stage
+    progress bar."""
+    return {"spark.log4j.config.file.name": QUIET_LOG4J2,
+            "spark.ray.log4j.config.file.name": QUIET_LOG4J2,
+            "spark.ui.showConsoleProgress": "false"}
         raydp.stop_spark()

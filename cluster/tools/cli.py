@@ -29,6 +29,7 @@ deploys RayMQ there, the others say so when it is not deployed.
   demo               the main demonstration on an embedded local cluster
   bench              benchmark suites: JSON lines on stdout, progress on stderr
   config             every cluster setting (--describe), or the settings of --config
+  console            the web console: pages and JSON for operators (localhost by default)
 """
 
 
@@ -402,6 +403,38 @@ def _cmd_timer(args) -> int:
     return 0
 
 
+def _cmd_console(args) -> int:
+    from raymq.tools.console import Console, ConsoleServer
+    from raymq.tools.console_pages import Pages
+    if args.embedded:  # a local Ray of its own over --config's data (e.g. the demo's)
+        from raymq import rpc
+        from raymq.client import connect
+        settings = _config_file(args)
+        rpc.init("local", include_dashboard=False, logging_level=logging.ERROR)
+        mq = connect(deploy=True, config=settings)
+    else:
+        mq = _connect(args)
+    console = Console(mq, read_only=args.read_only, pages=Pages(mq, sample_s=args.sample_every))
+    server = ConsoleServer(console, args.host, args.port).start()
+    print(f"RayMQ console: {server.url}", flush=True)
+    if console.token:
+        print(f"access token for actions (the page asks once): {console.token}", flush=True)
+    else:
+        print("read-only: every action is refused", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"raymq console: serving on {args.host}: anyone who reaches this port can read "
+              "the cluster's messages", file=sys.stderr)
+    print("Ctrl-C to stop", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("console stopped", file=sys.stderr)
+    finally:
+        server.stop()
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -627,6 +660,26 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="multiply the message counts (e.g. 0.1 for a quick run)")
     bench.add_argument("--workdir", help="directory for benchmark data (default: system temp)")
     bench.set_defaults(func=_cmd_bench)
+
+    console = sub.add_parser(
+        "console", help="serve the web console for operators",
+        description="Serve RayMQ's web console for the cluster this command joins (found as "
+                    "every command finds it): overview, topics, message look-up, half "
+                    "messages, Kafka-style transactions, timers, consumer groups and dead "
+                    "letters, each page also JSON under /api/. Prints the URL and, unless "
+                    "--read-only, the access token every action needs.")
+    console.add_argument("--host", default="127.0.0.1",
+                         help="address to listen on (127.0.0.1: this machine only)")
+    console.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
+    console.add_argument("--read-only", action="store_true",
+                         help="refuse every action (no token is made)")
+    console.add_argument("--sample-every", type=float, default=5.0, metavar="S",
+                         help="seconds between the samples the charts draw")
+    console.add_argument("--embedded", action="store_true",
+                         help="start a local Ray and RayMQ of its own over the settings of "
+                              "--config (e.g. the data a `raymq demo` left) instead of joining "
+                              "a running cluster")
+    console.set_defaults(func=_cmd_console)
 
     config = sub.add_parser(
         "config", help="describe the cluster settings, or check a settings file",

@@ -1,0 +1,293 @@
+// RayMQ console: each page is drawn from the JSON of /api/<page>; actions POST with the
+// access token `raymq console` printed (asked once, kept for this browser tab).
+"use strict";
+
+const TOKEN_KEY = "raymq-console-token";
+let session = { read_only: true, token_header: "X-RayMQ-Token" };
+let timer = null;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "onclick") node.addEventListener("click", v);
+    else if (v !== undefined && v !== null) node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined) continue;
+    node.appendChild(typeof c === "string" || typeof c === "number" ?
+      document.createTextNode(String(c)) : c);
+  }
+  return node;
+}
+
+function notice(text, isError) {
+  const n = document.getElementById("notice");
+  n.textContent = text || "";
+  n.className = isError ? "error" : "";
+}
+
+async function api(path) {
+  const r = await fetch("/api/" + path);
+  const body = await r.json();
+  if (!r.ok) throw new Error(body.error || r.statusText);
+  return body;
+}
+
+async function act(path, payload) {
+  let token = sessionStorage.getItem(TOKEN_KEY);
+  if (!token) {
+    token = window.prompt("Access token (printed by `raymq console` when it started):");
+    if (!token) return null;
+    sessionStorage.setItem(TOKEN_KEY, token);
+  }
+  const r = await fetch("/api/" + path, {
+    method: "POST",
+    headers: { [session.token_header]: token, "Content-Type": "application/json" },
+    body: payload === undefined ? undefined : JSON.stringify(payload),
+  });
+  const body = await r.json();
+  if (r.status === 401 || r.status === 403) sessionStorage.removeItem(TOKEN_KEY);
+  if (!r.ok) { notice(body.error || r.statusText, true); return null; }
+  notice(path + ": " + JSON.stringify(body.result !== undefined ? body.result : body));
+  route();
+  return body;
+}
+
+function actionButton(label, path, payload, confirmText) {
+  if (session.read_only) return null;
+  return el("button", { "data-action": path, onclick: () => {
+    if (!confirmText || window.confirm(confirmText)) act(path, payload);
+  } }, label);
+}
+
+function table(columns, rows, empty) {
+  if (!rows.length) return el("p", { class: "empty" }, empty || "none");
+  return el("table", {},
+    el("tr", {}, columns.map(c => el("th", {}, c[0]))),
+    rows.map(r => el("tr", {}, columns.map(c => {
+      const v = c[1](r);
+      return el("td", { class: typeof v === "number" ? "num" : null }, v);
+    }))));
+}
+
+function fmtBytes(n) {
+  const u = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < u.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : String(n)) + " " + u[i];
+}
+
+function age(ms) { return ms === null || ms === undefined ? "-" : (ms / 1000).toFixed(1) + " s"; }
+function when(ms) { return ms ? new Date(ms).toISOString().replace("T", " ").slice(0, 23) : "-"; }
+function short(id) { return id ? String(id).slice(0, 12) : "-"; }
+
+const COLORS = ["#3465a4", "#cc0000", "#4e9a06", "#f57900", "#75507b", "#c4a000"];
+
+// A time-series chart of series {t: [s], name: [values]}; data-points counts the points.
+function lineChart(title, series, names) {
+  const div = el("div", { class: "chart", "data-chart": title });
+  const data = [series.t || []].concat(names.map(n => series[n] || []));
+  div.setAttribute("data-points", String((series.t || []).length * names.length));
+  const opts = {
+    title, width: 640, height: 220,
+    series: [{}].concat(names.map((n, i) => ({ label: n, stroke: COLORS[i % COLORS.length],
+                                               width: 2 }))),
+  };
+  requestAnimationFrame(() => new uPlot(opts, data, div));
+  return div;
+}
+
+// A bar chart of [{label, value}] (uPlot's bars path over a category axis).
+function barChart(title, items) {
+  const div = el("div", { class: "chart", "data-chart": title });
+  div.setAttribute("data-points", String(items.length));
+  const xs = items.map((_, i) => i);
+  const opts = {
+    title, width: 640, height: 220,
+    scales: { x: { time: false, range: [-0.5, items.length - 0.5] } },
+    axes: [{ values: (_u, ticks) => ticks.map(t => (items[t] || {}).label || "") }, {}],
+    series: [{}, { label: "count", stroke: COLORS[0], fill: COLORS[0] + "88",
+                   paths: uPlot.paths.bars({ size: [0.6, 80] }) }],
+  };
+  requestAnimationFrame(() => new uPlot(opts, [xs, items.map(x => x.value)], div));
+  return div;
+}
+
+// ------------------------------------------------------------------------ pages
+const PAGES = {
+  async overview() {
+    const d = await api("overview");
+    return [
+      el("h2", {}, "Shards"),
+      table([["shard", s => s.shard], ["node", s => short(s.node)],
+             ["alive", s => s.alive ? "yes" : "NO: " + s.error],
+             ["log", s => fmtBytes(s.log_bytes)], ["in msgs/s", s => s.in_per_s],
+             ["out msgs/s", s => s.out_per_s]], d.shards),
+      d.replicas.length ? el("h2", {}, "Replicas") : null,
+      d.replicas.length ? table([["shard", r => r.shard], ["leader", r => short(r.leader_node)],
+        ["epoch", r => r.epoch], ["in sync", r => r.in_sync.map(short).join(", ")],
+        ["replicas", r => r.replicas.map(x => `${short(x.node)} ${x.role} lag ${x.lag_bytes}`)
+          .join("; ")]], d.replicas) : null,
+      lineChart("messages per second (in, out)", d.throughput, ["in", "out"]),
+      el("h2", {}, "Actors"),
+      table([["name", a => a.name], ["kind", a => a.kind],
+             ["alive", a => a.alive ? "yes" : "NO: " + a.error]], d.actors),
+      el("h2", {}, "Ray nodes"),
+      table([["node", n => short(n.node)], ["address", n => n.address],
+             ["head", n => n.head ? "yes" : ""], ["alive", n => n.alive ? "yes" : "NO"],
+             ["CPU", n => n.resources.CPU || 0]], d.nodes),
+    ];
+  },
+
+  async topics() {
+    const d = await api("topics");
+    const out = [];
+    const user = Object.entries(d.topics).filter(([, t]) => !t.system);
+    const names = Object.keys(d.throughput).filter(k => k !== "t");
+    out.push(lineChart("messages in per second, by topic", d.throughput, names));
+    for (const [name, t] of user.concat(Object.entries(d.topics).filter(([, t]) => t.system))) {
+      out.push(el("h2", {}, name + (t.system ? " (system)" : "")));
+      out.push(table([["queue", q => q.queue], ["shard", q => q.shard],
+                      ["min offset", q => q.min_offset], ["max offset", q => q.max_offset],
+                      ["lag by group", q => Object.entries(q.lag).map(([g, l]) => `${g}: ${l}`)
+                        .join(", ") || "-"]], t.queues, "no queue holds a message yet"));
+    }
+    return out;
+  },
+
+  async message(params) {
+    const form = el("form", { id: "lookup" },
+      el("input", { name: "id", placeholder: "message id", size: 28, value: params.id || "" }),
+      " or ",
+      el("input", { name: "topic", placeholder: "topic", value: params.topic || "" }),
+      el("input", { name: "key", placeholder: "key", value: params.key || "" }),
+      el("button", { type: "submit" }, "Look up"));
+    form.addEventListener("submit", e => {
+      e.preventDefault();
+      const q = new URLSearchParams();
+      for (const f of ["id", "topic", "key"]) if (form[f].value) q.set(f, form[f].value);
+      location.hash = "message?" + q.toString();
+    });
+    const out = [form];
+    if (!params.id && !(params.topic && params.key)) return out;
+    const q = new URLSearchParams(params).toString();
+    const d = await api("message?" + q);
+    out.push(el("p", {}, `${d.found} message(s) found`));
+    for (const m of d.messages) {
+      out.push(el("h2", {}, m.id));
+      out.push(table([["field", r => r[0]], ["value", r => r[1]]], [
+        ["topic / queue / offset", `${m.topic} / ${m.queue_id} / ${m.queue_offset}`],
+        ["shard", String(m.shard)], ["stored id", m.stored_id], ["key", m.key || "-"],
+        ["tags", m.tags || "-"], ["born", when(m.born_ms)], ["stored", when(m.store_ms)],
+        ["redeliveries", String(m.reconsume_count)],
+        ["properties", JSON.stringify(m.properties)]]));
+      out.push(el("pre", { class: "body" }, `${m.body.kind}, ${m.body.bytes} bytes` +
+        (m.body.truncated ? " (first part)" : "") + "\n" + m.body.text));
+      out.push(table([["step", s => s.step], ["group", s => s.group || ""],
+                      ["at", s => when(s.at_ms)], ["detail", s => s.detail]], m.trace));
+    }
+    return out;
+  },
+
+  async halves() {
+    const d = await api("halves");
+    const cols = [["id", h => h.id], ["state", h => h.state], ["group", h => h.group],
+                  ["topic", h => h.topic], ["age", h => age(h.age_ms)],
+                  ["checks", h => h.checks], ["transaction", h => h.transaction_id || "-"],
+                  ["", h => el("span", {},
+                    actionButton("Commit", `halves/${h.id}/commit`),
+                    actionButton("Roll back", `halves/${h.id}/rollback`))]];
+    return [el("h2", {}, `Pending (${d.pending.length})`), table(cols, d.pending),
+            el("h2", {}, `Check-expired (${d.expired.length})`), table(cols, d.expired)];
+  },
+
+  async transactions(params) {
+    const d = await api("transactions");
+    const out = [el("h2", {}, `Transactional ids (${d.transactions.length})`),
+      table([["transactional id", t => el("a", { href: "#transactions?id=" +
+               encodeURIComponent(t.transactional_id) }, t.transactional_id)],
+             ["state", t => t.state], ["producer", t => t.producer_id], ["epoch", t => t.epoch],
+             ["age", t => age(t.age_ms)],
+             ["queues", t => t.queues.map(q => `${q[1]}/${q[2]}`).join(", ") || "-"],
+             ["", t => t.state === "ONGOING" ? actionButton("Abort",
+               `transactions/${encodeURIComponent(t.transactional_id)}/abort`, undefined,
+               `Abort the open transaction of ${t.transactional_id}?`) : null]],
+            d.transactions),
+      el("h2", {}, `Hanging: open transactions holding a queue's LSO (${d.hanging.length})`),
+      table([["queue", h => h.queue], ["shard", h => h.shard], ["LSO", h => h.lso],
+             ["end", h => h.end], ["behind", h => h.behind], ["age", h => age(h.age_ms)],
+             ["transactional id", h => h.transactional_id || "?"], ["state", h => h.state || "?"]],
+            d.hanging)];
+    if (params.id) {
+      const t = await api("transactions/" + encodeURIComponent(params.id));
+      out.push(el("h2", {}, params.id), el("pre", { class: "describe" },
+                                           JSON.stringify(t, null, 2)));
+    }
+    return out;
+  },
+
+  async timers() {
+    const d = await api("timers");
+    return [
+      barChart("scheduled messages by due time",
+               d.histogram.map(b => ({ label: b.due, value: b.count }))),
+      el("h2", {}, "Lateness"),
+      table([["shard", l => l.shard], ["delivery lag", l => l.lag_ms + " ms"],
+             ["max lateness", l => l.max_lateness_ms + " ms"]], d.lateness),
+      el("h2", {}, `Soonest (${d.soonest.length})`),
+      table([["id", t => t.msg_id], ["topic / queue", t => `${t.topic}/${t.queue_id}`],
+             ["due", t => when(t.due_ms)], ["in", t => age(t.due_ms - d.now_ms)],
+             ["key", t => t.key || "-"],
+             ["", t => actionButton("Cancel", `timers/${t.msg_id}/cancel`, undefined,
+                                    `Cancel ${t.msg_id}?`)]], d.soonest),
+    ];
+  },
+
+  async groups(params) {
+    const d = await api("groups");
+    const names = Object.keys(d.lag_history).filter(k => k !== "t");
+    const out = [lineChart("lag by group", d.lag_history, names),
+      table([["group", g => el("a", { href: "#groups?group=" + encodeURIComponent(g[0]) }, g[0])],
+             ["members", g => Object.keys(g[1].members).length],
+             ["assigned queues", g => Object.entries(g[1].members).map(([m, i]) =>
+               `${m}: ${i.queues.map(q => q.join("/")).join(", ") || "-"}`).join("; ") || "-"],
+             ["lag", g => g[1].lag]], Object.entries(d.groups))];
+    if (params.group) {
+      const dl = await api(`groups/${encodeURIComponent(params.group)}/dead-letters`);
+      out.push(el("h2", {}, `Dead letters of ${params.group} (${dl.dead_letters.length})`),
+        actionButton("Resend all", `groups/${encodeURIComponent(params.group)}/dead-letters/resend`),
+        table([["id", m => m.stored_id], ["origin", m => m.id], ["topic", m => m.topic],
+               ["redeliveries", m => m.reconsume_count], ["reason", m => m.reason],
+               ["body", m => m.body.text.slice(0, 60)],
+               ["", m => actionButton("Resend", `groups/${encodeURIComponent(params.group)}` +
+                                      "/dead-letters/resend", { ids: [m.stored_id] })]],
+              dl.dead_letters));
+    }
+    return out;
+  },
+};
+
+async function route() {
+  const [name, query] = (location.hash.slice(1) || "overview").split("?");
+  const page = PAGES[name] ? name : "overview";
+  const params = Object.fromEntries(new URLSearchParams(query || ""));
+  for (const a of document.querySelectorAll("#nav a"))
+    a.classList.toggle("active", a.getAttribute("href") === "#" + page);
+  const main = document.getElementById("page");
+  try {
+    const parts = await PAGES[page](params);
+    main.replaceChildren(el("div", { "data-page": page }, parts));
+  } catch (err) {
+    main.replaceChildren(el("p", { class: "bad", "data-page": page }, String(err.message || err)));
+  }
+}
+
+async function start() {
+  session = await api("session");
+  document.getElementById("mode").textContent = session.read_only ?
+    "read-only" : "actions need the access token";
+  window.addEventListener("hashchange", () => { notice(""); route(); });
+  await route();
+}
+
+start();

@@ -1,0 +1,100 @@
+"""The console's pure parts, without Ray: counters and rates for the charts, the timer
+histogram, body previews, a message's trace, and how errors become HTTP statuses."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from raymq.storage.errors import (AlreadyDeliveredError, BrokerUnavailableError,
+                                  InvalidMessageError, InvalidTxnStateError,
+                                  NotScheduledError, UnknownTopicError)
+from raymq.tools.console import http_status, one_line
+from raymq.tools.console_cluster import kind_of
+from raymq.tools.console_pages import (History, counters_of, preview, timer_histogram,
+                                       trace)
+
+
+def status(depths: dict, lags: dict, timers: dict | None = None, shard: int = 0) -> dict:
+    return {"shards": [{"shard": shard, "node": "n", "info": {
+        "queues": depths, "lag": lags, "timers": timers or {}}}]}
+
+
+def test_counters_count_user_topics_in_and_out_and_gauge_each_groups_lag():
+    st = status({"orders/0": 10, "orders/1": 5, "%RETRY%g/0": 7},
+                {"g": {"orders/0": 4, "orders/1": 0, "%RETRY%g/0": 7}})
+    c = counters_of(st)
+    assert c["in"] == 15 and c["in:shard-0"] == 15 and c["in:topic:orders"] == 15
+    assert c["out"] == 11  # 6 of queue 0 and 5 of queue 1 consumed; retries left out
+    assert c["lag:g"] == 4
+
+
+def test_an_unavailable_shard_counts_nothing():
+    st = {"shards": [{"shard": 0, "node": None, "info": {"error": "gone"}}]}
+    assert counters_of(st) == {}
+
+
+def test_history_gives_per_second_rates_and_gauges_and_keeps_a_bounded_window():
+    h = History(keep=3)
+    h.add(0, {"in": 0, "lag:g": 5})
+    h.add(2000, {"in": 100, "lag:g": 7})
+    h.add(4000, {"in": 50, "lag:g": 1})  # a shard restarted: its count went back
+    s = h.series(["in", "lag:g"])
+    assert s == {"t": [2.0, 4.0], "in": [50.0, 0.0], "lag:g": [7, 1]}
+    assert h.last_rate("in") == 0.0
+    h.add(6000, {"in": 80})
+    assert len(h) == 3 and h.series(["in"])["t"] == [4.0, 6.0]
+
+
+def test_history_of_one_sample_draws_nothing():
+    h = History()
+    h.add(0, {"in": 3})
+    assert h.series(["in"]) == {"t": [], "in": []} and h.last_rate("in") == 0.0
+
+
+def test_the_timer_histogram_sums_every_shard_by_due_time():
+    st = status({}, {}, {"next_minute": 2, "next_hour": 1, "next_day": 0, "later": 4})
+    st["shards"] += status({}, {}, {"next_minute": 1, "next_hour": 0, "next_day": 3,
+                                    "later": 0}, shard=1)["shards"]
+    st["shards"].append({"shard": 2, "node": None, "info": {"error": "down"}})
+    assert timer_histogram(st) == [{"due": "next minute", "count": 3},
+                                   {"due": "next hour", "count": 1},
+                                   {"due": "next day", "count": 3},
+                                   {"due": "later", "count": 4}]
+
+
+def test_a_body_previews_as_text_or_as_hex_and_says_when_cut():
+    assert preview(b"hello") == {"kind": "text", "text": "hello", "bytes": 5,
+                                 "truncated": False}
+    binary = preview(b"\xff\x00\x01")
+    assert binary["kind"] == "hex" and binary["text"] == "ff 00 01"
+    long = preview(b"a" * 2000)
+    assert long["truncated"] and len(long["text"]) == 512 and long["bytes"] == 2000
+
+
+def test_a_trace_says_which_groups_consumed_the_message_and_where_it_died():
+    msg = SimpleNamespace(born_ms=1, store_ms=2, topic="t", queue_id=0, queue_offset=5,
+                          shard=1, reconsume_count=2)
+    steps = trace(msg, {"done": 6, "behind": 5},
+                  {"done": {"id": "x", "store_ms": 9, "reason": "boom"}})
+    kinds = [(s["step"], s.get("group")) for s in steps]
+    assert kinds == [("sent", None), ("stored", None), ("not consumed yet", "behind"),
+                     ("delivered", "done"), ("retried", None), ("dead letter", "done")]
+
+
+def test_errors_become_4xx_statuses_with_one_line():
+    assert http_status(InvalidMessageError("bad id")) == 400
+    assert http_status(InvalidMessageError("no such message: x")) == 404
+    assert http_status(UnknownTopicError("topic t")) == 404
+    assert http_status(NotScheduledError("message x is not a delayed or timer message")) == 404
+    assert http_status(InvalidTxnStateError("no transactional id 'x' here")) == 404
+    assert http_status(InvalidTxnStateError("it committed")) == 409
+    assert http_status(AlreadyDeliveredError("delivered")) == 409
+    assert http_status(BrokerUnavailableError("gone")) == 503
+    assert http_status(RuntimeError("?")) == 500
+    assert one_line(ValueError("first\nsecond")) == "first"
+
+
+def test_actor_kinds_from_their_names():
+    assert [kind_of(n) for n in ("shard-3", "shard-0-r1", "coordinator-0-r2", "controller",
+                                 "checker-1", "registry-0", "something")] == [
+        "shard", "shard replica", "coordinator replica", "controller", "checker",
+        "registry", "other"]
