@@ -55,7 +55,8 @@ async function act(path, payload) {
 
 function actionButton(label, path, payload, confirmText) {
   if (session.read_only) return null;
-  return el("button", { "data-action": path, onclick: () => {
+  const id = payload && payload.ids ? path + "#" + payload.ids.join(",") : path;
+  return el("button", { "data-action": id, onclick: () => {
     if (!confirmText || window.confirm(confirmText)) act(path, payload);
   } }, label);
 }
