@@ -33,6 +33,14 @@ if [ "${CI:-}" = "true" ] && { [ ! -x /usr/sbin/sshd ] || ! command -v rsync >/d
     apt_install openssh-server rsync
 fi
 
+# CI runs the console's browser test (tests/test_console_browser.py): headless Chromium
+# and its driver from Debian's packages (elsewhere that test skips, naming what is missing)
+if [ "${CI:-}" = "true" ] && { ! command -v chromium >/dev/null 2>&1 \
+                               || ! command -v chromedriver >/dev/null 2>&1; }; then
+    log "CI: installing chromium and chromium-driver with apt (for the console's browser test)"
+    apt_install chromium chromium-driver
+fi
+
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
     if command -v python3.11 >/dev/null 2>&1; then

@@ -1,4 +1,5 @@
-"""What a broker component records metrics into: ``NullMetrics`` records nothing.
+"""What a broker component records metrics into (``NullMetrics`` records nothing), and
+the gauges a shard reports every few seconds (``shard_gauges``, ``replication_gauges``).
 
 The deployed actors are given ``raymq.metrics.RayMetrics`` (Ray's Prometheus endpoint).
 """
@@ -17,3 +18,35 @@ class NullMetrics:
 
     def flush(self) -> None:
         pass
+
+
+def shard_gauges(shard) -> list[tuple[str, float, dict]]:
+    """A ``BrokerShard``'s gauges as (name, value, tags), read from its parts without a
+    call out of the process: messages stored, each group's lag, half messages pending
+    and check-expired, open Kafka-style transactions, timers scheduled and due within
+    the minute, and how late timer delivery runs.  Tags stay bounded (a group name at
+    most: no per-queue series)."""
+    store = shard.store
+    out = [("messages_stored", float(sum(store.max_queue_offset(t, q)
+                                         for t, q in store.queues())), {})]
+    for group, lags in shard.offsets.lag().items():
+        out.append(("consumer_lag", float(sum(lags.values())), {"group": group}))
+    halves = shard.transaction_status()
+    out.append(("halves_pending", float(halves.get("pending_halves", 0)), {}))
+    out.append(("halves_expired", float(halves.get("expired_halves", 0)), {}))
+    out.append(("kafka_transactions_open", float(len(shard.ktx_status())), {}))
+    timers = shard.timers.status()
+    out.append(("timers_scheduled", float(timers.get("scheduled", 0)), {}))
+    out.append(("timers_due_next_minute", float(timers.get("next_minute", 0)), {}))
+    out.append(("timer_delivery_lag_ms", float(timers.get("lag_ms", 0)), {}))
+    return out
+
+
+def replication_gauges(status: dict) -> list[tuple[str, float, dict]]:
+    """A replica leader's ``status()`` as gauges: each follower's lag in bytes and the
+    in-sync count."""
+    out = [("replication_lag_bytes", float(lag), {"follower": name})
+           for name, lag in status.get("lag_bytes", {}).items()]
+    if "in_sync" in status:
+        out.append(("replicas_in_sync", float(len(status["in_sync"])), {}))
+    return out

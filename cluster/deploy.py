@@ -30,7 +30,8 @@ from raymq.actors.replica_groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
 from raymq.actors.config import ClusterConfig
-from raymq.metrics import RayMetrics
+from raymq.actors.metrics import replication_gauges, shard_gauges
+from raymq.metrics import GaugeReporter, RayMetrics
 from raymq.storage.errors import (BrokerUnavailableError, ConfigError, ConfigMismatchError,
                                   InvalidMessageError, NotDeployedError, NotLeaderError)
 
@@ -87,6 +88,7 @@ class ShardActor(BrokerShard):
         # the data channel opens last: nothing is served before recovery finished
         self._endpoint = Endpoint(_Untraced(self), host=rpc.node_ip(),
                                   limits=ChannelLimits.from_config(self.config))
+        self._gauges = GaugeReporter(self.metrics, lambda: shard_gauges(self)).start()
         log.info("shard-%d up on node %s, data in %s, data channel on %s:%d", index, node,
                  self.directory, *self._endpoint.address)
 
@@ -95,6 +97,7 @@ class ShardActor(BrokerShard):
         return self._endpoint.address, self._endpoint.authkey
 
     def close(self) -> None:
+        self._gauges.stop()
         self._endpoint.close()
         super().close()
 
@@ -182,8 +185,19 @@ class _Replica:
             node=node)
         self._endpoint = Endpoint(self._calls(self._replica), host=rpc.node_ip(),
                                   methods=self._methods, limits=ChannelLimits.from_config(cfg))
+        self._gauges = GaugeReporter(RayMetrics(**{self._kind: str(index)}),
+                                     self._leader_gauges).start()
         log.info("%s up on node %s, data channel on %s:%d", name, node,
                  *self._endpoint.address)
+
+    def _leader_gauges(self) -> list:
+        """While this replica leads: its group's replication, and a shard's own gauges."""
+        status = self._replica.status()
+        if status["role"] != "leader":
+            return []
+        shard = self._replica.shard
+        return replication_gauges(status) + (
+            shard_gauges(shard) if self._kind == "shard" and shard is not None else [])
 
     def _maker(self, index: int, cfg: ClusterConfig, controller):
         def make_shard(directory):
@@ -218,6 +232,7 @@ class _Replica:
         self._replica.serving().set_fault(fault)
 
     def close(self) -> None:
+        self._gauges.stop()
         self._endpoint.close()
         self._replica.close()
 
@@ -338,6 +353,7 @@ class CoordinatorActor(TransactionCoordinator):
         return self._endpoint.address, self._endpoint.authkey
 
     def close(self) -> None:
+        self._gauges.stop()
         self._endpoint.close()
         super().close()
 

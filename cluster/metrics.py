@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 from raymq.storage.clock import Clock, SystemClock
 
@@ -82,3 +83,38 @@ class RayMetrics:
 
     def observe(self, name, value, **tags):
         self._record("histogram", name, float(value), tags)
+
+
+#: Seconds between two reports of a shard's gauges.
+GAUGES_EVERY_S = 5.0
+
+
+class GaugeReporter:
+    """A thread setting ``gauges()`` -- (name, value, tags) -- into ``metrics`` every
+    ``every_s`` seconds (and flushing its counters); a failing round is logged at debug
+    level and the next one tries again."""
+
+    def __init__(self, metrics: RayMetrics, gauges: Callable[[], list],
+                 every_s: float = GAUGES_EVERY_S):
+        self.metrics, self.gauges, self.every_s = metrics, gauges, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="raymq-gauges")
+
+    def start(self) -> "GaugeReporter":
+        self._thread.start()
+        return self
+
+    def report(self) -> None:
+        for name, value, tags in self.gauges():
+            self.metrics.set(name, value, **tags)
+        self.metrics.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.report()
+            except Exception as err:  # noqa: BLE001 -- metrics never break the broker
+                log.debug("gauges not reported: %s", err)
+
+    def stop(self) -> None:
+        self._stop.set()

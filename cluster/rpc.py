@@ -336,11 +336,13 @@ def alive_nodes() -> list[str]:
 
 
 def nodes() -> list[dict]:
-    """Every node Ray knows: ``node`` (id), ``alive``, ``address``, ``head`` and its
+    """Every node Ray knows: ``node`` (id), ``alive``, ``address``, ``head``,
+    ``metrics_port`` (its Prometheus endpoint: ``http://address:port/metrics``) and its
     ``resources`` (totals)."""
     return [{"node": n["NodeID"], "alive": bool(n.get("Alive")),
              "address": n.get("NodeManagerAddress"),
              "head": "node:__internal_head__" in n.get("Resources", {}),
+             "metrics_port": n.get("MetricsExportPort"),
              "resources": {k: v for k, v in n.get("Resources", {}).items()
                            if not k.startswith("node:")}} for n in ray.nodes()]
 

@@ -99,6 +99,27 @@ def test_halves_transactions_timers_and_groups_show_the_scene(server, scene):
     assert "RuntimeError" in dl["dead_letters"][0]["reason"]
 
 
+def test_the_charted_figures_are_on_each_nodes_prometheus_endpoint(server, scene):
+    """Ray exports RayMQ's metrics (``ray_raymq_*``) on each node's metrics port: the
+    shards' gauges (reported every few seconds) and the clients' counters."""
+    import urllib.request
+    _s, d = get(server, "overview")
+    [node] = [n for n in d["nodes"] if n["alive"]]
+    url = f"http://{node['address']}:{node['metrics_port']}/metrics"
+    wanted = ["ray_raymq_messages_stored", "ray_raymq_halves_pending",
+              "ray_raymq_kafka_transactions_open", "ray_raymq_timers_scheduled",
+              "ray_raymq_timer_delivery_lag_ms", "ray_raymq_messages_sent_total",
+              f'group="{scene.group}"']
+
+    def exported():
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return all(w in text for w in wanted) and text
+    text = wait_for(exported, timeout_s=90, what="RayMQ's metrics on the node's endpoint")
+    lag = [line for line in text.splitlines()
+           if line.startswith("ray_raymq_consumer_lag{") and f'group="{scene.group}"' in line]
+    assert lag and float(lag[0].rsplit(" ", 1)[1]) >= 0
+
+
 @pytest.mark.parametrize("path", ["message?id=zzz", "message?id=00000000000000000001ff",
                                   "message", "transactions/no-such-id", "nosuch"])
 def test_bad_ids_and_paths_are_a_4xx_with_one_line(server, path):

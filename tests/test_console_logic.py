@@ -98,3 +98,27 @@ def test_actor_kinds_from_their_names():
                                  "checker-1", "registry-0", "something")] == [
         "shard", "shard replica", "coordinator replica", "controller", "checker",
         "registry", "other"]
+
+
+def test_a_shards_gauges_count_what_it_holds(tmp_path):
+    """``shard_gauges`` over a real shard (no Ray): stored messages, a group's lag, a
+    pending half, and no open transaction or timer."""
+    from raymq.actors.metrics import replication_gauges, shard_gauges
+    from raymq.actors.shard import BrokerShard
+    from tests.test_shard_ends import tx_batch
+    sh = BrokerShard(0, {"data_dir": str(tmp_path), "num_shards": 1}, background=False)
+    try:
+        sh.set_routes([("orders", 0), ("orders", 1)])
+        sh.send(tx_batch("orders", 3, 0), 77, 1)  # three half messages, not ended
+        sh.commit_offsets("g", {("orders", 0): 0})
+        gauges = {(n, tuple(t.items())): v for n, v, t in shard_gauges(sh)}
+        assert gauges[("halves_pending", ())] == 3
+        assert gauges[("kafka_transactions_open", ())] == 0
+        assert gauges[("timers_scheduled", ())] == 0
+        assert gauges[("consumer_lag", (("group", "g"),))] == 0  # halves are not in queues
+        assert gauges[("messages_stored", ())] >= 3
+    finally:
+        sh.close()
+    assert replication_gauges({"lag_bytes": {"shard-0-r1": 10}, "in_sync": ["a", "b"]}) == [
+        ("replication_lag_bytes", 10.0, {"follower": "shard-0-r1"}),
+        ("replicas_in_sync", 2.0, {})]
