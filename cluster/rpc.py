@@ -347,6 +347,11 @@ def nodes() -> list[dict]:
                            if not k.startswith("node:")}} for n in ray.nodes()]
 
 
+def logs_dir() -> str:
+    """This Ray session's log directory on this machine."""
+    return ray._private.worker._global_node.get_logs_dir_path()
+
+
 def named_actors(namespace: str = NAMESPACE) -> list[str]:
     """The names of the live named actors of ``namespace``, sorted."""
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -11,7 +11,9 @@ blocks share the outer session (RayDP runs one per process).
 
 ``quiet=True`` (``raymq demo`` without ``--verbose``) sets the log levels, not filters
 text: Spark's JVMs get ``log4j2-quiet.properties`` (errors only) and no console progress
-bar, the JVM's Ray core worker logs warnings and up, Ray Data logs warnings and up
+bar, and write their own output to a file in Ray's log directory (``jvm_output_to``: the
+Ray core worker inside RayDP's app master prints its start-up lines before any level
+applies); the JVM's Ray core worker logs warnings and up, Ray Data logs warnings and up
 (``quiet_ray_data``), and PySpark's deprecation warning about ``DataFrame.sql_ctx`` (which
 RayDP's dataset hand-off uses) is not shown.
 """
@@ -42,15 +44,41 @@ QUIET_LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2-
 
 
 def quiet_ray_data() -> None:
-    """Ray Data at warnings and up, without progress bars (its start-up and per-dataset
-    progress lines are INFO).  Set before ``ray.data`` is imported, the level holds for its
-    own logging set-up too (``RAY_DATA_LOG_LEVEL``)."""
+    """Ray Data at warnings and up, without progress bars: its start-up and per-dataset
+    progress lines are INFO (set before ``ray.data`` is imported, the level holds for its
+    own logging set-up too: ``RAY_DATA_LOG_LEVEL``); the bars of a terminal are switched
+    off, and so is the warning saying they are."""
     import logging
     os.environ["RAY_DATA_LOG_LEVEL"] = "WARNING"
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    if "ray.data" in sys.modules:
-        from ray.data import DataContext
-        DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    from ray.data import DataContext
+    DataContext.get_current().enable_progress_bars = False
+
+
+@contextlib.contextmanager
+def jvm_output_to(path: str):
+    """While Spark's JVMs start, this process's standard error is ``path``: they inherit
+    it, so their own output (the Ray core worker's start-up lines in RayDP's app master,
+    anything they print later) goes to that file, as Ray's workers' output goes to Ray's
+    log files.  This process's standard error is back as it was on exit."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield path
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+def jvm_log_path() -> str:
+    """Where a quiet session's JVMs write their own output: Ray's log directory."""
+    from raymq import rpc
+    return os.path.join(rpc.logs_dir(), f"raymq-spark-jvm-{os.getpid()}.log")
 
 
 def quiet_configs() -> dict[str, str]:
@@ -116,36 +144,13 @@ def spark_session(mq=None, *, num_executors: int | None = None, executor_cores: 
         configs = {**quiet_configs(), **(configs or {})}
     cpus = int(ray.cluster_resources().get("CPU", 1))
     executors = num_executors or max(1, (cpus - 1) // executor_cores)
-    spark = raydp.init_spark(f"raymq-{os.getpid()}-{uuid.uuid4().hex[:6]}", executors,
-                             executor_cores, executor_memory,
-                             configs=spark_configs(executors, executor_cores, configs))
+    with jvm_output_to(jvm_log_path()) if quiet else contextlib.nullcontext():
+        spark = raydp.init_spark(f"raymq-{os.getpid()}-{uuid.uuid4().hex[:6]}", executors,
+                                 executor_cores, executor_memory,
+                                 configs=spark_configs(executors, executor_cores, configs))
     _active = spark
     try:
         yield spark
     finally:
         _active = None
-
-#: Spark's JVMs' log4j2 configuration when quiet: errors only, on stderr
-QUIET_LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2-quiet.properties")
-
-
-def quiet_ray_data() -> None:
-    """Ray Data at warnings and up, without progress bars (its start-up and per-dataset
-    progress lines are INFO).  Set before ``ray.data`` is imported, the level holds for its
-    own logging set-up too (``RAY_DATA_LOG_LEVEL``)."""
-    import logging
-    os.environ["RAY_DATA_LOG_LEVEL"] = "WARNING"
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    if "ray.data" in sys.modules:
-        from ray.data import DataContext
-        DataContext.get_current().enable_progress_bars = False
-
-
-def quiet_configs() -> dict[str, str]:
-    """Spark settings of a quiet session: RayMQ's log4j2 configuration in the driver and in
-    RayDP's app master (RayDP passes each as ``-Dlog4j2.configurationFile``), no stage
-    progress bar."""
-    return {"spark.log4j.config.file.name": QUIET_LOG4J2,
-            "spark.ray.log4j.config.file.name": QUIET_LOG4J2,
-            "spark.ui.showConsoleProgress": "false"}
         raydp.stop_spark()

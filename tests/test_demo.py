@@ -20,7 +20,7 @@ def test_raymq_demo_reports_consistent(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "was KILLED after committing" in out
-    assert out.rstrip().splitlines()[-1] == "CONSISTENT" and "FAIL" not in out
+    assert _verdict(out) == "CONSISTENT" and "FAIL" not in out
     # the order-income Spark job agrees with the order database, minute by minute
     assert "OK   income per minute from Spark = the order database's own totals" in out
     # every failure the demo injects did happen, and check-backs settled what they must
@@ -46,9 +46,52 @@ def test_raymq_demo_catches_a_sabotaged_check_back(tmp_path):
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:] + proc.stderr[-3000:]
-    assert out.rstrip().splitlines()[-1] == "INCONSISTENT"
+    assert _verdict(out) == "INCONSISTENT"
     assert "FAIL no points for a rolled-back order" in out
     assert "FAIL orders paid = orders credited with points" in out
+
+
+#: what the demo's own lines start with (everything else on its output is chatter)
+DEMO_LINES = ("[demo ", "consistency report", "  OK   ", "  FAIL ", "CONSISTENT",
+              "INCONSISTENT", "To look at what just happened", "  raymq --config ")
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_raymq_demo_prints_its_own_lines_only_and_the_console_command(tmp_path):
+    """No Spark, log4j or Ray start-up chatter, no WARN or ERROR line when nothing went
+    wrong; progress lines carry the time elapsed; the last line is the console command
+    over the demo's data."""
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "12",
+                           "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    assert [x for x in lines if not x.startswith(DEMO_LINES)] == []
+    assert proc.stderr.strip() == ""
+    noisy = [x for x in (proc.stdout + proc.stderr).splitlines()
+             if " WARN " in x or "WARNING" in x or "ERROR" in x]
+    assert noisy == []
+    assert lines[-1] == f"  raymq --config {tmp_path / 'cluster.json'} console --embedded"
+    assert any(x.startswith("[demo ") and "s] order-income job: Spark is up" in x for x in lines)
+
+
+@pytest.mark.slow
+def test_a_verbose_demo_shows_raymqs_own_warnings_too(tmp_path):
+    """--verbose hides nothing: the order service's warning about the local transaction
+    the demo makes fail is shown (a quiet demo narrates it instead)."""
+    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "12",
+                           "--no-spark", "--verbose", "--data-dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "execute_local_transaction of" in proc.stderr and "disk I/O error" in proc.stderr
+
+
+def _verdict(out: str) -> str:
+    [verdict] = [x for x in out.splitlines() if x in ("CONSISTENT", "INCONSISTENT")]
+    return verdict
 
 
 def test_raymq_demo_refuses_too_few_orders(tmp_path):

@@ -317,7 +317,7 @@ def _cmd_demo(args) -> int:
               "demo injects needs an order of its own)", file=sys.stderr)
         return 2
     return demo.run(args.data_dir, orders=args.orders, sabotage=args.sabotage,
-                    spark=not args.no_spark)
+                    spark=not args.no_spark, verbose=args.verbose or args.demo_verbose)
 
 
 def _cmd_bench(args) -> int:
@@ -645,6 +645,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-spark", action="store_true",
                       help="leave out the order-income Spark job (RayDP) and its report line "
                            "(income per minute from Spark = the order database's totals)")
+    demo.add_argument("--verbose", dest="demo_verbose", action="store_true",
+                      help="show Ray's, Spark's and RayMQ's own logs as they come (by default "
+                           "only the demo's lines, and anything that went wrong)")
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="run benchmarks (JSON lines on stdout)",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -84,6 +85,8 @@ def init_order_db(path: str) -> None:
 SABOTAGE = ("check-always-commits",)
 #: Fewest orders for which every planned failure happens (a crash, a lost end, a local error).
 MIN_ORDERS = 12
+#: set in the order services' environment by a verbose demo
+VERBOSE_ENV = "RAYMQ_DEMO_VERBOSE"
 
 
 def order_service(address: str, db: str, first: int, n: int, out,
@@ -91,6 +94,8 @@ def order_service(address: str, db: str, first: int, n: int, out,
     """Runs in a child process; prints one JSON line per order, and per check-back answered."""
     from raymq import rpc
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not os.environ.get(VERBOSE_ENV):  # the driver narrates the faults it injects
+        logging.getLogger("raymq").setLevel(logging.ERROR)
     rpc.init(address, logging_level="ERROR")
     from raymq import LocalTransactionState as S
     from raymq import Message, TransactionListener, connect
@@ -197,13 +202,17 @@ class PointsService:
 
 
 # ------------------------------------------------------------------------- driver
-def _income_check(mq, order_db: str, say) -> tuple[bool, str]:
+def _income_check(mq, order_db: str, say, verbose: bool = False) -> tuple[bool, str]:
     """The order-income Spark job (``raymq.jobs.order_income``) over the committed orders,
     against the order database's own totals per minute and account."""
     from raymq.jobs import spark_session
     from raymq.jobs.order_income import income_totals, run_once
-    say("order-income job: Spark on Ray (RayDP) sums the committed orders per minute")
-    with spark_session(mq) as spark:
+    say("order-income job: starting Spark on Ray (RayDP: a driver and one executor, "
+        "~15 s) to sum the committed orders per minute")
+    with spark_session(mq, quiet=not verbose) as spark:
+        from raymq.jobs.spark_session import jvm_log_path
+        say("order-income job: Spark is up; reading the committed orders" +
+            ("" if verbose else f" (Spark's own log: {jvm_log_path()})"))
         stats = run_once(mq, spark, source=TOPIC, target="income", group="order-income")
     say(f"order-income job: {stats['orders_read']} orders read, {stats['messages']} income "
         f"messages written with their offsets, in {stats['seconds']} s")
@@ -223,9 +232,19 @@ def _income_check(mq, order_db: str, say) -> tuple[bool, str]:
 
 
 def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
-        timeout_s: float = 240.0, sabotage: str | None = None, spark: bool = True) -> int:
-    say = lambda text: print(f"[demo] {text}", file=out, flush=True)  # noqa: E731
+        timeout_s: float = 240.0, sabotage: str | None = None, spark: bool = True,
+        verbose: bool = False) -> int:
+    """The demo; ``verbose``: Ray's, Spark's and RayMQ's own logs as they come (else only
+    the demo's lines, and errors)."""
+    started = time.monotonic()
+    say = lambda text: print(f"[demo {time.monotonic() - started:5.1f}s] {text}",  # noqa: E731
+                             file=out, flush=True)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    else:
+        from raymq.jobs.spark_session import quiet_ray_data
+        quiet_ray_data()
     from raymq import connect, rpc
     from raymq.deploy import undeploy
     work = data_dir or tempfile.mkdtemp(prefix="raymq-demo-")
@@ -234,11 +253,15 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
     init_order_db(order_db)
     say(f"RayMQ demo: {orders} orders, data in {work}")
     say("starting an embedded local Ray cluster and RayMQ (2 shards, checker, registry)")
-    rpc.init("local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    rpc.init("local", num_cpus=2, include_dashboard=False,
+             logging_level="INFO" if verbose else "ERROR")
     address = rpc.gcs_address()
     procs: list[subprocess.Popen] = []
     try:
-        mq = connect(data_dir=os.path.join(work, "broker"), **DEMO_CONFIG)
+        settings = dict(DEMO_CONFIG, data_dir=os.path.join(work, "broker"))
+        with open(os.path.join(work, "cluster.json"), "w") as f:  # (for `raymq console`)
+            json.dump(settings, f, indent=1)
+        mq = connect(**settings)
         mq.create_topic(TOPIC, queues=4)
         points = PointsService(mq, points_db)
         points.thread.start()
@@ -274,6 +297,9 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
                     threading.Thread(target=read_events, args=(p,), daemon=True).start()
                     return "done"
                 events[ev["order"]] = ev["event"]
+                if ev["event"] == "UNKNOW":
+                    say(f"order {ev['order']}: its local transaction failed (a disk I/O error "
+                        "injected): UNKNOW, the broker will check back")
                 if ev.get("end_lost"):
                     ends_lost.add(ev["order"])
                 if len(events) % 10 == 0:
@@ -334,7 +360,7 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
         points.thread.join(10)
         points.consumer.close()
 
-        income_ok, income_detail = _income_check(mq, order_db, say) if spark else (
+        income_ok, income_detail = _income_check(mq, order_db, say, verbose) if spark else (
             True, "skipped (--no-spark)")
         checks = [
             ("orders paid = orders credited with points", paid == credited,
@@ -367,6 +393,9 @@ def run(data_dir: str | None = None, *, orders: int = 60, out=sys.stdout,
             ok &= passed
             print(f"  {'OK  ' if passed else 'FAIL'} {label} ({detail})", file=out)
         print(f"\n{'CONSISTENT' if ok else 'INCONSISTENT'}", file=out, flush=True)
+        print(f"\nTo look at what just happened (topics, the orders, check-backs, groups) in "
+              f"the web console:\n  raymq --config {os.path.join(work, 'cluster.json')} "
+              f"console --embedded", file=out, flush=True)
         mq.close()
         return 0 if ok else 1
     finally:
@@ -392,9 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sabotage", choices=SABOTAGE)
     ap.add_argument("--no-spark", action="store_true",
                     help="leave out the order-income Spark job and its report line")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show Ray's, Spark's and RayMQ's own logs too")
     args = ap.parse_args(argv)
     return run(args.data_dir, orders=args.orders, sabotage=args.sabotage,
-               spark=not args.no_spark)
+               spark=not args.no_spark, verbose=args.verbose)
 
 
 if __name__ == "__main__":
