@@ -356,12 +356,8 @@ class BrokerShard:
     def queue_info(self) -> dict:
         self.routes.refresh()
         depth = {f"{t}/{q}": self.store.max_queue_offset(t, q) for t, q in self.routes.sorted()}
-        for key, d in depth.items():
-            self.metrics.set("queue_depth", float(d), queue=key)
-        groups = self.offsets.lag()
-        for group, lags in groups.items():
-            self.metrics.set("consumer_lag", float(sum(lags.values())), group=group)
-        return {"shard": self.index, "queues": depth, "lag": groups,
+        # (the gauges are reported every few seconds: ``raymq.actors.metrics.shard_gauges``)
+        return {"shard": self.index, "queues": depth, "lag": self.offsets.lag(),
                 "schedule_pending": self.delays.pending(),
                 "max_delay_lateness_ms": self.delays.max_lateness_ms,
                 "timers": self.timers.status(),

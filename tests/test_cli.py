@@ -224,3 +224,17 @@ def test_bench_spark_prints_the_issues_metric_names(tmp_path):
     assert got["spark.handoff_ratio"]["value"] == pytest.approx(
         committed["value"] / raw["value"], abs=0.001)
     assert got["spark.order_income_rows_per_s"]["value"] > 0
+
+
+@pytest.mark.slow
+def test_bench_console_prints_the_issues_metric_names(tmp_path):
+    """Issue 28's figures: produce with and without a console (a process of its own)
+    polling every page, and each page's time on a cluster of many topics and groups."""
+    got = _bench_figures("console", tmp_path, "0.05")
+    polled, alone = got["console.produce_polled"], got["console.produce_alone"]
+    assert polled["value"] > 0 and alone["value"] > 0 and polled["params"]["page_reads"] > 0
+    assert got["console.produce_ratio"]["value"] == pytest.approx(
+        polled["value"] / alone["value"], rel=0.01)
+    slowest = got["console.slowest_page_ms"]
+    assert slowest["value"] > 0 and slowest["params"]["topics"] == 50
+    assert slowest["params"]["groups"] == 10
