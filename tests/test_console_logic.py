@@ -122,3 +122,42 @@ def test_a_shards_gauges_count_what_it_holds(tmp_path):
     assert replication_gauges({"lag_bytes": {"shard-0-r1": 10}, "in_sync": ["a", "b"]}) == [
         ("replication_lag_bytes", 10.0, {"follower": "shard-0-r1"}),
         ("replicas_in_sync", 2.0, {})]
+
+
+def reported_metric_names() -> set[str]:
+    """Every metric name RayMQ's code records (``metrics.inc/set/observe("name"`` and the
+    gauges ``shard_gauges`` and ``replication_gauges`` report)."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = set()
+    for folder in ("actors", "cluster"):
+        for dirpath, _dirs, files in os.walk(os.path.join(root, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    text = open(os.path.join(dirpath, f)).read()
+                    names |= set(re.findall(r'metrics\.(?:inc|set|observe)\("([a-z_]+)"', text))
+                    names |= set(re.findall(r'\("([a-z_]+)", float\(', text))
+    return names
+
+
+def dashboard_metrics() -> set[str]:
+    import json
+    import os
+    import re
+    from raymq.tools import console
+    path = os.path.join(os.path.dirname(console.STATIC), "grafana", "raymq-dashboard.json")
+    with open(path) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return {m for e in exprs for m in re.findall(r"ray_raymq_([a-z_]+?)(?:_total|_bucket)?\b", e)}
+
+
+def test_the_grafana_dashboard_charts_only_metrics_raymq_reports_and_the_readme_lists_them():
+    import os
+    charted = dashboard_metrics()
+    assert len(charted) >= 15
+    assert charted - reported_metric_names() == set()
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "README.md")).read()
+    assert sorted(m for m in charted if f"ray_raymq_{m}" not in readme) == []
