@@ -356,9 +356,24 @@ def down_up() -> int:
         print(f"after down and up: epoch {epoch} -> {g['epoch']}, in sync "
               f"{len(g['in_sync'])}, acked {len(log.acked)}/{log.sent}, lost {lost} "
               f"duplicates {dup} ordered {ordered}", flush=True)
+        _print_console_overview(mq)
         return 0 if lost == 0 and len(log.acked) == 400 else 1
     finally:
         h.close()
+
+
+def _print_console_overview(mq) -> None:
+    """What the web console's overview shows of a replicated cluster (its JSON)."""
+    from raymq.tools.console_pages import Pages
+    ov = Pages(mq).overview()
+    for group in ov["replicas"]:
+        roles = sorted(r["role"] for r in group["replicas"])
+        print(f"console: shard-{group['shard']} roles {' '.join(roles)} in sync "
+              f"{len(group['in_sync'])}", flush=True)
+    kinds = sorted({a["kind"] for a in ov["actors"] if a["alive"]})
+    dead = [a["name"] for a in ov["actors"] if not a["alive"]]
+    print(f"console: alive kinds {', '.join(kinds)}; not answering {dead}; nodes "
+          f"{sum(n['alive'] for n in ov['nodes'])}", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ def test_down_and_up_restarts_every_replica_with_its_files():
     out = run("down_up")
     assert re.search(r"^after down and up: epoch \d+ -> \d+, in sync 3, acked 400/400, "
                      r"lost 0 duplicates 0 ordered True", out, re.M)
+    # the web console's overview of the replicated cluster: each group's leader and two
+    # followers, every RayMQ actor answering (replicas included), the four nodes
+    assert re.search(r"^console: shard-0 roles follower follower leader in sync 3", out, re.M)
+    assert re.search(r"^console: alive kinds .*shard replica.*; not answering \[\]; nodes 4",
+                     out, re.M)
 
 
 @pytest.mark.slow
