@@ -22,13 +22,16 @@ class NullMetrics:
 
 def shard_gauges(shard) -> list[tuple[str, float, dict]]:
     """A ``BrokerShard``'s gauges as (name, value, tags), read from its parts without a
-    call out of the process: messages stored, each group's lag, half messages pending
+    call out of the process: messages stored, the bytes its files take on disk, each
+    group's lag, half messages pending
     and check-expired, open Kafka-style transactions, timers scheduled and due within
     the minute, and how late timer delivery runs.  Tags stay bounded (a group name at
     most: no per-queue series)."""
+    from raymq.storage.fileutil import disk_usage
     store = shard.store
     out = [("messages_stored", float(sum(store.max_queue_offset(t, q)
-                                         for t, q in store.queues())), {})]
+                                         for t, q in store.queues())), {}),
+           ("disk_bytes", float(disk_usage(shard.directory)), {})]
     for group, lags in shard.offsets.lag().items():
         out.append(("consumer_lag", float(sum(lags.values())), {"group": group}))
     halves = shard.transaction_status()

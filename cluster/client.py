@@ -431,12 +431,14 @@ class Admin:
         nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)], 30)
         tx = rpc.wait_all([mq.shard(s).submit("transaction_status")
                            for s in range(mq.num_shards)], 30)
+        disk = rpc.wait_all([mq.shard(s).submit("disk_bytes") for s in range(mq.num_shards)], 30)
         return {"topics": mq.topics(), "groups": mq.control.call("groups", timeout_s=30),
                 # which transport this client uses and why (``raymq.transport``)
                 "transport": {"name": mq.transport.name, "why": mq.transport.why},
                 "transactions": [t if not isinstance(t, Exception) else {"error": str(t)}
                                  for t in tx],
                 "shards": [{"shard": s, "node": n if not isinstance(n, Exception) else None,
-                            "info": i if not isinstance(i, Exception) else {"error": str(i)}}
-                           for s, (i, n) in enumerate(zip(infos, nodes))],
+                            "info": i if not isinstance(i, Exception) else {"error": str(i)},
+                            "disk_bytes": d if not isinstance(d, Exception) else None}
+                           for s, (i, n, d) in enumerate(zip(infos, nodes, disk))],
                 **({"replicas": self.replicas()} if mq.replicated else {})}

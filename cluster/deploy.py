@@ -104,6 +104,15 @@ class ShardActor(BrokerShard):
     def node_id(self) -> str:
         return rpc.node_id()
 
+    def disk_bytes(self) -> int | None:
+        """The bytes this shard's files take on disk, as of its last gauge report (5 s)."""
+        return _disk_bytes(self._gauges)
+
+
+def _disk_bytes(gauges: "GaugeReporter") -> int | None:
+    value = gauges.last.get("disk_bytes")
+    return None if value is None else int(value)
+
 
 #: Replica methods that write (refused while too few replicas are in sync).
 _WRITES = frozenset({"send", "ktx_send"})
@@ -239,6 +248,12 @@ class _Replica:
 
 class ReplicaActor(_Replica):
     """A replica of a replicated shard."""
+
+    def disk_bytes(self) -> int | None:
+        """The bytes its shard's files take on disk while it leads (as of its last gauge
+        report), None while it follows."""
+        self._replica.serving()  # (clients ask the leader's only)
+        return _disk_bytes(self._gauges)
 
 
 class _ShardCalls(_LeaderCalls):

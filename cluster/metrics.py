@@ -97,16 +97,25 @@ class GaugeReporter:
     def __init__(self, metrics: RayMetrics, gauges: Callable[[], list],
                  every_s: float = GAUGES_EVERY_S):
         self.metrics, self.gauges, self.every_s = metrics, gauges, every_s
+        #: the last value of each gauge reported without tags (name -> value)
+        self.last: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="raymq-gauges")
 
     def start(self) -> "GaugeReporter":
+        """Report once now (``last`` is filled from the start), then every ``every_s``."""
+        try:
+            self.report()
+        except Exception as err:  # noqa: BLE001 -- metrics never break the broker
+            log.debug("gauges not reported: %s", err)
         self._thread.start()
         return self
 
     def report(self) -> None:
         for name, value, tags in self.gauges():
             self.metrics.set(name, value, **tags)
+            if not tags:
+                self.last[name] = value
         self.metrics.flush()
 
     def _loop(self) -> None:

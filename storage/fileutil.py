@@ -40,3 +40,17 @@ def atomic_write(path: str, data: bytes, *, label: str | None = None) -> None:
     if label:
         crash_point(f"{label}.renamed")
     fsync_dir(directory)
+
+
+def disk_usage(path: str) -> int:
+    """Bytes the files under ``path`` take on disk (allocated blocks, as ``du``; a file
+    gone while walking counts 0)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            total += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+    return total

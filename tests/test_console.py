@@ -39,6 +39,9 @@ def test_overview_shows_every_shard_and_actor_alive_and_the_nodes(server, mq):
     assert status == 200
     assert [s["shard"] for s in d["shards"]] == list(range(mq.num_shards))
     assert all(s["alive"] and s["log_bytes"] > 0 for s in d["shards"])
+    # disk used: the shard's files (log, indexes) as of its last 5-s report
+    wait_for(lambda: all(s["disk_bytes"] >= s["log_bytes"] > 0
+                         for s in get(server, "overview")[1]["shards"]), what="disk used")
     kinds = {a["kind"] for a in d["actors"] if a["alive"]}
     assert {"controller", "shard", "checker", "coordinator"} <= kinds
     assert any(n["alive"] and n["head"] for n in d["nodes"])

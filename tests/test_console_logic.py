@@ -161,3 +161,16 @@ def test_the_grafana_dashboard_charts_only_metrics_raymq_reports_and_the_readme_
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "README.md")).read()
     assert sorted(m for m in charted if f"ray_raymq_{m}" not in readme) == []
+
+
+def test_disk_usage_counts_allocated_bytes_not_a_files_length(tmp_path):
+    import os
+
+    from raymq.storage.fileutil import disk_usage
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "data").write_bytes(os.urandom(10_000))
+    sparse = tmp_path / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(64 * 1024 * 1024)  # 64 MiB long, nothing written: no block allocated
+    used = disk_usage(str(tmp_path))
+    assert 10_000 <= used < 1024 * 1024

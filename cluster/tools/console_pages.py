@@ -194,6 +194,7 @@ class Pages:
             info, name = s["info"], f"shard-{s['shard']}"
             shards.append({"shard": s["shard"], "node": s["node"], "alive": "error" not in info,
                            "error": info.get("error"), "log_bytes": info.get("log_bytes", 0),
+                           "disk_bytes": s.get("disk_bytes"),
                            "in_per_s": self.history.last_rate(f"in:{name}"),
                            "out_per_s": self.history.last_rate(f"out:{name}")})
         return {"shards": shards, "replicas": status.get("replicas", []),
