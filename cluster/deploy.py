@@ -368,7 +368,6 @@ class CoordinatorActor(TransactionCoordinator):
         return self._endpoint.address, self._endpoint.authkey
 
     def close(self) -> None:
-        self._gauges.stop()
         self._endpoint.close()
         super().close()
 

@@ -489,3 +489,18 @@ def test_operators_list_describe_abort_and_find_hanging_transactions(mq, name, c
     err = capsys.readouterr().err.strip()
     assert "INVALID_TXN_STATE" in err and len(err.splitlines()) == 1
     kp.close()
+
+
+def test_a_coordinator_actor_closes_its_channel_and_log_cleanly(mq, tmp_path):
+    """``close`` on a coordinator actor (one of its own, over a data directory of its own)
+    answers, and the actor stays up to answer again."""
+    from raymq import rpc
+    from raymq.deploy import CoordinatorActor
+    cfg = dict(mq.config.to_dict(), data_dir=str(tmp_path))
+    handle = rpc.create_actor(CoordinatorActor, 0, cfg, num_cpus=0)
+    try:
+        assert rpc.call(handle.ping, timeout_s=60)["coordinator"] == 0
+        rpc.call(handle.close, timeout_s=60)
+        assert rpc.call(handle.ping, timeout_s=60)["transactional_ids"] == 0
+    finally:
+        rpc.kill(handle)
