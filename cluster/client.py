@@ -427,11 +427,10 @@ class Admin:
         mq = self._mq
         for s in range(mq.num_shards):  # (each shard's leader as it is now)
             mq.forget_leader(s)
-        infos = rpc.wait_all([mq.shard(s).submit("queue_info") for s in range(mq.num_shards)], 30)
-        nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)], 30)
-        tx = rpc.wait_all([mq.shard(s).submit("transaction_status")
-                           for s in range(mq.num_shards)], 30)
-        disk = rpc.wait_all([mq.shard(s).submit("disk_bytes") for s in range(mq.num_shards)], 30)
+        # every call to every shard sent before any answer is awaited: one round, not four
+        calls = [[mq.shard(s).submit(method) for s in range(mq.num_shards)]
+                 for method in ("queue_info", "node_id", "transaction_status", "disk_bytes")]
+        infos, nodes, tx, disk = (rpc.wait_all(c, 30) for c in calls)
         return {"topics": mq.topics(), "groups": mq.control.call("groups", timeout_s=30),
                 # which transport this client uses and why (``raymq.transport``)
                 "transport": {"name": mq.transport.name, "why": mq.transport.why},

@@ -103,11 +103,8 @@ class GaugeReporter:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="raymq-gauges")
 
     def start(self) -> "GaugeReporter":
-        """Report once now (``last`` is filled from the start), then every ``every_s``."""
-        try:
-            self.report()
-        except Exception as err:  # noqa: BLE001 -- metrics never break the broker
-            log.debug("gauges not reported: %s", err)
+        """Report at once, then every ``every_s`` -- from the thread: an actor's start
+        does not wait for the first round (a walk of the shard's files among others)."""
         self._thread.start()
         return self
 
@@ -119,11 +116,13 @@ class GaugeReporter:
         self.metrics.flush()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
             try:
                 self.report()
             except Exception as err:  # noqa: BLE001 -- metrics never break the broker
                 log.debug("gauges not reported: %s", err)
+            if self._stop.wait(self.every_s):
+                return
 
     def stop(self) -> None:
         self._stop.set()

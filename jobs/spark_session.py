@@ -46,14 +46,17 @@ QUIET_LOG4J2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2-
 def quiet_ray_data() -> None:
     """Ray Data at warnings and up, without progress bars: its start-up and per-dataset
     progress lines are INFO (set before ``ray.data`` is imported, the level holds for its
-    own logging set-up too: ``RAY_DATA_LOG_LEVEL``); the bars of a terminal are switched
-    off, and so is the warning saying they are."""
+    own logging set-up too: ``RAY_DATA_LOG_LEVEL``); once ``ray.data`` is imported (a
+    quiet ``spark_session`` calls this after RayDP imported it) the bars of a terminal
+    are switched off, and so is the warning saying they are.  Before, ``ray.data`` is
+    not imported for this alone (half a second of every demo's start)."""
     import logging
     os.environ["RAY_DATA_LOG_LEVEL"] = "WARNING"
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
-    from ray.data import DataContext
-    DataContext.get_current().enable_progress_bars = False
+    if "ray.data" in sys.modules:
+        from ray.data import DataContext
+        DataContext.get_current().enable_progress_bars = False
 
 
 @contextlib.contextmanager
