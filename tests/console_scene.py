@@ -96,18 +96,19 @@ def serve(mq, *, read_only: bool = False) -> ConsoleServer:
 
 
 def get(server: ConsoleServer, path: str) -> tuple[int, dict]:
-    return _json(urllib.request.Request(server.url + "api/" + path))
+    return json_answer(urllib.request.Request(server.url + "api/" + path))
 
 
 def post(server: ConsoleServer, path: str, token: str | None = TOKEN,
          body: dict | None = None) -> tuple[int, dict]:
     headers = {TOKEN_HEADER: token} if token else {}
     data = None if body is None else json.dumps(body).encode()
-    return _json(urllib.request.Request(server.url + "api/" + path, data=data,
+    return json_answer(urllib.request.Request(server.url + "api/" + path, data=data,
                                         headers=headers, method="POST"))
 
 
-def _json(req) -> tuple[int, dict]:
+def json_answer(req) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a request, an error status included."""
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.load(r)

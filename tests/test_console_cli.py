@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 
 import pytest
+
+from tests.console_scene import json_answer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -38,13 +39,8 @@ def _stop(proc: subprocess.Popen) -> str:
 
 
 def _post(url: str, token: str | None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, method="POST",
-                                 headers={"X-RayMQ-Token": token} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
+    return json_answer(urllib.request.Request(
+        url, method="POST", headers={"X-RayMQ-Token": token} if token else {}))
 
 
 def test_the_console_command_joins_the_cluster_serves_and_stops_on_ctrl_c(mq, name):

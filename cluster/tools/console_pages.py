@@ -204,17 +204,17 @@ class Pages:
 
     def topics(self) -> dict:
         status = self.mq.admin.status()
-        topics = {}
-        for name, t in sorted(status["topics"].items()):
-            topics[name] = {"queues": [], "system": is_system_topic(name),
-                            "routes": t["routes"]}
+        def entry(name: str, routes=()) -> dict:
+            return {"queues": [], "system": is_system_topic(name), "routes": list(routes)}
+        topics = {name: entry(name, t["routes"]) for name, t in sorted(status["topics"].items())}
         for s in status["shards"]:
             info = s["info"]
             for key, depth in info.get("queues", {}).items():
                 topic, qid = key.rsplit("/", 1)
                 lag = {g: lags[key] for g, lags in info.get("lag", {}).items() if key in lags}
-                topics.setdefault(topic, {"queues": [], "system": is_system_topic(topic),
-                                          "routes": []})["queues"].append(
+                if topic not in topics:  # (a queue the shard serves of a topic not listed)
+                    topics[topic] = entry(topic)
+                topics[topic]["queues"].append(
                     {"queue": int(qid), "shard": s["shard"], "min_offset": 0,
                      "max_offset": depth, "lag": lag})
         for t in topics.values():
