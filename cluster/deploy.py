@@ -25,7 +25,7 @@ from raymq.actors.channel import DATA_METHODS, ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.coordinator import TransactionCoordinator
 from raymq.actors.registry import ProducerGroupRegistry
-from raymq.actors.replica import ShardReplica
+from raymq.actors.replica import WRITES, ShardReplica
 from raymq.actors.replica_groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
@@ -114,23 +114,15 @@ def _disk_bytes(gauges: "GaugeReporter") -> int | None:
     return None if value is None else int(value)
 
 
-#: Replica methods that write (refused while too few replicas are in sync).
-_WRITES = frozenset({"send", "ktx_send"})
 #: What a replica answers whatever its role.
 _REPLICA_OWN = frozenset({"ping", "close", "node_id", "endpoint", "set_fault"})
 
 
 def _leader_method(name: str, served: type):
-    write = name in _WRITES
+    write = name in WRITES
 
-    if name == "commit_offsets":  # answered once the in-sync followers hold them too
-        def method(self, *args, **kwargs):
-            out = served.commit_offsets(self._replica.serving(), *args, **kwargs)
-            self._replica.offsets_replicated()
-            return out
-    else:
-        def method(self, *args, **kwargs):
-            return getattr(served, name)(self._replica.serving(write=write), *args, **kwargs)
+    def method(self, *args, **kwargs):
+        return getattr(served, name)(self._replica.serving(write=write), *args, **kwargs)
     method.__name__ = name
     method.__doc__ = getattr(served, name).__doc__
     return method
@@ -568,7 +560,17 @@ def _actor_names(cfg: ClusterConfig, kind: str) -> list[str]:
 def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
     """Create whatever of RayMQ is missing (idempotent); return the controller's and the
     shards' handles.  ``config`` is used by a first deploy only: a running controller
-    keeps its settings, and every actor created later gets them (not ``config``)."""
+    keeps its settings, and every actor created later gets them (not ``config``).
+
+    The settings deployed with (``config``, or the running controller's) are checked
+    against the cluster first (``check_deployable``): refused, nothing is created."""
+    try:
+        controller = get_controller()
+    except ValueError:
+        check_deployable(config)
+    else:
+        rpc.ControllerClient(controller).call("ping", timeout_s=120)
+        check_deployable(_running_config(controller), running=True)
     first = config.to_dict()
     first["data_dir"] = config.data_dir_template()
     controller = _create_controller(first)
@@ -578,6 +580,27 @@ def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
     shards = _create_shards(control, cfg)
     _create_helpers(cfg)
     return controller, shards
+
+
+def check_deployable(config: ClusterConfig, *, running: bool = False) -> None:
+    """``ConfigError`` (one line, saying what to do) unless this Ray cluster can hold
+    RayMQ with ``config``: as many alive nodes as ``replication_factor`` (each replica
+    of a group on its own node).  ``running``: ``config`` is the running RayMQ's (its
+    controller keeps it: then ``raymq down`` comes first to deploy with another).
+    Creates nothing."""
+    factor = config.replication_factor
+    if factor == 1:
+        return
+    alive = len(rpc.alive_nodes())
+    if factor <= alive:
+        return
+    if running:
+        raise ConfigError(
+            f"RayMQ runs in the Ray cluster at {rpc.gcs_address()} with replication_factor "
+            f"{factor}, which needs {factor} alive Ray nodes, the cluster has {alive}: add "
+            "nodes, or `raymq down` first to deploy it with a lower one (data stays on disk)")
+    raise ConfigError(f"replication_factor {factor} needs {factor} alive Ray nodes, the "
+                      f"cluster has {alive}: add nodes or lower it (nothing was deployed)")
 
 
 def _create_controller(cfg: dict):
@@ -603,11 +626,7 @@ def _create_replicas(control: rpc.ControllerClient, config: ClusterConfig) -> No
     """Each shard's replicas, created unless they exist, one per bundle of the shard's
     placement group (``STRICT_SPREAD``: each on its own node); waits until every group
     has ``min_insync_replicas`` in sync."""
-    factor = config.replication_factor
-    nodes = rpc.alive_nodes()
-    if factor > len(nodes):
-        raise ConfigError(f"replication_factor {factor} needs {factor} alive Ray nodes, the "
-                          f"cluster has {len(nodes)}: add nodes or lower it")
+    check_deployable(config, running=True)  # (checked before anything: a node gone since?)
     _create_group(ReplicaActor, config, config.num_shards,
                   max_concurrency=config.shard_max_concurrency)
     _wait_in_sync(control, config, "replicas")

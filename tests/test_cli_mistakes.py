@@ -112,11 +112,15 @@ def test_replication_mistakes_are_one_line(mq, capsys):
     from raymq.storage.errors import ConfigError
     assert main(["shard", "elect", "0"]) == 1  # this cluster's shards are not replicated
     one_line_error(capsys, "not replicated")
-    # `raymq up --replication-factor 3` on a cluster of one node: refused, nothing made
+    # `raymq up --replication-factor 3` on a cluster of one node: refused, nothing made --
+    # checked before anything is created (a first deploy's is tests/test_deploy_cli.py's)
     with pytest.raises(ConfigError, match=r"replication_factor 3 needs 3 alive Ray nodes, "
-                                          r"the cluster has 1"):
-        deploy._create_replicas(rpc.ControllerClient(deploy.get_controller()),
-                                ClusterConfig(replication_factor=3))
+                                          r"the cluster has 1: add nodes or lower it"):
+        deploy.check_deployable(ClusterConfig(replication_factor=3))
+    # asked of the running (unreplicated) RayMQ: names what differs, `raymq down` first
+    assert main(["up", "--replication-factor", "3"]) == 1
+    err = one_line_error(capsys, "CONFIG_MISMATCH")
+    assert "replication_factor: running 1, asked 3" in err and "`raymq down` first" in err
     with pytest.raises(ValueError):
         rpc.get_actor("shard-0-r0")
     assert mq.admin.replicas()[0]["epoch"] == 0  # unreplicated: its one replica leads

@@ -62,6 +62,92 @@ def test_only_up_deploys_and_up_refuses_other_settings(own_ray, run_raymq, tmp_p
     assert "shard-1" in raymq("down").out
 
 
+def test_a_refused_up_deploys_nothing(own_ray, run_raymq, tmp_path):
+    """Issue 34: on one node `raymq up --replication-factor 3` is refused in one line and
+    leaves nothing behind (it left a controller with R = 3: every later `up` refused the
+    same way, `status` said "partly deployed"); a plain `up` then works.  A running
+    RayMQ asked other settings, or one whose own settings the cluster cannot hold, is
+    refused naming them and that `raymq down` comes first."""
+    cluster = own_ray()
+    env = ray_env(RAY_ADDRESS=cluster.address, RAY_TMPDIR=cluster.tmp, RAY_AUTH_MODE="disabled",
+                  RAYMQ_DATA_DIR=str(tmp_path / "data"))
+
+    def raymq(*args, rc=0):
+        res = run_raymq(list(args), env, timeout_s=180)
+        assert res.rc == rc, f"raymq {' '.join(args)}: rc {res.rc}\n{res.out}\n{res.err[-3000:]}"
+        return res
+
+    def python(code: str) -> str:
+        res = run_raymq(python="from raymq import rpc, deploy\nrpc.init()\n" + code, env=env,
+                        timeout_s=180)
+        assert res.rc == 0, res.err[-3000:]
+        return res.out.strip()
+
+    line = one_line(raymq("up", "--replication-factor", "3", rc=1).err)
+    assert "CONFIG_INVALID" in line and "replication_factor 3 needs 3 alive Ray nodes, the " \
+        "cluster has 1: add nodes or lower it" in line, line
+    status = one_line(raymq("status", rc=1).err)
+    assert "NOT_DEPLOYED" in status and "partly" not in status, status
+    assert python("print(rpc.named_actors())") == "[]"  # no controller left behind
+    assert "nothing was deployed" in line
+    assert "controller + 2 shards" in raymq("up").out
+    # asked of the running RayMQ: which setting differs (running -> asked), `raymq down` first
+    line = one_line(raymq("up", "--replication-factor", "3", rc=1).err)
+    assert "CONFIG_MISMATCH" in line and "replication_factor: running 1, asked 3" in line
+    assert "`raymq down` first" in line and "nothing changed" in line
+    assert "shards: 2" in raymq("status").out  # still up, unreplicated
+    assert "controller" in raymq("down").out
+    # a controller alone with R = 3 (as a refused `up` of an older RayMQ left one): a
+    # plain `up` says the running RayMQ's setting is the cause, and `raymq down` first
+    python("from raymq.actors.config import ClusterConfig\n"
+           "cfg = ClusterConfig(replication_factor=3)\n"
+           "first = {**cfg.to_dict(), 'data_dir': cfg.data_dir_template()}\n"
+           "rpc.ControllerClient(deploy._create_controller(first)).call('ping', timeout_s=120)")
+    line = one_line(raymq("up", rc=1).err)
+    assert "CONFIG_INVALID" in line and "runs in the Ray cluster" in line, line
+    assert "replication_factor 3, which needs 3 alive Ray nodes, the cluster has 1" in line
+    assert "`raymq down` first" in line
+    assert python("print(rpc.named_actors())") == "['controller']"  # nothing more made
+    assert "controller" in raymq("down").out
+    assert "controller + 2 shards" in raymq("up").out
+    assert "shard-1" in raymq("down").out
+
+
+def test_deploy_checks_the_cluster_before_it_creates_anything(monkeypatch):
+    """No Ray: a replication factor over the alive nodes is refused before any actor is
+    created -- asked of a first deploy, or the running controller's own."""
+    from raymq import deploy, rpc
+    from raymq.actors.config import ClusterConfig
+    from raymq.storage.errors import ConfigError
+
+    def created(*args, **kwargs):
+        raise AssertionError("an actor was created")
+
+    def no_controller():
+        raise ValueError("no controller")
+
+    class Control:
+        def __init__(self, handle):
+            pass
+
+        def call(self, method, *args, **kwargs):
+            return ClusterConfig(replication_factor=3).to_dict() if method == "get_config" \
+                else {}
+    monkeypatch.setattr(rpc, "alive_nodes", lambda: ["node-0", "node-1"])
+    monkeypatch.setattr(rpc, "gcs_address", lambda: "10.0.0.1:6379")
+    monkeypatch.setattr(rpc, "create_actor", created)
+    monkeypatch.setattr(rpc, "ControllerClient", Control)
+    monkeypatch.setattr(deploy, "get_controller", no_controller)
+    with pytest.raises(ConfigError, match=r"^replication_factor 3 needs 3 alive Ray nodes, the "
+                                          r"cluster has 2: add nodes or lower it"):
+        deploy.deploy(ClusterConfig(replication_factor=3))
+    monkeypatch.setattr(deploy, "get_controller", lambda: "the controller")
+    with pytest.raises(ConfigError, match=r"runs in the Ray cluster at 10.0.0.1:6379 with "
+                                          r"replication_factor 3, .*`raymq down` first"):
+        deploy.deploy(ClusterConfig())  # (the running settings count, not those asked)
+    deploy.check_deployable(ClusterConfig(replication_factor=2))  # two nodes: fine
+
+
 def test_differences_name_only_settings_asked_that_differ(monkeypatch, tmp_path):
     """No Ray: what `raymq up` compares (a data dir by where it resolves, delay levels by
     their values)."""
