@@ -45,12 +45,13 @@ class Controller:
         #: replicated shards' groups (``replication_factor`` > 1): leaders, epochs, in sync
         self.replica_groups = ReplicaGroups(
             self.config.num_shards, self.config.replication_factor,
-            self.config.replica_lease_ms, self.clock, self._save, self._replica_groups)
+            self.config.replica_lease_ms, self.clock, self._save, self._replica_groups,
+            known=False)  # (a group not on record: taken from what its replicas keep)
         #: the transaction coordinators' groups, when replicated as shards are
         self.coordinator_groups = ReplicaGroups(
             self.config.num_coordinators, self.config.replication_factor,
             self.config.replica_lease_ms, self.clock, self._save, self._coordinator_groups,
-            kind="coordinator")
+            kind="coordinator", known=False)
         self.membership = Membership(self.clock, self.config.session_timeout_ms,
                                      self._queue_count, restarted=restarted,
                                      max_groups=self.config.max_groups)
@@ -154,25 +155,30 @@ class Controller:
 
     # ------------------------------------------------------ replica groups
     def replica_heartbeat(self, shard: int, name: str, node: str, epoch: int, log_end: int,
-                          in_sync: list[str] | None = None, fresh: bool = False) -> dict:
-        """A shard replica lives (``ReplicaGroups.heartbeat``): its group's assignment."""
+                          in_sync: list[str] | None = None, fresh: bool = False,
+                          reported: dict | None = None) -> dict:
+        """A shard replica lives (``ReplicaGroups.heartbeat``: ``reported`` holds its
+        ``log_epoch``, ``isr_version`` and ``kept``): its group's assignment."""
         with self._lock:
             return self._groups_of(name).heartbeat(shard, name, node, epoch, log_end,
-                                                   in_sync, fresh)
+                                                   in_sync, fresh, **(reported or {}))
 
     def _groups_of(self, replica: str) -> ReplicaGroups:
         return self.coordinator_groups if str(replica).startswith("coordinator-") \
             else self.replica_groups
 
-    def replica_alter_isr(self, shard: int, name: str, epoch: int,
-                          in_sync: list[str]) -> tuple[bool, dict]:
+    def replica_alter_isr(self, shard: int, name: str, epoch: int, in_sync: list[str],
+                          version: int | None = None) -> tuple[bool, dict]:
         with self._lock:
-            return self._groups_of(name).alter_isr(shard, name, epoch, in_sync)
+            return self._groups_of(name).alter_isr(shard, name, epoch, in_sync, version)
 
-    def replica_elect(self, shard: int, to: str | None = None, unclean: bool = False) -> dict:
-        """An operator moves a shard's leadership (``raymq shard elect``)."""
+    def replica_elect(self, shard: int, to: str | None = None, unclean: bool = False,
+                      kind: str = "shard") -> dict:
+        """An operator moves a shard's (``kind="coordinator"``: a coordinator's)
+        leadership (``raymq shard elect``, ``raymq coordinator elect``)."""
         with self._lock:
-            return self.replica_groups.elect(shard, to=to, unclean=unclean)
+            groups = self.coordinator_groups if kind == "coordinator" else self.replica_groups
+            return groups.elect(shard, to=to, unclean=unclean)
 
     def replica_leaders(self) -> dict[int, tuple[str | None, int]]:
         """Each shard's leading replica and epoch (elections whose lease ran out first)."""

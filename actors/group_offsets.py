@@ -1,15 +1,25 @@
 """Consumer groups' committed offsets on one shard, their lag, and offsets cut back at start.
 
-Offsets are ``group@topic@queue`` keys in the store's durable offset table.
+Offsets are ``group@topic@queue`` keys in the store's offset table.  A commit is first a
+record of the shard's log (``OFFSETS_TOPIC``, Kafka's ``__consumer_offsets``): written,
+made durable and replicated as a send is -- refused while too few replicas are in sync,
+not acknowledged by a deposed leader -- and then applied to the table.  The table keeps
+the index of the last record it applied (``APPLIED_KEY``, saved with it); opening the
+shard applies the records after it, so a new leader holds every acknowledged commit.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from raymq.actors.halves import HALF_PROGRESS, OP_PROGRESS
-from raymq.actors.protocol import HALF_TOPIC, OP_TOPIC, dlq_topic
-from raymq.storage import MessageStore
-from raymq.storage.errors import OffsetOutOfRangeError, QuotaExceededError
+from raymq.actors.protocol import HALF_TOPIC, OFFSETS_TOPIC, OP_TOPIC, dlq_topic
+from raymq.storage import MessageStore, RecordBatch
+from raymq.storage.errors import OffsetOutOfRangeError, QuotaExceededError, RequestTimeoutError
+from raymq.storage.store import PutStatus
+
+#: The offset table's key holding the index of the next commit record to apply.
+APPLIED_KEY = "offsets-log@applied"
 
 log = logging.getLogger("raymq.shard")
 
@@ -25,15 +35,41 @@ class GroupOffsets:
         self.shard = shard
         self.store = store
         self.max_groups = max_groups
+        self.replay()
         # the groups with offsets here (internal progress keys too: a few)
         self._groups = {key.split("@", 1)[0] for key in store.offsets.snapshot()}
 
     def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
-        """Set committed offsets of a group (next offset to consume).  Idempotent."""
+        """Set committed offsets of a group (next offset to consume).  Idempotent.  Returns
+        once the commit's record is durable (and held by every in-sync replica)."""
         values = self.values(group, offsets)
-        if values:
-            self.admit(group)
-            self.store.save_offsets(values)
+        if not values:
+            return
+        self.admit(group)
+        self.store.make_durable()  # (what the offsets pass, first: ``save_offsets``)
+        body = json.dumps({"g": group, "o": values}, separators=(",", ":")).encode()
+        result = self.store.put(RecordBatch(OFFSETS_TOPIC, 0, [body]))
+        if result.status is not PutStatus.PUT_OK:  # (written; a retry writes it again)
+            raise RequestTimeoutError(f"shard-{self.shard}: the commit of group {group!r}'s "
+                                      f"offsets was not acknowledged ({result.status.name}); "
+                                      f"commit again")
+        self.store.offsets.update(
+            {**values, APPLIED_KEY: result.queue_offsets[-1] + 1}, durable=False)
+
+    def replay(self) -> int:
+        """Apply the commit records the table does not hold yet; how many."""
+        start = self.store.offsets.get(APPLIED_KEY, 0)
+        end = self.store.max_queue_offset(OFFSETS_TOPIC, 0)
+        if start >= end:
+            return 0
+        values: dict[str, int] = {}
+        for m in self.store.scan_queue(OFFSETS_TOPIC, 0, start):
+            values.update(json.loads(bytes(m.body))["o"])
+        values[APPLIED_KEY] = end
+        self.store.offsets.update(values)
+        log.info("shard-%d: applied %d commits of offsets from the log", self.shard,
+                 end - start)
+        return end - start
 
     def values(self, group: str, offsets: dict[tuple[str, int], int]) -> dict[str, int]:
         """The offset table's entries of ``offsets``; ``OffsetOutOfRangeError`` for one past

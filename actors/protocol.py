@@ -25,7 +25,10 @@ SYSTEM_TOPIC_PREFIXES = ("RMQ_SYS_", RETRY_PREFIX, DLQ_PREFIX)
 TIMER_TOPIC = "RMQ_SYS_TIMER"
 TIMER_DONE_TOPIC = "RMQ_SYS_TIMER_DONE"
 TIMER_CANCEL_TOPIC = "RMQ_SYS_TIMER_CANCEL"
-SYSTEM_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, CHECK_EXPIRED_TOPIC,
+#: Consumer groups' commits of offsets, one record a commit (Kafka's __consumer_offsets):
+#: replicated, refused and acknowledged as a send is; the offset table is rebuilt from it.
+OFFSETS_TOPIC = "RMQ_SYS_OFFSETS"
+SYSTEM_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, CHECK_EXPIRED_TOPIC, OFFSETS_TOPIC,
                            TIMER_TOPIC, TIMER_DONE_TOPIC, TIMER_CANCEL_TOPIC})
 
 

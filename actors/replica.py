@@ -25,6 +25,7 @@ controller and the other replicas.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -37,6 +38,7 @@ from raymq.actors.replica_state import Part, Shipper
 from raymq.storage import MessageStore
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.epochs import EpochCache
+from raymq.storage.fileutil import atomic_write
 from raymq.storage.errors import (InvalidMessageError, NotEnoughReplicasError, NotLeaderError,
                                   RayMQError)
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
@@ -44,6 +46,10 @@ from raymq.storage.replication import truncate_log
 from raymq.storage.store import PutStatus
 
 log = logging.getLogger("raymq.replica")
+
+#: What a leader serves that writes: refused while too few replicas are in sync, and
+#: acknowledged once every in-sync replica holds it (a commit of offsets is a record).
+WRITES = frozenset({"send", "ktx_send", "commit_offsets"})
 
 #: Most bytes of log one fetch carries; how long a fetch waits for new records.
 FETCH_MAX_BYTES = 8 << 20
@@ -58,10 +64,29 @@ class Assignment:
     leader: str | None
     in_sync: tuple[str, ...]
     replicas: tuple[str, ...]
+    version: int = 0  # the group's version (Kafka's partition epoch): every change bumps it
 
     @classmethod
     def of(cls, doc: dict) -> "Assignment":
-        return cls(doc["epoch"], doc["leader"], tuple(doc["in_sync"]), tuple(doc["replicas"]))
+        return cls(doc["epoch"], doc["leader"], tuple(doc["in_sync"]), tuple(doc["replicas"]),
+                   doc.get("version", 0))
+
+
+#: The assignment a replica was last told, kept beside its log: a controller that lost its
+#: files takes each group's state from what the group's replicas keep.
+KEPT_ASSIGNMENT = "group.json"
+
+
+def read_kept(directory: str) -> dict | None:
+    try:
+        with open(os.path.join(directory, KEPT_ASSIGNMENT), "rb") as f:
+            doc = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except ValueError:  # (written atomically: damage is the disk's; the others report)
+        log.warning("%s: %s is damaged; not reported", directory, KEPT_ASSIGNMENT)
+        return None
+    return doc if isinstance(doc, dict) and "epoch" in doc else None
 
 
 class LeaderState:
@@ -135,15 +160,24 @@ class LeaderState:
 
     # -------------------------------------------------------------- fetches
     def serve_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
-                    max_bytes: int, offsets_version: int, held: dict | None = None) -> dict:
+                    max_bytes: int, offsets_version: int, held: dict | None = None,
+                    last_epoch: int | None = None) -> dict:
         """A follower holding the log up to ``from_phys`` (group offsets of
-        ``offsets_version``, the parts ``held``: ``raymq.actors.replica_state``) asks for
-        what follows."""
+        ``offsets_version``, the parts ``held``: ``raymq.actors.replica_state``), whose
+        latest leader epoch is ``last_epoch``, asks for what follows.
+
+        A position this leader's log does not hold -- past its end, or after where the
+        follower's last epoch ends here -- is not counted: the reply is ``{"diverging":
+        (epoch, end)}`` (Kafka's diverging epoch, KIP-320/595) and the follower cuts its
+        log and asks again, as many rounds as it takes (KIP-279)."""
         if follower not in self.rs.followers:
             raise InvalidMessageError(f"shard-{self.rs.shard}: {follower!r} is not a replica")
         deadline = self.clock.monotonic_ms() + max(0, min(wait_ms, 5000))
         with self._cond:
             self._check(epoch)
+            diverging = self._diverging(from_phys, last_epoch)
+            if diverging is not None:
+                return {"diverging": diverging, "epochs": self.epochs.entries()}
             before = self.rs.confirmed
             self.rs.appended(self.store.max_phys_offset)
             self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
@@ -176,6 +210,13 @@ class LeaderState:
                 "epochs": self.epochs.entries(), "offsets_version": version,
                 "offsets": table if caught_up and version != offsets_version else None,
                 "parts": parts if caught_up else {}}
+
+    def _diverging(self, from_phys: int, last_epoch: int | None):
+        """(under the lock) ``(epoch, end)`` when a follower at ``from_phys`` with latest
+        epoch ``last_epoch`` holds what this log does not; None when its log is a prefix."""
+        empty = from_phys <= SEGMENT_HEADER_BYTES  # (an empty log: its first header)
+        return None if empty else self.epochs.diverging(self.store.max_phys_offset,
+                                                        last_epoch, from_phys)
 
     def wait_offsets(self) -> bool:
         """After group offsets changed: wait until every in-sync follower holds them (a new
@@ -248,13 +289,16 @@ class ShardReplica:
 
     def __init__(self, index: int, name: str, config, directory: str, *,
                  controller: Callable, call_replica: Callable, make_shard: Callable,
-                 node: str = "", clock: Clock | None = None, background: bool = True):
+                 node: str = "", clock: Clock | None = None, background: bool = True,
+                 fetch_threads: bool = True):
         self.index, self.name, self.config, self.directory = index, name, config, directory
         self.node = node
         self.clock = clock or SystemClock()
         self._controller, self._call, self._make_shard = controller, call_replica, make_shard
+        self._fetch_threads = fetch_threads  # (False: a test steps ``following`` itself)
         os.makedirs(directory, exist_ok=True)
         self.epochs = EpochCache(os.path.join(directory, "epochs"))
+        self._kept = read_kept(directory)
         self._lock = threading.RLock()  # role changes, one at a time
         self.assignment: Assignment | None = None
         self.shard = None                      # the BrokerShard, while leading
@@ -304,12 +348,16 @@ class ShardReplica:
         change -- a leader's recovery takes a while on a big log -- never holds up the
         heartbeats that keep this replica's lease)."""
         leader = self.leader
-        epoch = self.assignment.epoch if self.assignment else 0
+        known = self.assignment
+        epoch = known.epoch if known else 0
         doc = self._controller("replica_heartbeat", self.index, self.name, self.node, epoch,
                                self.log_end(), leader.in_sync() if leader else None,
-                               self._fresh)
+                               self._fresh, {"log_epoch": self.epochs.latest_epoch(),
+                                             "isr_version": known.version if known else None,
+                                             "kept": self._kept})
         self._fresh = False
         a = Assignment.of(doc)
+        self._keep(doc)
         if act:
             self.act(a)
         else:
@@ -317,6 +365,21 @@ class ShardReplica:
                 self._next = a
                 self._acting.notify()
         return a
+
+    def _keep(self, doc: dict) -> None:
+        """Keep the newest assignment told (before acting on it: a controller that lost
+        its files learns the group back from its replicas)."""
+        kept = self._kept
+        if doc.get("leader") is None and not doc.get("epoch"):
+            return
+        if kept is not None and (kept["epoch"], kept.get("version", 0)) >= \
+                (doc["epoch"], doc.get("version", 0)):
+            return
+        keep = {k: doc[k] for k in ("epoch", "leader", "in_sync", "version", "joined")
+                if k in doc}
+        atomic_write(os.path.join(self.directory, KEPT_ASSIGNMENT),
+                     json.dumps(keep, sort_keys=True).encode())
+        self._kept = keep
 
     def act(self, a: Assignment) -> None:
         """Take the assignment ``a``; leading, adopt the controller's in-sync set where it
@@ -338,8 +401,10 @@ class ShardReplica:
         if not out:
             return
         keep = sorted(set(leader.in_sync()) - set(out))
+        a = self.assignment
         ok, doc = self._controller("replica_alter_isr", self.index, self.name, leader.epoch,
-                                   keep)
+                                   keep, a.version if a is not None else None)
+        self._keep(doc)
         if ok:
             log.warning("shard-%d: %s leaves the in-sync set (not caught up within %d ms)",
                         self.index, ", ".join(out), leader.rs.lag_max_ms)
@@ -351,7 +416,7 @@ class ShardReplica:
         """Act on the controller's assignment (an older epoch than known is ignored)."""
         with self._lock:
             known = self.assignment
-            if known is not None and a.epoch < known.epoch:
+            if known is not None and (a.epoch, a.version) < (known.epoch, known.version):
                 return
             self.assignment = a
             if a.leader == self.name:
@@ -370,7 +435,12 @@ class ShardReplica:
             self.leader.depose()
             self._confirmed = self.leader.confirmed()
         if self.shard is None:
-            end = self.store.max_phys_offset
+            end = self.store.complete_end
+            if end < self.store.max_phys_offset:  # a put copied in part: it never happened
+                log.warning("shard-%d: %s cuts an unfinished put (%d..%d) before leading",
+                            self.index, self.name, end, self.store.max_phys_offset)
+                self.truncate(end)
+            self.epochs.truncate_from_end(end + 1)
             self.epochs.assign(a.epoch, end)  # before anything of the new epoch is written
             self.store.close()
             self.store = None
@@ -410,8 +480,22 @@ class ShardReplica:
 
     def _follow(self, a: Assignment) -> None:
         self._stop_following()
-        self._following = _Follower(self, a)
+        self._following = _Follower(self, a, thread=self._fetch_threads)
         self._following.start()
+
+    def truncate(self, cut: int) -> None:
+        """Cut this follower's log at ``cut`` (a put boundary of the leader's log) and its
+        epochs with it; its parts go (they may cover records cut away)."""
+        self.store.close()
+        truncate_log(os.path.join(self.directory, "commitlog"),
+                     self.config.segment_size_bytes, cut)
+        self.epochs.truncate_from_end(cut)
+        replica_state.forget(self.directory)
+        self.store = self.open_store()
+
+    @property
+    def following(self) -> "_Follower | None":
+        return self._following
 
     def _stop_following(self) -> None:
         f, self._following = self._following, None
@@ -420,12 +504,15 @@ class ShardReplica:
 
     # ------------------------------------------------------- leader's calls
     def replica_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
-                      max_bytes: int, offsets_version: int, held: dict | None = None) -> dict:
+                      max_bytes: int, offsets_version: int, held: dict | None = None,
+                      last_epoch: int | None = None) -> dict:
         leader = self.leader
         if leader is None:
             raise NotLeaderError(f"shard-{self.index}: {self.name} does not lead")
-        return leader.serve_fetch(follower, epoch, from_phys, wait_ms, max_bytes,
-                                  offsets_version, held)
+        reply = leader.serve_fetch(follower, epoch, from_phys, wait_ms, max_bytes,
+                                   offsets_version, held, last_epoch)
+        reply["kept"] = self._kept  # (the followers keep the group's newest assignment)
+        return reply
 
     def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
         """Where ``epoch`` ends in this leader's log (``EpochCache.end_offset_for``)."""
@@ -485,59 +572,79 @@ def _nothing() -> None:
 
 
 class _Follower:
-    """A follower's copying from the leader of assignment ``a`` (a thread)."""
+    """A follower's copying from the leader of assignment ``a`` (a thread, or ``step``
+    driven by a test).
 
-    def __init__(self, replica: ShardReplica, a: Assignment):
+    A reply is applied only while this follower still copies from that leader and the
+    log still ends where the fetch was asked from (Kafka's fetch state: leader, epoch,
+    offset); ``stop`` takes the same lock, so once it returns nothing more of this
+    follower's is written, even from a fetch still in flight."""
+
+    def __init__(self, replica: ShardReplica, a: Assignment, *, thread: bool = True):
         self.replica, self.a = replica, a
         self._stop = threading.Event()
+        self._apply = threading.Lock()
         self._offsets_version = -1
         self._held: dict = {}  # the versions of the leader's parts this replica holds
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"raymq-{replica.name}-fetch")
+                                        name=f"raymq-{replica.name}-fetch") if thread else None
 
     def start(self) -> None:
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()  # (a fetch in flight ends within its wait; what it then writes
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(2.0)  # goes to a store this replica closed: refused)
+        with self._apply:  # (a reply being applied finishes first; none after)
+            self._stop.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(2.0)  # (a fetch in flight may outlive this: it applies nothing)
 
     def _run(self) -> None:
         r = self.replica
-        truncated = False
         while not self._stop.is_set():
             try:
-                if not truncated:
-                    self._truncate()
-                    truncated = True
-                reply = r._call(self.a.leader, "replica_fetch",
-                                (r.name, self.a.epoch, r.store.max_phys_offset, FETCH_WAIT_MS,
-                                 FETCH_MAX_BYTES, self._offsets_version, self._held), 30.0)
-                self._take(reply)
+                self.step(FETCH_WAIT_MS)
             except Exception as err:  # the leader gone or deposed: the heartbeat says whom next
                 if not isinstance(err, RayMQError):
                     log.warning("shard-%d: %s fetching from %s: %s: %s", r.index, r.name,
                                 self.a.leader, type(err).__name__, err)
                 self._stop.wait(0.1)
 
-    def _truncate(self) -> None:
-        """Cut the log where it diverges from the leader's (KIP-279)."""
+    def step(self, wait_ms: int = 0) -> bool:
+        """One fetch from the leader, applied if still current; whether it was."""
+        r = self.replica
+        store = r.store
+        if self._stop.is_set() or store is None:
+            return False
+        from_phys, last_epoch = store.max_phys_offset, r.epochs.latest_epoch()
+        reply = r._call(self.a.leader, "replica_fetch",
+                        (r.name, self.a.epoch, from_phys, wait_ms, FETCH_MAX_BYTES,
+                         self._offsets_version, self._held, last_epoch), 30.0)
+        with self._apply:
+            if self._stop.is_set() or r.store is not store or \
+                    store.max_phys_offset != from_phys or r.epochs.latest_epoch() != last_epoch:
+                return False  # (asked of a leader this replica no longer follows, or stale)
+            if "diverging" in reply:
+                self._truncate(*reply["diverging"])
+                return True
+            self._take(reply)
+            return True
+
+    def _truncate(self, e: int, end: int) -> None:
+        """Cut the log where it diverges from the leader's (KIP-279): one round; the next
+        fetch, carrying the new latest epoch, says whether another is needed."""
         r = self.replica
         log_end = r.store.max_phys_offset
-        if log_end <= SEGMENT_HEADER_BYTES:  # (an empty log: its first segment's header)
-            return
-        e, end = r._call(self.a.leader, "replica_epoch_end", (r.epochs.latest_epoch(),), 30.0)
         cut = max(SEGMENT_HEADER_BYTES, r.epochs.truncation_offset(e, end, log_end))
         if cut >= log_end:
+            # (nothing to cut, yet the leader does not take the position: the epochs
+            # past the log end go, so the next fetch asks by an epoch the log holds)
+            r.epochs.truncate_from_end(log_end)
             return
         log.warning("shard-%d: %s cuts its log from %d to %d (where it diverges from leader "
                     "%s, epoch %d)", r.index, r.name, log_end, cut, self.a.leader, e)
-        r.store.close()
-        truncate_log(os.path.join(r.directory, "commitlog"), r.config.segment_size_bytes, cut)
-        r.epochs.truncate_from_end(cut)
-        replica_state.forget(r.directory)  # (they may cover records cut away)
-        r.store = r.open_store()
+        r.truncate(cut)
 
     def _take(self, reply: dict) -> None:
         r = self.replica
@@ -548,7 +655,9 @@ class _Follower:
         for e, s in reply["epochs"]:
             if e > r.epochs.latest_epoch() and s <= end:
                 r.epochs.assign(e, s)
-        r._confirmed = min(reply["confirmed"], end)
+        r._confirmed = max(r._confirmed, min(reply["confirmed"], end))
+        if reply.get("kept"):
+            r._keep(reply["kept"])
         if reply["offsets"] is not None:
             store.offsets.replace(reply["offsets"])
             self._offsets_version = reply["offsets_version"]

@@ -109,6 +109,22 @@ class EpochCache:
             return 0
         return min(leader_end, mine_end, log_end)
 
+    def diverging(self, log_end: int, last_epoch: int | None,
+                  from_phys: int) -> tuple[int, int] | None:
+        """(asked of the leader, whose log ends at ``log_end``) Whether a follower whose
+        log ends at ``from_phys`` with latest epoch ``last_epoch`` holds what this log does
+        not: ``(epoch, end)`` to cut by (``truncation_offset``), or None when its log is a
+        prefix of this one (Kafka's diverging-epoch check, KIP-320/595).  An empty log
+        (``from_phys`` 0) never diverges; ``last_epoch`` None checks the end only."""
+        if from_phys <= 0:
+            return None
+        if last_epoch is None:
+            return None if from_phys <= log_end else (self.latest_epoch(), log_end)
+        epoch, end = self.end_offset_for(last_epoch, log_end)
+        if epoch == last_epoch and from_phys <= end:
+            return None
+        return epoch, end
+
     # ------------------------------------------------------------------ file
     def _save(self) -> None:
         if self.path is None:

@@ -235,6 +235,11 @@ class Replay:
         self._open_entries = {}
         self._open_frames = []
 
+    @property
+    def open_start(self) -> int | None:
+        """Where the put whose last frame has not been seen starts (None: no such put)."""
+        return self._open_frames[0][0] if self._open_frames else None
+
     def cut_open_put(self, commit_log: CommitLog, directory: str) -> None:
         """A put whose last frame is missing at the end of the log: cut its frames."""
         if not self._open_frames:

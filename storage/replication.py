@@ -53,7 +53,7 @@ def read_frames(log: CommitLog, written_end: int, from_phys: int,
     end = min(written_end, seg_end)
     if end <= start:
         return from_phys, b""
-    data = log.read(start, min(end - start, max(max_bytes, 1)))
+    data = log.read(start, min(end - start, max(max_bytes, FRAME_HEADER_BYTES)))
     pos = 0
     while pos + FRAME_HEADER_BYTES <= len(data):
         # whole frames by their lengths: the follower checks every CRC (checking here too

@@ -414,8 +414,19 @@ class MessageStore:
                 self._durable.fail(why, "indexing replicated frames failed")
                 raise StorageError(f"replicated frames do not match this store's queues: "
                                    f"{why}") from None
-            self._dispatched_end = self._log.max_offset
-            return self._dispatched_end
+            # what is indexed (and checkpointed) ends at the last whole put: a put whose
+            # last frame has not come yet is no part of it
+            open_frames = self._replica.open_start
+            self._dispatched_end = self._log.max_offset if open_frames is None else open_frames
+            return self._log.max_offset
+
+    @property
+    def complete_end(self) -> int:
+        """The end of the last whole put (a follower's log may end inside one)."""
+        with self._write_lock:
+            if self._replica is not None and self._replica.open_start is not None:
+                return self._replica.open_start
+            return self.max_phys_offset
 
     def _append_frames_at(self, phys: int, data: bytes, frames) -> list[int]:
         before = self._log.max_offset

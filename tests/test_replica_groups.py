@@ -24,7 +24,13 @@ def beat_all(g, ends=(100, 100, 100)):
     leader = g.leader(0)[0]
     for name, end in zip((R0, R1, R2), ends):
         report = [R0, R1, R2] if name == leader else None
-        g.heartbeat(0, name, f"node-{name}", g.leader(0)[1], end, report)
+        g.heartbeat(0, name, f"node-{name}", g.leader(0)[1], end, report,
+                    isr_version=version(g))
+
+
+def version(g, shard=0):
+    """The group's current version (the leader asks for its in-sync set at it)."""
+    return g.describe()[shard]["version"]
 
 
 def test_the_first_replica_to_heartbeat_leads_and_the_leader_grows_the_set(groups):
@@ -32,7 +38,7 @@ def test_the_first_replica_to_heartbeat_leads_and_the_leader_grows_the_set(group
     assert doc["leader"] == R1 and doc["epoch"] == 1 and doc["in_sync"] == [R1]
     assert groups.saved  # durable before it is answered
     groups.heartbeat(0, R0, "n0", 1, 0, None)
-    doc = groups.heartbeat(0, R1, "n1", 1, 0, [R0, R1])
+    doc = groups.heartbeat(0, R1, "n1", 1, 0, [R0, R1], isr_version=version(groups))
     assert doc["in_sync"] == [R0, R1]
 
 
@@ -69,7 +75,7 @@ def test_only_the_current_leader_shrinks_the_set_and_a_dead_follower_leaves_it(g
     assert ok and doc["in_sync"] == [R0, R1]
     beat_all(groups)
     groups.clock_.advance(LEASE + 1)
-    groups.heartbeat(0, R0, "n0", 1, 100, [R0, R1, R2])
+    groups.heartbeat(0, R0, "n0", 1, 100, [R0, R1, R2], isr_version=version(groups))
     groups.heartbeat(0, R2, "n2", 1, 100, None)
     assert R1 not in groups.describe()[0]["in_sync"]  # its lease ran out
 
@@ -79,10 +85,11 @@ def test_a_restarted_follower_leaves_the_set_until_it_holds_what_the_leader_held
     beat_all(groups, ends=(500, 500, 500))
     groups.heartbeat(0, R2, "n2", 1, 0, None, True)  # fresh: its disk may be new
     assert R2 not in groups.describe()[0]["in_sync"]
-    groups.heartbeat(0, R0, "n0", 1, 500, [R0, R1, R2])  # the leader has not noticed yet
+    groups.heartbeat(0, R0, "n0", 1, 500, [R0, R1, R2],  # the leader has not noticed yet
+                     isr_version=version(groups))
     assert R2 not in groups.describe()[0]["in_sync"]
     groups.heartbeat(0, R2, "n2", 1, 500, None)
-    groups.heartbeat(0, R0, "n0", 1, 500, [R0, R1, R2])
+    groups.heartbeat(0, R0, "n0", 1, 500, [R0, R1, R2], isr_version=version(groups))
     assert R2 in groups.describe()[0]["in_sync"]
 
 

@@ -246,6 +246,8 @@ def test_a_slow_take_over_keeps_the_lease(tmp_path):
     def call(name, method, args, timeout_s):
         return getattr(replicas[name], method)(*args)
     names = [replica_name(0, k) for k in range(2)]
+    # (a new group is led once every replica reported: the other one, new and silent after)
+    controller.replica_heartbeat(0, names[1], "node-1", 0, 0)
     replicas[names[0]] = ShardReplica(0, names[0], cfg, str(tmp_path / names[0]),
                                       controller=lambda m, *a: getattr(controller, m)(*a),
                                       call_replica=call, make_shard=make_shard)
