@@ -16,8 +16,8 @@ from raymq.actors.membership import Membership
 from raymq.actors.replica_groups import ReplicaGroups
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import (InvalidMessageError, QuotaExceededError, TopicExistsError,
-                                  UnknownTopicError)
+from raymq.storage.errors import (BrokerUnavailableError, InvalidMessageError,
+                                  QuotaExceededError, TopicExistsError, UnknownTopicError)
 from raymq.storage.fileutil import atomic_write
 
 log = logging.getLogger("raymq.controller")
@@ -41,6 +41,10 @@ class Controller:
         self._shard_nodes: dict[str, str] = {}
         self._replica_groups: dict = {}
         self._coordinator_groups: dict = {}
+        #: topics and nodes change this (kept by every replica: ``mirror``)
+        self._meta_version = 0
+        self._meta_on_disk = False
+        self._meta_wanted = 0  # a newer version a replica keeps (this controller lost it)
         self._load()
         #: replicated shards' groups (``replication_factor`` > 1): leaders, epochs, in sync
         self.replica_groups = ReplicaGroups(
@@ -67,13 +71,16 @@ class Controller:
         self._shard_nodes = doc.get("shard_nodes", {})
         self._replica_groups = doc.get("replica_groups", {})
         self._coordinator_groups = doc.get("coordinator_groups", {})
+        self._meta_version = int(doc.get("meta_version", 0))
+        self._meta_on_disk = True
         if doc.get("num_shards", self.config.num_shards) != self.config.num_shards:
             log.warning("controller: metadata was written for %s shards, config says %s; "
                         "keeping the routes on disk", doc.get("num_shards"), self.config.num_shards)
 
     def _save(self) -> None:
         doc = {"format": "raymq-controller", "version": 1, "num_shards": self.config.num_shards,
-               "topics": self._topics, "shard_nodes": self._shard_nodes}
+               "topics": self._topics, "shard_nodes": self._shard_nodes,
+               "meta_version": self._meta_version}
         groups = getattr(self, "replica_groups", None)
         if groups is not None and self.config.replication_factor > 1:
             doc["replica_groups"] = groups.to_doc()
@@ -89,6 +96,7 @@ class Controller:
         if isinstance(queues, bool) or not isinstance(queues, int) or not 1 <= queues <= MAX_QUEUES:
             raise InvalidMessageError(f"queues must be 1..{MAX_QUEUES}, got {queues!r}")
         with self._lock:
+            self._check_meta_known()
             existing = self._topics.get(name)
             if existing is not None:
                 if len(existing["routes"]) != queues:
@@ -108,6 +116,7 @@ class Controller:
                 routes = [(first + i) % n for i in range(queues)]
             self._topics[name] = {"routes": routes, "created_ms": self.clock.now_ms(),
                                   "system": system}
+            self._meta_version += 1
             self._save()
             log.info("controller: created topic %s with %d queues", name, queues)
             return self.describe_topic(name)
@@ -151,6 +160,7 @@ class Controller:
         with self._lock:
             if self._shard_nodes.get(str(shard)) != node:
                 self._shard_nodes[str(shard)] = node
+                self._meta_version += 1
                 self._save()
 
     # ------------------------------------------------------ replica groups
@@ -159,9 +169,52 @@ class Controller:
                           reported: dict | None = None) -> dict:
         """A shard replica lives (``ReplicaGroups.heartbeat``: ``reported`` holds its
         ``log_epoch``, ``isr_version`` and ``kept``): its group's assignment."""
+        reported = dict(reported or {})
+        mirror = {k: reported.pop(k, None) for k in ("meta_version", "meta")}
         with self._lock:
-            return self._groups_of(name).heartbeat(shard, name, node, epoch, log_end,
-                                                   in_sync, fresh, **(reported or {}))
+            doc = self._groups_of(name).heartbeat(shard, name, node, epoch, log_end,
+                                                  in_sync, fresh, **reported)
+            return {**doc, **self._mirror(**mirror)}
+
+    # ---------------------------------------------------- mirrored metadata
+    def _mirror(self, meta_version: int | None, meta: dict | None) -> dict:
+        """(under the lock) Every replica keeps the controller's topics and nodes: a
+        heartbeat says which version it keeps (and brings it when asked); the answer says
+        this controller's, and carries it to a replica keeping an older one.  A controller
+        that lost its files takes the newest a replica keeps (and creates no topic before
+        it looked)."""
+        if meta is not None and int(meta.get("meta_version", 0)) > self._meta_version:
+            log.warning("controller: took the topics and routes a replica keeps (version "
+                        "%s; this controller had %s: its files were lost?)",
+                        meta["meta_version"], self._meta_version)
+            self._topics = dict(meta.get("topics", {}))
+            self._shard_nodes = dict(meta.get("shard_nodes", {}))
+            self._meta_version = int(meta["meta_version"])
+            self._save()
+        if meta_version is not None and int(meta_version) > self._meta_version:
+            self._meta_wanted = max(self._meta_wanted, int(meta_version))
+            return {"meta_version": self._meta_version, "send_meta": True}
+        if self._meta_wanted <= self._meta_version:
+            self._meta_wanted = 0
+        out = {"meta_version": self._meta_version}
+        if meta_version is not None and int(meta_version) < self._meta_version:
+            out["meta"] = self.metadata()
+        return out
+
+    def metadata(self) -> dict:
+        """What replicas keep of this controller: topics, routes and nodes, versioned."""
+        return {"topics": self._topics, "shard_nodes": self._shard_nodes,
+                "meta_version": self._meta_version}
+
+    def _check_meta_known(self) -> None:
+        """(a replicated cluster) Before a change of topics: this controller holds the
+        newest metadata -- its own file, or, without one, what the replicas keep."""
+        if self.config.replication_factor == 1 or self._meta_on_disk:
+            return
+        if self._meta_wanted or not all(g["known"] for g in self.replica_groups.groups.values()):
+            raise BrokerUnavailableError(
+                "the controller is taking back its topics from the shards' replicas (its "
+                "files were lost, or it is new): try again in a few seconds")
 
     def _groups_of(self, replica: str) -> ReplicaGroups:
         return self.coordinator_groups if str(replica).startswith("coordinator-") \

@@ -77,16 +77,20 @@ class Assignment:
 KEPT_ASSIGNMENT = "group.json"
 
 
-def read_kept(directory: str) -> dict | None:
+#: The controller's topics and routes, as a replica keeps them (``Controller._mirror``).
+KEPT_METADATA = "controller-meta.json"
+
+
+def read_kept(directory: str, name: str = KEPT_ASSIGNMENT) -> dict | None:
     try:
-        with open(os.path.join(directory, KEPT_ASSIGNMENT), "rb") as f:
+        with open(os.path.join(directory, name), "rb") as f:
             doc = json.loads(f.read())
     except FileNotFoundError:
         return None
     except ValueError:  # (written atomically: damage is the disk's; the others report)
-        log.warning("%s: %s is damaged; not reported", directory, KEPT_ASSIGNMENT)
+        log.warning("%s: %s is damaged; not reported", directory, name)
         return None
-    return doc if isinstance(doc, dict) and "epoch" in doc else None
+    return doc if isinstance(doc, dict) else None
 
 
 class LeaderState:
@@ -299,6 +303,8 @@ class ShardReplica:
         os.makedirs(directory, exist_ok=True)
         self.epochs = EpochCache(os.path.join(directory, "epochs"))
         self._kept = read_kept(directory)
+        self._meta = read_kept(directory, KEPT_METADATA) or {"meta_version": 0}
+        self._send_meta = True  # (the first heartbeat brings it: the controller may lack it)
         self._lock = threading.RLock()  # role changes, one at a time
         self.assignment: Assignment | None = None
         self.shard = None                      # the BrokerShard, while leading
@@ -352,12 +358,11 @@ class ShardReplica:
         epoch = known.epoch if known else 0
         doc = self._controller("replica_heartbeat", self.index, self.name, self.node, epoch,
                                self.log_end(), leader.in_sync() if leader else None,
-                               self._fresh, {"log_epoch": self.epochs.latest_epoch(),
-                                             "isr_version": known.version if known else None,
-                                             "kept": self._kept})
+                               self._fresh, self._report(known))
         self._fresh = False
         a = Assignment.of(doc)
         self._keep(doc)
+        self._keep_meta(doc)
         if act:
             self.act(a)
         else:
@@ -365,6 +370,25 @@ class ShardReplica:
                 self._next = a
                 self._acting.notify()
         return a
+
+    def _report(self, known: Assignment | None) -> dict:
+        """What a heartbeat tells beside the log end: the latest epoch the log holds, the
+        group version the in-sync set is asked at, what this replica keeps of the group
+        and of the controller's metadata (the latter whole only when asked)."""
+        out = {"log_epoch": self.epochs.latest_epoch(),
+               "isr_version": known.version if known else None, "kept": self._kept,
+               "meta_version": self._meta.get("meta_version", 0)}
+        if self._send_meta and out["meta_version"]:
+            out["meta"] = self._meta
+        return out
+
+    def _keep_meta(self, doc: dict) -> None:
+        self._send_meta = bool(doc.get("send_meta"))
+        meta = doc.get("meta")
+        if meta and meta.get("meta_version", 0) > self._meta.get("meta_version", 0):
+            atomic_write(os.path.join(self.directory, KEPT_METADATA),
+                         json.dumps(meta, sort_keys=True).encode())
+            self._meta = meta
 
     def _keep(self, doc: dict) -> None:
         """Keep the newest assignment told (before acting on it: a controller that lost
@@ -532,11 +556,16 @@ class ShardReplica:
     # --------------------------------------------------------------- loops
     def _beat_loop(self) -> None:
         every = self.config.replica_lease_ms / 5000.0
+        failing = None
         while not self._stop.wait(every):
             try:
                 self.heartbeat(act=False)
+                failing = None
             except Exception as err:  # (the controller restarting, say): the next beat
-                log.info("shard-%d: %s heartbeat failed: %s", self.index, self.name, err)
+                said = f"{type(err).__name__}: {err}"
+                (log.warning if said != failing else log.debug)(
+                    "shard-%d: %s heartbeat failed: %s", self.index, self.name, said)
+                failing = said
 
     def _act_loop(self) -> None:
         """The role thread: acts on the latest assignment the heartbeats brought."""

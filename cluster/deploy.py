@@ -604,12 +604,16 @@ def check_deployable(config: ClusterConfig, *, running: bool = False) -> None:
 
 
 def _create_controller(cfg: dict):
+    """The controller, on this node (or the node ``raymq_controller`` names).  In a
+    replicated cluster it may restart on any node once its own is gone: the replicas keep
+    its groups, topics and routes, and it takes them back (``Controller._mirror``)."""
     pinned = "raymq_controller" in rpc.cluster_resources()
+    soft = ClusterConfig.from_dict(cfg).replication_factor > 1
     return rpc.create_actor(
         ControllerActor, cfg,
         name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=16,
-        scheduling_strategy=rpc.pin_to_node(rpc.node_id()) if not pinned else None,
+        scheduling_strategy=rpc.pin_to_node(rpc.node_id(), soft=soft) if not pinned else None,
         resources={"raymq_controller": 0.001} if pinned else None)
 
 

@@ -393,9 +393,10 @@ def create_actor(cls: type, *args: Any, **options: Any):
     return remote.options(**options).remote(*args)
 
 
-def pin_to_node(node: str) -> NodeAffinitySchedulingStrategy:
-    """The ``scheduling_strategy`` option that keeps an actor on ``node`` (never elsewhere)."""
-    return NodeAffinitySchedulingStrategy(node, soft=False)
+def pin_to_node(node: str, *, soft: bool = False) -> NodeAffinitySchedulingStrategy:
+    """The ``scheduling_strategy`` option that keeps an actor on ``node`` (never elsewhere;
+    ``soft``: elsewhere once that node is gone)."""
+    return NodeAffinitySchedulingStrategy(node, soft=soft)
 
 
 def spread_group(name: str, bundles: int, *, timeout_s: float = 120):

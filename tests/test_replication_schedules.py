@@ -360,6 +360,25 @@ def test_the_controller_s_files_lost_nothing_lost_and_no_wedge(sim, leader_too):
     sim.check()
 
 
+def test_a_controller_that_lost_its_files_takes_topics_back_from_the_replicas(sim):
+    from raymq.storage.errors import BrokerUnavailableError
+    sim.controller.create_topic("orders", 3)
+    sim.beat()  # (the replicas keep the new version)
+    routes = sim.controller.describe_topic("orders")["routes"]
+    sim.restart_controller(wipe=True)
+    with pytest.raises(BrokerUnavailableError, match="taking back its topics"):
+        sim.controller.create_topic("other", 1)
+    for _ in range(3):
+        sim.beat()
+    assert sim.controller.describe_topic("orders")["routes"] == routes
+    sim.controller.create_topic("other", 1)  # (and it goes on from there)
+    sim.beat()
+    sim.restart_controller(wipe=True)
+    for _ in range(3):
+        sim.beat()
+    assert set(sim.controller.topics()) == {"orders", "other"}
+
+
 def test_a_new_group_waits_for_every_replica_before_its_first_leader(tmp_path):
     """Without the controller's record, one replica alone (a wiped disk?) does not start
     the group over at epoch 1."""
