@@ -427,3 +427,34 @@ def test_an_operator_s_unclean_election_says_what_may_be_lost(sim):
     assert "not in sync" in str(err.value) and "\n" not in str(err.value)
     doc = sim.controller.replica_elect(0, unclean=True)
     assert doc["leader"] != a
+
+
+# ------------------------------------------------------------------ also
+def test_look_ups_and_check_backs_see_only_what_is_confirmed(sim):
+    from raymq.actors.protocol import HALF_TOPIC, Prop
+    from raymq.storage.errors import InvalidMessageError
+    a = sim.leader_name()
+    assert sim.send(a, b"confirmed") == "SEND_OK"
+    for name in sim.names:
+        if name != a:
+            sim.paused.add(name)  # nobody copies what follows
+    shard = sim.replicas[a].serving()
+    batch = RecordBatch("t", 0, [b"unconfirmed"], keys=["k"])
+    import threading
+    threading.Thread(target=shard.send, args=(batch, 0, 0), daemon=True).start()
+    wait_for(lambda: shard.store.max_queue_offset("t", 0) == 2, 10, "the write")
+    first, second = shard.store.read_queue("t", 0, 0, 2)
+    assert shard.get_message(first.phys_offset).body == b"confirmed"
+    with pytest.raises(InvalidMessageError, match="not confirmed"):
+        shard.get_message(second.phys_offset)
+    assert shard.find_by_key("t", "k") == []
+    # a half written but not confirmed is not checked back yet
+    half = RecordBatch(HALF_TOPIC, 0, [b"half"], properties=[{
+        Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "pg", Prop.REAL_TOPIC: "t",
+        Prop.REAL_QID: "0"}])
+    threading.Thread(target=shard.store.put, args=(half,), daemon=True).start()
+    wait_for(lambda: shard.store.max_queue_offset(HALF_TOPIC, 0) == 1, 10, "the half")
+    sim.clock.advance(3_600_000)
+    checks = shard.checks.run(["pg"], now_ms=sim.clock.now_ms(), window=100,
+                              max_checks_per_group=100, checks_used=None)
+    assert checks == []
