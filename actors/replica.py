@@ -51,6 +51,9 @@ log = logging.getLogger("raymq.replica")
 #: acknowledged once every in-sync replica holds it (a commit of offsets is a record).
 WRITES = frozenset({"send", "ktx_send", "commit_offsets"})
 
+#: The sends of this thread ask for the leader's write only (``ShardReplica.call``).
+_ACKS = threading.local()
+
 #: Most bytes of log one fetch carries; how long a fetch waits for new records.
 FETCH_MAX_BYTES = 8 << 20
 FETCH_WAIT_MS = 200
@@ -148,6 +151,10 @@ class LeaderState:
             before = self.rs.confirmed
             self.rs.appended(self.store.max_phys_offset)
             self._moved(before)
+            if getattr(_ACKS, "leader", False):  # (acks of the leader only: written here)
+                if self.deposed:
+                    raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} was deposed")
+                return PutStatus.PUT_OK
             while True:
                 if self.deposed:
                     raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} was deposed "
@@ -336,6 +343,22 @@ class ShardReplica:
         if write:
             leader.refuse_if_short()
         return shard
+
+    def call(self, served: type, name: str, args: tuple, kwargs: dict):
+        """Method ``name`` of the served class on the shard this replica leads (what a
+        client asks of a replica): a write is refused while too few replicas are in sync,
+        unless a send asks for the leader's write only (``acks="leader"``), which is then
+        answered once written here."""
+        acks = kwargs.get("acks", args[4] if name == "send" and len(args) > 4 else "all")
+        leader_only = name == "send" and acks == "leader"
+        shard = self.serving(write=name in WRITES and not leader_only)
+        if not leader_only:
+            return getattr(served, name)(shard, *args, **kwargs)
+        _ACKS.leader = True
+        try:
+            return getattr(served, name)(shard, *args, **kwargs)
+        finally:
+            _ACKS.leader = False
 
     def offsets_replicated(self) -> bool:
         """After a commit of group offsets: wait until the in-sync followers hold them."""

@@ -138,7 +138,9 @@ class ReplicaGroups:
                 return self.doc(g)
         if g["leader"] is None and g["epoch"] == 0:
             self._changed(g, epoch=1, leader=name, in_sync=[name], joined={name: 1})
-        elif fresh and name == g["leader"]:
+        elif name == g["leader"] and (fresh or not self.eligible(g, name)):
+            # (restarted -- or its log lacks its epoch: a new disk, its restart told to a
+            # controller that had no record of the group yet)
             self._leader_restarted(g, name, int(log_end), had)
         elif fresh and name != g["leader"] and self._lives(g["leader"], now):
             # back in only once it holds what the leader held now (the leader may report
@@ -192,6 +194,8 @@ class ReplicaGroups:
                  in_sync=sorted(in_sync), known=True,
                  joined={r: joined.get(r, 0) for r in in_sync},
                  version=int(newest.get("version", 0)) + 1)
+        if g["leader"] is not None and not self.eligible(g, g["leader"]):
+            g["leader"] = None  # (its log lacks its epoch: an in-sync replica is elected)
         self._save()
 
     def _leader_restarted(self, g: dict, name: str, log_end: int, had: int) -> None:

@@ -29,8 +29,14 @@ def need(ok: bool, what: str) -> None:
         raise InvalidMessageError(what)
 
 
-def check_send(batch, producer_id, sequence, ends) -> list[EndRequest] | None:
-    """A producer request: a RecordBatch (or None), two counters, ends (or None)."""
+#: What a producer may ask a send to wait for: every in-sync replica (Kafka ``acks=all``,
+#: RocketMQ ``SYNC_MASTER``), or the leader's own write (``acks=1``, ``ASYNC_MASTER``).
+ACKS = ("all", "leader")
+
+
+def check_send(batch, producer_id, sequence, ends, acks="all") -> list[EndRequest] | None:
+    """A producer request: a RecordBatch (or None), two counters, ends (or None), acks."""
+    need(acks in ACKS, f"acks must be one of {', '.join(ACKS)}, not {acks!r}")
     need(batch is None or isinstance(batch, RecordBatch), "a send carries a RecordBatch")
     need(is_int(producer_id) and is_int(sequence), "producer id and sequence must be "
                                                    "integers 0..2**63-1")

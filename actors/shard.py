@@ -108,14 +108,16 @@ class BrokerShard:
 
     # --------------------------------------------------------------- send
     def send(self, batch: RecordBatch | None, producer_id: int = 0, sequence: int = 0,
-             ends: list | None = None) -> SendReply:
+             ends: list | None = None, acks: str = "all") -> SendReply:
         """Store a producer request.  Idempotent with a producer id and sequence.
+        ``acks`` (``"all"`` or ``"leader"``) is a replicated shard's: what the reply waits
+        for (``raymq.actors.replica``); a shard of one replica holds every write alone.
 
         ``ends`` are transaction ends riding on the request (``end_transactions``;
         idempotent too): applied after the batch is written, their outcomes
         returned in ``ends``.  The reply waits for one fsync covering both.
         """
-        ends = check_send(batch, producer_id, sequence, ends)
+        ends = check_send(batch, producer_id, sequence, ends, acks)
         if producer_id >= INTERNAL_PRODUCER_BASE:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from raymq import deploy as deployment
-from raymq import rpc
+from raymq import replica_view, rpc
 from raymq.actors.config import ClusterConfig
 from raymq.clock import ClientClock, client_clock
 from raymq.consumer import Consumer
@@ -151,8 +151,9 @@ class RayMQ:
         self.control.call("ensure_group_topics", group, timeout_s=30)
 
     # ------------------------------------------------------------ clients
-    def producer(self, group: str = "default") -> Producer:
-        p = Producer(self, group, clock=self.clock)
+    def producer(self, group: str = "default", *, acks: str = "all") -> Producer:
+        """A producer of ``group``; ``acks`` (``"all"`` or ``"leader"``): ``Producer``."""
+        p = Producer(self, group, clock=self.clock, acks=acks)
         self._clients.append(p)
         return p
 
@@ -265,55 +266,59 @@ class Admin:
         return out
 
     def replicas(self) -> list[dict]:
-        """Per shard: ``shard``, ``leader_node`` (a Ray node id), ``epoch``, ``in_sync`` (node
-        ids) and ``replicas`` (each ``name``, ``node``, ``role``, ``alive``, ``lag_bytes``:
-        how far behind the leader's log end it was at its last heartbeat).  A shard that
-        is not replicated is its one replica, leading, epoch 0."""
+        """Per shard, its group of replicas (``raymq.replica_view.group_doc``): ``shard``,
+        ``leader`` and ``leader_node`` (a Ray node id), ``epoch``, ``in_sync`` (node ids),
+        ``electable`` and ``candidacy`` (who could be elected now, and why the others
+        could not) and ``replicas`` (each ``name``, ``node``, ``role``, ``alive``,
+        ``log_end``, ``lag_bytes``: how far behind the leader's log end it was at its
+        last heartbeat, and ``candidacy``).  A shard that is not replicated is its one
+        replica, leading, epoch 0."""
         mq = self._mq
         if not mq.replicated:
             nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)],
                                  30)
-            return [{"shard": s, "leader_node": n, "epoch": 0, "in_sync": [n],
-                     "replicas": [{"name": f"shard-{s}", "node": n, "role": "leader",
-                                   "alive": True, "lag_bytes": 0}]}
-                    for s, n in enumerate(nodes)]
-        out = []
-        for g in mq.control.call("replicas", timeout_s=30):
-            nodes, ends, leader = g["nodes"], g["log_end"], g["leader"]
-            top = ends.get(leader, -1)
-            out.append({"shard": g["shard"], "leader_node": nodes.get(leader) or None,
-                        "epoch": g["epoch"], "in_sync": [nodes[r] for r in g["in_sync"]],
-                        "replicas": [{"name": r, "node": nodes[r],
-                                      "role": "leader" if r == leader else "follower",
-                                      "alive": r in g["alive"],
-                                      "lag_bytes": max(0, top - ends[r]) if ends[r] >= 0
-                                      else None} for r in g["replicas"]]})
-        return out
+            return [replica_view.unreplicated_doc(s, n) for s, n in enumerate(nodes)]
+        return [replica_view.group_doc(g, "shard")
+                for g in mq.control.call("replicas", timeout_s=30)]
 
-    def elect(self, shard: int, to_node: str | None = None) -> dict:
-        """Move shard ``shard``'s leadership to the in-sync replica on ``to_node`` (a Ray node
-        id, or its first characters), else to the best other in-sync replica (Kafka's
-        preferred leader election); the group as ``replicas()`` gives it."""
+    def coordinator_replicas(self) -> list[dict]:
+        """Per transaction coordinator, its group of replicas as ``replicas()`` gives a
+        shard's (``coordinator``: its index); [] when they are not replicated."""
+        if not self._mq.replicated:
+            return []
+        return [replica_view.group_doc(g, "coordinator")
+                for g in self._mq.control.call("coordinator_replicas", timeout_s=30)]
+
+    def elect(self, shard: int, to_node: str | None = None, *, unclean: bool = False,
+              kind: str = "shard") -> dict:
+        """Move the leadership of shard ``shard`` (``kind="coordinator"``: of that
+        transaction coordinator) to the replica ``to_node`` names (its name, or its Ray
+        node id or the id's first characters), else to the best other in-sync replica
+        (Kafka's preferred leader election).  ``unclean``: when no in-sync replica is
+        alive (or may lead), an alive one out of the in-sync set is elected -- records
+        acknowledged after it fell behind may be lost.  Refused (NotEnoughReplicasError)
+        with each replica's candidacy.  Returns the group as ``replicas()`` gives it;
+        with ``unclean``, its ``unclean`` says in one line what may have been lost."""
         mq = self._mq
+        counts = {"shard": mq.num_shards, "coordinator": mq.config.num_coordinators}
+        if kind not in counts:
+            raise InvalidMessageError(f"no kind of replicated group {kind!r} "
+                                      f"({', '.join(replica_view.KINDS)})")
         if not mq.replicated:
-            raise InvalidMessageError("shards are not replicated (replication_factor 1): "
+            raise InvalidMessageError(f"{kind}s are not replicated (replication_factor 1): "
                                       "there is no other replica to lead")
         if isinstance(shard, bool) or not isinstance(shard, int) or \
-                not 0 <= shard < mq.num_shards:
-            raise InvalidMessageError(f"no shard {shard!r} (0..{mq.num_shards - 1})")
-        to = None
-        if to_node:
-            g = next(g for g in mq.control.call("replicas", timeout_s=30)
-                     if g["shard"] == shard)
-            named = [r for r, n in g["nodes"].items() if n and n.startswith(to_node)]
-            if len(named) != 1:
-                where = ", ".join(n for n in g["nodes"].values() if n)
-                raise InvalidMessageError(f"no replica of shard-{shard} on node {to_node!r} "
-                                          f"(its nodes: {where})")
-            to = named[0]
-        mq.control.call("replica_elect", shard, to, timeout_s=30)
-        mq.forget_leader(shard)
-        return self.replicas()[shard]
+                not 0 <= shard < counts[kind]:
+            raise InvalidMessageError(f"no {kind} {shard!r} (0..{counts[kind] - 1})")
+        groups = self.replicas if kind == "shard" else self.coordinator_replicas
+        before = next(g for g in groups() if g[kind] == shard)
+        to = replica_view.replica_named(before, to_node) if to_node else None
+        mq.control.call("replica_elect", shard, to, bool(unclean), kind, timeout_s=30)
+        (mq.forget_leader if kind == "shard" else mq.forget_coordinator)(shard)
+        after = next(g for g in groups() if g[kind] == shard)
+        if unclean:
+            after["unclean"] = replica_view.unclean_note(before, after["leader"])
+        return after
 
     def dlq_list(self, group: str, max_per_shard: int = 100) -> list[MessageExt]:
         out = []
@@ -440,4 +445,6 @@ class Admin:
                             "info": i if not isinstance(i, Exception) else {"error": str(i)},
                             "disk_bytes": d if not isinstance(d, Exception) else None}
                            for s, (i, n, d) in enumerate(zip(infos, nodes, disk))],
-                **({"replicas": self.replicas()} if mq.replicated else {})}
+                **({"replicas": self.replicas(),
+                    "coordinator_replicas": self.coordinator_replicas()}
+                   if mq.replicated else {})}

@@ -25,7 +25,7 @@ from raymq.actors.channel import DATA_METHODS, ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.coordinator import TransactionCoordinator
 from raymq.actors.registry import ProducerGroupRegistry
-from raymq.actors.replica import WRITES, ShardReplica
+from raymq.actors.replica import ShardReplica
 from raymq.actors.replica_groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
@@ -119,10 +119,8 @@ _REPLICA_OWN = frozenset({"ping", "close", "node_id", "endpoint", "set_fault"})
 
 
 def _leader_method(name: str, served: type):
-    write = name in WRITES
-
     def method(self, *args, **kwargs):
-        return getattr(served, name)(self._replica.serving(write=write), *args, **kwargs)
+        return self._replica.call(served, name, args, kwargs)
     method.__name__ = name
     method.__doc__ = getattr(served, name).__doc__
     return method

@@ -33,13 +33,14 @@ from functools import cached_property
 import numpy as np
 
 from raymq.actors.protocol import EndOutcome, SendReply
+from raymq.actors.requests import ACKS
 from raymq.clock import client_clock
 from raymq.storage.clock import Clock
 from raymq.transport import Outcome
 from raymq.message import (Columns, Message, SendResult, SendStatus, assign_queues,
                            columns_to_batch, key_queue, record_properties, validate_messages)
 from raymq.storage.records import RecordBatch, none_if_empty, shared_value
-from raymq.storage.errors import InvalidMessageError, RayMQError
+from raymq.storage.errors import ConfigError, InvalidMessageError, RayMQError
 
 log = logging.getLogger("raymq.producer")
 
@@ -157,7 +158,15 @@ class SendResults(Sequence):
 
 
 class Producer:
-    def __init__(self, mq, group: str = "default", *, clock: Clock | None = None):
+    def __init__(self, mq, group: str = "default", *, clock: Clock | None = None,
+                 acks: str = "all"):
+        """``acks``: what a send waits for on a replicated shard -- ``"all"`` (default:
+        every in-sync replica holds it, and it is refused while fewer than
+        ``min_insync_replicas`` are in sync) or ``"leader"`` (the leader's own write:
+        faster, and lost if the leader is lost before a follower copied it)."""
+        if acks not in ACKS:
+            raise ConfigError(f"acks must be one of {', '.join(ACKS)}, not {acks!r}")
+        self.acks = acks
         self._mq = mq
         self.group = group
         self.config = mq.config
@@ -431,8 +440,10 @@ class Producer:
         try:
             request = _request_batch([p.batch for p in items]) if items else None
             args = (request, self._lane_pids[key[1]] if sequence else 0, sequence)
-            if ends:
-                args += (ends,)
+            if ends or self.acks != "all":
+                args += (ends or None,)
+            if self.acks != "all":
+                args += (self.acks,)
             self.requests += 1
             call = self._mq.transport.begin(key[0], "send", args,
                                             timeout_s=self.config.send_timeout_ms / 1000)

@@ -15,7 +15,7 @@ from raymq.storage.epochs import EpochCache
 from raymq.storage.errors import NotEnoughReplicasError, NotLeaderError
 from raymq.storage.replication import truncate_log
 from tests.conftest import wait_for
-from tests.replication_sim import LEASE_MS, Sim
+from raymq.tools.nemesis import LEASE_MS, Sim
 
 R0, R1, R2 = (replica_name(0, k) for k in range(3))
 
@@ -458,3 +458,20 @@ def test_look_ups_and_check_backs_see_only_what_is_confirmed(sim):
     checks = shard.checks.run(["pg"], now_ms=sim.clock.now_ms(), window=100,
                               max_checks_per_group=100, checks_used=None)
     assert checks == []
+
+
+def test_a_producer_may_ask_for_the_leader_s_write_only(sim):
+    """``acks="leader"``: answered once written on the leader, even while nobody copies
+    it and too few replicas are in sync; the default waits for the in-sync replicas."""
+    from raymq.actors.shard import BrokerShard
+    a = sim.leader_name()
+    replica = sim.replicas[a]
+    for name in sim.names:
+        if name != a:
+            sim.paused.add(name)
+    reply = replica.call(BrokerShard, "send", (RecordBatch("t", 0, [b"fast"]), 0, 0, None,
+                                               "leader"), {})
+    assert reply.status == "SEND_OK"
+    assert sim.send(a, b"all", pump=False) != "SEND_OK"  # (nobody copies it)
+    with pytest.raises(Exception, match="acks must be one of all, leader"):
+        replica.call(BrokerShard, "send", (RecordBatch("t", 0, [b"x"]), 0, 0, None, "two"), {})
