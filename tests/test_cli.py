@@ -1,5 +1,8 @@
-"""The command line against the session cluster (Ray already initialised here)."""
+"""The command line against the session cluster (Ray already initialised here); the
+replicated groups' views and elections without Ray, over ``tests.replica_fakes``."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -238,3 +241,106 @@ def test_bench_console_prints_the_issues_metric_names(tmp_path):
     slowest = got["console.slowest_page_ms"]
     assert slowest["value"] > 0 and slowest["params"]["topics"] == 50
     assert slowest["params"]["groups"] == 10
+
+
+# ------------------------------------------- replicated groups (no Ray: tests.replica_fakes)
+def _on_scene(monkeypatch):
+    from raymq.tools import cli
+    from tests.replica_fakes import Scene
+    scene = Scene()
+    monkeypatch.setattr(cli, "_connect", lambda args: scene.mq)
+    return scene
+
+
+def test_status_shows_who_could_be_elected_and_why_not_for_shards_and_coordinators(
+        monkeypatch, capsys):
+    scene = _on_scene(monkeypatch)
+    admin = scene.admin
+    monkeypatch.setattr(admin, "status", lambda: {
+        "transport": {"name": "ray", "why": "test"}, "shards": [], "topics": {},
+        "groups": {}, "transactions": [], "replicas": admin.replicas(),
+        "coordinator_replicas": admin.coordinator_replicas()})
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("shard", "coordinator"):
+        assert f"    electable now: {kind}-0-r1; not: {kind}-0-r2 (not in sync)\n" in out
+        node = f"node-{kind}-0-r2"[:12]  # (node ids are shown by their first characters)
+        assert f"    {kind}-0-r2: follower node {node} alive  lag 300 bytes  (not in sync)\n" \
+            in out
+    assert "\ncoordinator replicas:\n  coordinator-0: leader on node" in out
+    scene.lose_in_sync()
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("shard", "coordinator"):
+        assert (f"    electable now: none; not: {kind}-0-r0 (not alive); {kind}-0-r1 (not "
+                f"alive); {kind}-0-r2 (not in sync) -- `raymq {kind} elect 0 --unclean` "
+                "elects an alive replica anyway") in out
+    assert main(["status", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["coordinator_replicas"][0]["candidacy"] == {
+        "coordinator-0-r0": "not alive", "coordinator-0-r1": "not alive",
+        "coordinator-0-r2": "not in sync"}
+
+
+def test_shard_and_coordinator_elect_refused_then_unclean_says_what_may_be_lost(
+        monkeypatch, capsys):
+    scene = _on_scene(monkeypatch)
+    assert main(["shard", "elect", "0"]) == 0  # the in-sync follower
+    assert capsys.readouterr().out == \
+        "shard-0: leader on node node-shard-0 (shard-0-r1), epoch 2\n"
+    assert main(["coordinator", "elect", "0", "--to", "node-coord"]) == 1  # three nodes so
+    err = capsys.readouterr().err.strip()
+    assert "no replica of coordinator-0 named 'node-coord'" in err and "\n" not in err
+    assert main(["coordinator", "elect", "0", "--to", "coordinator-0-r1"]) == 0
+    assert "coordinator-0: leader on node node-coordin (coordinator-0-r1), epoch 2" in \
+        capsys.readouterr().out
+    assert scene.forgotten == [("shard", 0), ("coordinator", 0)]
+    scene.lose_in_sync()
+    for kind in ("shard", "coordinator"):
+        assert main([kind, "elect", "0"]) == 1  # nobody in sync alive: refused, saying why
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("raymq: NOT_ENOUGH_REPLICAS") and "\n" not in err, err
+        assert f"{kind}-0-r1: not alive; {kind}-0-r2: not in sync" in err
+        assert main([kind, "elect", "0", "--unclean"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines == [
+            f"{kind}-0: leader on node {f'node-{kind}-0-r2'[:12]} ({kind}-0-r2), epoch 3",
+            f"unclean election: {kind}-0-r2 was not in sync; records acknowledged after it "
+            f"fell behind (up to 300 bytes: its log ends at 200, the old leader's "
+            f"({kind}-0-r1) at 500) may be lost"]
+    assert main(["shard", "elect", "0", "--unclean"]) == 1  # r2 leads; nobody else alive
+    capsys.readouterr()
+
+
+def test_an_unclean_election_says_what_may_be_lost_in_one_line():
+    from raymq.replica_view import unclean_note
+
+    def group(leader, ends, candidacy):
+        return {"leader": leader, "candidacy": candidacy,
+                "replicas": [{"name": r, "log_end": e} for r, e in ends.items()]}
+    assert unclean_note(group("a", {"a": 9, "b": 9}, {"a": "not alive", "b": "electable"}),
+                        "b") == "unclean election: b was in sync; nothing acknowledged is lost"
+    # no leader (a new disk took it): the most another replica reported
+    note = unclean_note(group(None, {"a": 700, "b": 100, "c": None},
+                              {"a": "not alive", "b": "its log lacks epoch 3 (holds up to "
+                               "epoch 2: a new disk?)", "c": "not alive"}), "b")
+    assert note == ("unclean election: b was not electable (its log lacks epoch 3 (holds up "
+                    "to epoch 2: a new disk?)); records acknowledged after it fell behind (up "
+                    "to 600 bytes: its log ends at 100, a's (the most another replica "
+                    "reported) at 700) may be lost")
+    note = unclean_note(group("b", {"a": None, "b": 5}, {"a": "not alive", "b": "not in "
+                                                         "sync"}), "b")
+    assert "how many is unknown" in note and "\n" not in note
+
+
+def test_elect_help_explains_unclean_and_shows_the_defaults(monkeypatch):
+    from raymq.tools.cli import build_parser, command_tree
+    monkeypatch.setenv("COLUMNS", "300")  # (no line broken at a hyphen)
+    helps = {path: " ".join(p.format_help().split())
+             for path, p, _line in command_tree(build_parser())}
+    for kind in ("shard", "coordinator"):
+        text = helps[f"raymq {kind} elect"]
+        assert "[--to NAME] [--unclean] I" in text
+        assert "(default: None -- the in-sync replica" in text
+        assert "may be lost (prints how many bytes at most) (default: False)" in text
+    assert "coordinator elect" in helps["raymq"]

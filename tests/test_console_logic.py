@@ -1,5 +1,6 @@
 """The console's pure parts, without Ray: counters and rates for the charts, the timer
-histogram, body previews, a message's trace, and how errors become HTTP statuses."""
+histogram, body previews, a message's trace, the replicated groups' candidacy, and how
+errors become HTTP statuses."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,8 +10,8 @@ from raymq.storage.errors import (AlreadyDeliveredError, BrokerUnavailableError,
                                   NotScheduledError, UnknownTopicError)
 from raymq.tools.console import http_status, one_line
 from raymq.tools.console_cluster import kind_of
-from raymq.tools.console_pages import (History, counters_of, preview, timer_histogram,
-                                       trace)
+from raymq.tools.console_pages import (History, counters_of, preview, replication_of,
+                                       timer_histogram, trace)
 
 
 def status(depths: dict, lags: dict, timers: dict | None = None, shard: int = 0) -> dict:
@@ -98,6 +99,36 @@ def test_actor_kinds_from_their_names():
                                  "checker-1", "registry-0", "something")] == [
         "shard", "shard replica", "coordinator replica", "controller", "checker",
         "registry", "other"]
+
+
+def test_the_overview_shows_who_could_be_elected_now_and_why_the_others_could_not():
+    """Shards' and coordinators' groups, from ``admin.status()`` over the controller's
+    replica groups (``tests.replica_fakes``)."""
+    from tests.replica_fakes import Scene
+    scene = Scene()
+
+    def overview() -> dict:
+        return replication_of({"shards": [], "replicas": scene.admin.replicas(),
+                               "coordinator_replicas": scene.admin.coordinator_replicas()})
+    ov = overview()
+    [shard], [coordinator] = ov["replicas"], ov["coordinator_replicas"]
+    assert (shard["group"], shard["shard"], coordinator["group"], coordinator["coordinator"]) \
+        == ("shard-0", 0, "coordinator-0", 0)
+    for kind, g in (("shard", shard), ("coordinator", coordinator)):
+        assert g["leader"] == f"{kind}-0-r0" and g["electable"] == [f"{kind}-0-r1"]
+        assert g["not_electable"] == {f"{kind}-0-r2": "not in sync"}
+        assert [r["candidacy"] for r in g["replicas"]] == ["leader", "electable", "not in sync"]
+        assert [r["log_end"] for r in g["replicas"]] == [500, 500, 200]
+    scene.lose_in_sync()
+    for kind, [g] in (("shard", overview()["replicas"]),
+                      ("coordinator", overview()["coordinator_replicas"])):
+        assert g["electable"] == [] and g["not_electable"] == {
+            f"{kind}-0-r0": "not alive", f"{kind}-0-r1": "not alive",
+            f"{kind}-0-r2": "not in sync"}
+        assert g["electable_line"].startswith("electable now: none; not: ") and \
+            f"`raymq {kind} elect 0 --unclean`" in g["electable_line"]
+    # an unreplicated cluster's status has no groups
+    assert replication_of({"shards": []}) == {"replicas": [], "coordinator_replicas": []}
 
 
 def test_a_shards_gauges_count_what_it_holds(tmp_path):

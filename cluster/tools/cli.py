@@ -17,7 +17,10 @@ deploys RayMQ there, the others say so when it is not deployed.
   up                 deploy RayMQ's actors into the cluster (idempotent; a running
                      RayMQ keeps its settings: other ones are refused)
   down               stop RayMQ's actors (data stays on disk)
-  status             shards, nodes, topics, queue depths, consumer groups and lag
+  status             shards, nodes, topics, queue depths, consumer groups and lag;
+                     replicated groups: leader, in-sync set, who could be elected
+  shard elect        make another replica lead a replicated shard (--to, --unclean)
+  coordinator elect  the same for a replicated transaction coordinator
   topic create|list  manage topics
   send               send messages (body arguments, or lines of stdin with -)
   consume            consume messages of a group and print them
@@ -98,22 +101,34 @@ def _cmd_down(args) -> int:
     return 0
 
 
-def _print_replicas(groups: list[dict]) -> None:
-    print("replicas:")
+def _print_replicas(groups: list[dict], title: str = "replicas") -> None:
+    """Each replicated group: its leader, epoch and in-sync set, who could be elected now
+    and why the others could not, and each replica's role, liveness, lag and candidacy."""
+    from raymq.replica_view import electable_line
+    print(f"{title}:")
     for g in groups:
-        print(f"  shard-{g['shard']}: leader on node {str(g['leader_node'])[:12]}  epoch "
+        name = g.get("group", f"shard-{g.get('shard')}")
+        print(f"  {name}: leader on node {str(g['leader_node'])[:12]}  epoch "
               f"{g['epoch']}  in sync {len(g['in_sync'])}/{len(g['replicas'])} "
               f"({', '.join(str(n)[:12] for n in g['in_sync'])})")
+        if "candidacy" in g:
+            print(f"    {electable_line(g)}")
         for r in g["replicas"]:
             lag = "?" if r["lag_bytes"] is None else f"{r['lag_bytes']} bytes"
             print(f"    {r['name']}: {r['role']:8s} node {str(r['node'])[:12] or '-':12s} "
-                  f"{'alive' if r['alive'] else 'DEAD '}  lag {lag}")
+                  f"{'alive' if r['alive'] else 'DEAD '}  lag {lag}"
+                  + (f"  ({r['candidacy']})" if r.get("candidacy", "leader") != "leader"
+                     else ""))
 
 
-def _cmd_shard_elect(args) -> int:
+def _cmd_elect(args) -> int:
+    """`raymq shard elect` and `raymq coordinator elect`."""
     mq = _connect(args)
-    g = mq.admin.elect(args.shard, args.to)
-    print(f"shard-{g['shard']}: leader on node {str(g['leader_node'])[:12]}, epoch {g['epoch']}")
+    g = mq.admin.elect(args.index, args.to, unclean=args.unclean, kind=args.kind)
+    print(f"{g['group']}: leader on node {str(g['leader_node'])[:12]} ({g['leader']}), "
+          f"epoch {g['epoch']}")
+    if "unclean" in g:
+        print(g["unclean"])
     return 0
 
 
@@ -143,6 +158,8 @@ def _cmd_status(args) -> int:
                   f"cancelled pending {tm['cancelled']}")
     if "replicas" in st:
         _print_replicas(st["replicas"])
+    if st.get("coordinator_replicas"):
+        _print_replicas(st["coordinator_replicas"], "coordinator replicas")
     print(f"topics: {len(st['topics'])}")
     for name, t in st["topics"].items():
         print(f"  {name}: {t['queues']} queues on shards {sorted(set(t['routes']))}")
@@ -467,6 +484,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_elect(parent: argparse.ArgumentParser, kind: str) -> None:
+    """`raymq shard elect I` / `raymq coordinator elect J`."""
+    what = "shard" if kind == "shard" else "transaction coordinator"
+    actions = parent.add_subparsers(dest=f"{kind}_command", metavar="ACTION", required=True)
+    el = actions.add_parser(
+        "elect", help=f"make another replica lead {what} I (Kafka's preferred leader "
+                      "election; --unclean: even one out of sync)",
+        description=f"Make another replica lead {what} I: the one --to names, else the "
+                    "in-sync replica holding the most (Kafka's preferred leader election). "
+                    "Only an alive in-sync replica whose log holds its epoch may lead; "
+                    "otherwise the election is refused, naming each replica's candidacy "
+                    "(`raymq status` shows it too). With --unclean, when no such replica "
+                    "is alive, an alive one out of the in-sync set is elected, and one line "
+                    "says what may be lost: the records acknowledged after it fell behind.")
+    el.add_argument("index", type=int, metavar="I", help=f"the {what}'s index")
+    el.add_argument("--to", metavar="NAME",
+                    help=f"the replica to lead: its name (e.g. {kind}-0-r2) or its Ray "
+                         "node id or the id's first characters (default: %(default)s -- "
+                         "the in-sync replica with the newest epoch, then the most log, "
+                         "other than the leader)")
+    el.add_argument("--unclean", action="store_true",
+                    help="when no in-sync replica is alive (or may lead), elect an alive "
+                         "replica out of the in-sync set anyway: records acknowledged after "
+                         "it fell behind may be lost (prints how many bytes at most)")
+    el.set_defaults(func=_cmd_elect, kind=kind)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raymq", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -492,15 +536,10 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--min-insync-replicas", type=int,
                     help="replicas holding a write before SEND_OK (default 2 when replicated)")
     up.set_defaults(func=_cmd_up)
-    shard = sub.add_parser("shard", help="replicated shards: move leadership")
-    shsub = shard.add_subparsers(dest="shard_command", metavar="ACTION", required=True)
-    se = shsub.add_parser("elect", help="make another in-sync replica lead shard I (Kafka's "
-                                        "preferred leader election)")
-    se.add_argument("shard", type=int, metavar="I", help="the shard")
-    se.add_argument("--to", metavar="NODE", help="the Ray node id (or its first characters) "
-                                                  "of the replica to lead (default: the best "
-                                                  "other in-sync replica)")
-    se.set_defaults(func=_cmd_shard_elect)
+    for kind, line in (("shard", "replicated shards: move leadership"),
+                       ("coordinator", "replicated transaction coordinators: move "
+                                       "leadership")):
+        _add_elect(sub.add_parser(kind, help=line), kind)
     sub.add_parser("down", help="stop RayMQ's actors; data stays").set_defaults(func=_cmd_down)
     st = sub.add_parser("status", help="shards, topics, depths, groups and lag")
     st.add_argument("--json", action="store_true", help="machine-readable output")

@@ -10,6 +10,7 @@ import collections
 import threading
 import time
 
+from raymq.replica_view import electable_line, not_electable
 from raymq.storage.errors import InvalidMessageError
 
 #: samples the charts keep: at one per ``SAMPLE_S`` seconds, the last ten minutes
@@ -139,6 +140,17 @@ def trace(msg, group_offsets: dict[str, int], dead_letters: dict[str, dict]) -> 
     return steps
 
 
+def replication_of(status: dict) -> dict:
+    """The overview's replicated groups from one ``admin.status()``: ``replicas`` (the
+    shards') and ``coordinator_replicas`` (the transaction coordinators'), each group as
+    ``admin.replicas()`` gives it -- who could be elected now (``electable``, and
+    ``candidacy`` per replica) -- plus ``not_electable``: the replicas that could not
+    lead now, each with why, and ``electable_line``: both in one line."""
+    return {key: [dict(g, not_electable=not_electable(g), electable_line=electable_line(g))
+                  for g in status.get(key, [])]
+            for key in ("replicas", "coordinator_replicas")}
+
+
 def message_doc(msg) -> dict:
     return {"id": msg.msg_id, "stored_id": msg.stored_id, "topic": msg.topic,
             "queue_id": msg.queue_id, "queue_offset": msg.queue_offset, "shard": msg.shard,
@@ -197,7 +209,7 @@ class Pages:
                            "disk_bytes": s.get("disk_bytes"),
                            "in_per_s": self.history.last_rate(f"in:{name}"),
                            "out_per_s": self.history.last_rate(f"out:{name}")})
-        return {"shards": shards, "replicas": status.get("replicas", []),
+        return {"shards": shards, **replication_of(status),
                 "actors": actors_alive(self.mq), "nodes": ray_nodes(),
                 "transport": status["transport"],
                 "throughput": self.history.series(["in", "out"])}

@@ -114,6 +114,21 @@ function barChart(title, items) {
   return div;
 }
 
+// Replicated groups: leader, epoch, in-sync set, who could be elected now and why the
+// others could not (the controller's candidacy), each replica's role, liveness and lag.
+function replicaTable(title, groups) {
+  if (!groups.length) return [];
+  return [el("h2", {}, title), table([
+    ["group", g => g.group], ["leader", g => `${g.leader || "-"} (node ${short(g.leader_node)})`],
+    ["epoch", g => g.epoch], ["in sync", g => g.in_sync_replicas.join(", ") || "-"],
+    ["electable now", g => g.electable.join(", ") || "none"],
+    ["cannot lead", g => Object.entries(g.not_electable).map(([r, why]) => `${r}: ${why}`)
+      .join("; ") || "-"],
+    ["replicas", g => g.replicas.map(x => `${x.name} ${short(x.node)} ${x.role}` +
+      `${x.alive ? "" : " DEAD"} lag ${x.lag_bytes === null ? "?" : x.lag_bytes}`).join("; ")],
+  ], groups)];
+}
+
 // ------------------------------------------------------------------------ pages
 const PAGES = {
   async overview() {
@@ -126,11 +141,8 @@ const PAGES = {
              ["disk used", s => s.disk_bytes === null ? "-" : fmtBytes(s.disk_bytes)],
              ["in msgs/s", s => s.in_per_s],
              ["out msgs/s", s => s.out_per_s]], d.shards),
-      d.replicas.length ? el("h2", {}, "Replicas") : null,
-      d.replicas.length ? table([["shard", r => r.shard], ["leader", r => short(r.leader_node)],
-        ["epoch", r => r.epoch], ["in sync", r => r.in_sync.map(short).join(", ")],
-        ["replicas", r => r.replicas.map(x => `${short(x.node)} ${x.role} lag ${x.lag_bytes}`)
-          .join("; ")]], d.replicas) : null,
+      ...replicaTable("Replicas", d.replicas),
+      ...replicaTable("Coordinator replicas", d.coordinator_replicas || []),
       lineChart("messages per second (in, out)", d.throughput, ["in", "out"]),
       el("h2", {}, "Actors"),
       table([["name", a => a.name], ["kind", a => a.kind],
