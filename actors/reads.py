@@ -38,6 +38,19 @@ class QueueReads:
         #: past it are not read yet (a failover may take them back)
         self.confirmed: Callable[[], int] | None = None
 
+    def confirmed_offset(self) -> int | None:
+        """The confirmed offset (None: not replicated, every record is)."""
+        confirmed = self.confirmed
+        return None if confirmed is None else confirmed()
+
+    def check_confirmed(self, phys_offset) -> None:
+        """A look-up by id sees what readers see: "no such message" past the confirmed
+        offset."""
+        confirmed = self.confirmed_offset()
+        if confirmed is not None and isinstance(phys_offset, int) and phys_offset >= confirmed:
+            raise InvalidMessageError(f"no such message (offset {phys_offset} is not "
+                                      f"confirmed by the in-sync replicas)")
+
     def wake(self) -> None:
         """New data is stored: waiting pulls look again."""
         with self._new_data:
@@ -129,8 +142,10 @@ class QueueReads:
         return out, total
 
     def find_by_key(self, topic: str, key: str, max_scan: int) -> list[StoredMessage]:
-        """Messages of ``topic`` with ``key``, scanning the newest ``max_scan`` of each queue."""
+        """Messages of ``topic`` with ``key``, scanning the newest ``max_scan`` of each queue
+        (of a replicated shard: the confirmed ones)."""
         found = []
+        confirmed = self.confirmed_offset()
         for t, qid in self.store.queues():
             if t != topic:
                 continue
@@ -139,7 +154,7 @@ class QueueReads:
                 batch = self.store.read_batch(t, qid, off, 1000)
                 if batch.keys:
                     found += [batch[i] for i, k in enumerate(batch.keys) if k == key]
-        return found
+        return found if confirmed is None else [m for m in found if m.phys_offset < confirmed]
 
 
 def _select(batch: MessageBatch, keep: list[int]) -> MessageBatch:

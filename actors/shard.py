@@ -95,7 +95,7 @@ class BrokerShard:
         self.ktx = KafkaTxnQueues(self.store, self.clock, self.offsets.admit, self.reads.wake,
                                   compact_records=self.config.state_log_compact_records)
         self.reads.txns = self.ktx
-        self.checks.confirmed = self._confirmed
+        self.checks.confirmed = self.reads.confirmed_offset
         self.offsets.cut_back()
         self.halves.load()
         if background:
@@ -109,9 +109,8 @@ class BrokerShard:
     # --------------------------------------------------------------- send
     def send(self, batch: RecordBatch | None, producer_id: int = 0, sequence: int = 0,
              ends: list | None = None, acks: str = "all") -> SendReply:
-        """Store a producer request.  Idempotent with a producer id and sequence.
-        ``acks`` (``"all"`` or ``"leader"``) is a replicated shard's: what the reply waits
-        for (``raymq.actors.replica``); a shard of one replica holds every write alone.
+        """Store a producer request.  Idempotent with a producer id and sequence.  ``acks``:
+        what a replicated shard's reply waits for (``ShardReplica.call``).
 
         ``ends`` are transaction ends riding on the request (``end_transactions``;
         idempotent too): applied after the batch is written, their outcomes
@@ -346,29 +345,18 @@ class BrokerShard:
         check_queues(queues)
         return self.offsets.get(group, queues)
 
-    def _confirmed(self) -> int | None:
-        """A replicated shard's confirmed offset (what every in-sync replica holds; None:
-        not replicated, every record is)."""
-        confirmed = self.reads.confirmed
-        return None if confirmed is None else confirmed()
-
     def get_message(self, phys_offset: int) -> StoredMessage:
         """The message a client's id names, as its consumers get it (a delayed or
         transactional message: its real topic and queue, queue offset -1); "no such
         message" for an id that names none, or one not confirmed yet (a replicated
         shard's look-ups see what its readers see)."""
-        confirmed = self._confirmed()
-        if confirmed is not None and isinstance(phys_offset, int) and phys_offset >= confirmed:
-            raise InvalidMessageError(f"no such message on shard-{self.index} (offset "
-                                      f"{phys_offset} is not confirmed by the in-sync replicas)")
+        self.reads.check_confirmed(phys_offset)
         return as_delivered(self.index, stored_message(self.store, self.index, phys_offset))
 
     def find_by_key(self, topic: str, key: str, max_scan: int = 200_000) -> list[StoredMessage]:
         """Messages of ``topic`` on this shard with ``key``, scanning the newest ``max_scan``
         (of a replicated shard, the confirmed ones)."""
-        found = self.reads.find_by_key(topic, key, max_scan)
-        confirmed = self._confirmed()
-        return found if confirmed is None else [m for m in found if m.phys_offset < confirmed]
+        return self.reads.find_by_key(topic, key, max_scan)
 
     def queue_info(self) -> dict:
         self.routes.refresh()
