@@ -13,7 +13,7 @@ import threading
 
 from raymq.actors.config import ClusterConfig
 from raymq.actors.membership import Membership
-from raymq.actors.replica_groups import ReplicaGroups
+from raymq.actors.replication.groups import ReplicaGroups
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import (BrokerUnavailableError, InvalidMessageError,

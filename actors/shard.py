@@ -51,7 +51,7 @@ from raymq.actors.requests import (answers_in_one_line, check_ends, check_offset
                                    check_queues, check_send)
 from raymq.actors.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.routes import RouteTable
-from raymq.actors.timers import Cancellations, TimerScheduler, cancel_scheduled
+from raymq.actors.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, ReservedNameError
@@ -87,7 +87,7 @@ class BrokerShard:
         self.delays = DelayScheduler(index, self.store, self._levels_ms,
                                      self.config.schedule_tick_ms, self.clock, self.metrics,
                                      self.reads.wake, self.cancels)
-        self.timers = TimerScheduler(index, self.store, os.path.join(self.directory, "timer"),
+        self.timers = TimerScheduler(index, self.store, os.path.join(self.directory, WHEEL_DIR),
                                      self.config.timer_bucket_ms, self.config.schedule_tick_ms,
                                      self.clock, self.metrics, self.reads.wake, self.cancels)
         self.dead_letters = DeadLetters(index, self.store, self.config, self._levels_ms,

@@ -25,13 +25,13 @@ from typing import Callable
 import numpy as np
 
 from raymq.actors.delay import restore_real
-from raymq.actors.replica_state import TIMER_DIR, Part, read_tree
 from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC,
                                    TIMER_TOPIC, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock
 from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.errors import AlreadyDeliveredError, NotScheduledError, RequestTimeoutError
+from raymq.storage.fileutil import read_tree
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
@@ -48,6 +48,8 @@ INDEX_CHUNK = 65_536
 #: Least wait between two rounds that delivered something (what a burst adds to lateness).
 ROUND_GAP_MS = 4
 #: How often a leader ships its wheel to a follower at most (``replica_part``).
+#: The wheel's directory in a shard's directory (a replica's part, shipped whole).
+WHEEL_DIR = "timer"
 SHIP_WHEEL_EVERY_MS = 60_000
 #: Time buckets of ``status`` (name, ms from now).
 STATUS_BUCKETS = (("next_minute", 60_000), ("next_hour", 3_600_000),
@@ -251,7 +253,7 @@ class TimerScheduler:
 
     # ---------------------------------------------------------- replication
     def replica_part(self) -> Part:
-        """The wheel as a leader ships it to its followers (``raymq.actors.replica_state``):
+        """The wheel as a leader ships it to its followers (``raymq.actors.replication.parts``):
         read under the round lock, so its checkpoint and the buckets it vouches for agree
         (entries after the checkpoint are indexed again by a new leader, as after a
         restart); at most once a minute (it changes with every bucket)."""
@@ -265,8 +267,9 @@ class TimerScheduler:
 
         def read():
             with self._lock:
-                return read_tree(self.wheel.directory, TIMER_DIR)
-        return Part("timer", version, read, directory=TIMER_DIR, every_ms=SHIP_WHEEL_EVERY_MS)
+                return read_tree(self.wheel.directory, WHEEL_DIR)
+        return {"name": "timer", "version": version, "read": read, "directory": WHEEL_DIR,
+                "every_ms": SHIP_WHEEL_EVERY_MS}
 
     # ---------------------------------------------------------- operators
     def cancel(self, m: StoredMessage) -> str:

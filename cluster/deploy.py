@@ -25,8 +25,9 @@ from raymq.actors.channel import DATA_METHODS, ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
 from raymq.actors.coordinator import TransactionCoordinator
 from raymq.actors.registry import ProducerGroupRegistry
-from raymq.actors.replica import ShardReplica
-from raymq.actors.replica_groups import replica_name
+from raymq.actors.replication.peers import PeerLinks
+from raymq.actors.replication.replica import ShardReplica
+from raymq.actors.replication.groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq import rpc
 from raymq.actors.config import ClusterConfig
@@ -169,14 +170,12 @@ class _Replica:
         node = rpc.node_id()
         kind = self._kind
         name = replica_name(index, k, kind)
-        from raymq.transport import DirectTransport
-        # followers fetch over the leader's data channel (a Ray call costs ~10 times as much)
-        channel = DirectTransport(
-            lambda k: rpc.get_actor(replica_name(index, k, kind), NAMESPACE), io_threads=2)
-
-        def call_replica(other, method, args, timeout_s):
-            return channel.call(int(other.rpartition("-r")[2]), method, *args,
-                                timeout_s=timeout_s)
+        # followers fetch over the leader's data channel (a Ray call costs ~10 times as
+        # much); Ray only tells where that channel is
+        peers = PeerLinks(lambda other, timeout_s: rpc.call(
+            rpc.get_actor(other, NAMESPACE).endpoint, timeout_s=timeout_s))
+        self._peers = peers
+        call_replica = peers.call
         self._replica = ShardReplica(
             index, name, cfg, os.path.join(cfg.resolved_data_dir(node), name),
             controller=lambda m, *a: controller.call(m, *a, timeout_s=10),
@@ -234,6 +233,7 @@ class _Replica:
         self._gauges.stop()
         self._endpoint.close()
         self._replica.close()
+        self._peers.close()
 
 
 class ReplicaActor(_Replica):

@@ -54,3 +54,14 @@ def disk_usage(path: str) -> int:
                 continue
             total += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
     return total
+
+
+def read_tree(root: str, prefix: str) -> dict[str, bytes]:
+    """Every file under ``root`` as ``{prefix/relative path: bytes}``."""
+    out = {}
+    for d, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(d, name)
+            with open(path, "rb") as f:
+                out[os.path.join(prefix, os.path.relpath(path, root))] = f.read()
+    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from raymq.actors.replica_groups import ReplicaGroups, replica_name
+from raymq.actors.replication.groups import ReplicaGroups, replica_name
 from raymq.client import Admin
 from raymq.storage.clock import ManualClock
 

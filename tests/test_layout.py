@@ -90,6 +90,25 @@ def test_dependencies_run_one_way():
     assert wrong == []
 
 
+#: The walk of a replicated send: client -> channel -> replica -> shard -> store.
+REPLICATION = "raymq.actors.replication"
+
+
+def test_the_replicated_walk_runs_forward():
+    """Replication is one package: the shard and its parts, the channel and the store never
+    import it (they come after it in the walk); only the controller (whose groups'
+    side it holds) and the layers above the broker do."""
+    wrong = []
+    for module, path in modules().items():
+        if module.startswith(REPLICATION) or module == "raymq.actors.controller" or \
+                layer(module) > LAYERS.index("raymq.actors"):
+            continue
+        for line, name in imported(path, module):
+            if name == REPLICATION or name.startswith(REPLICATION + "."):
+                wrong.append(f"{os.path.relpath(path, ROOT)}:{line}: {module} imports {name}")
+    assert wrong == []
+
+
 def test_the_layer_check_sees_a_wrong_way_import(tmp_path):
     """The walk above would catch a broker module importing the client."""
     bad = tmp_path / "bad.py"

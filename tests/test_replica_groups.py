@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from raymq.actors.replica_groups import ReplicaGroups, replica_name
+from raymq.actors.replication.groups import ReplicaGroups, replica_name
 from raymq.storage.clock import ManualClock
 from raymq.storage.errors import InvalidMessageError, NotEnoughReplicasError
 

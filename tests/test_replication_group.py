@@ -7,8 +7,8 @@ import pytest
 
 from raymq.actors.config import ClusterConfig
 from raymq.actors.controller import Controller
-from raymq.actors.replica import ShardReplica
-from raymq.actors.replica_groups import replica_name
+from raymq.actors.replication.replica import ShardReplica
+from raymq.actors.replication.groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
 from raymq.storage.clock import ManualClock
@@ -282,7 +282,7 @@ def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whol
     import json
     import time
     from raymq.actors.protocol import Prop
-    from raymq.actors.replica_state import KTX_SNAPSHOT, TIMER_DIR
+    from raymq.actors.replication.parts import KTX_SNAPSHOT, TIMER_DIR
     g = Group(tmp_path, state_log_compact_records=5, timer_bucket_ms=1000)
     try:
         g.settle()
@@ -333,7 +333,7 @@ def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whol
 def test_a_replica_cut_back_drops_the_snapshots_of_what_it_lost(group):
     """A deposed leader's snapshot may cover records the new leader never had: cut back,
     it keeps no snapshot of them (the new leader's arrives instead)."""
-    from raymq.actors.replica_state import KTX_SNAPSHOT
+    from raymq.actors.replication.parts import KTX_SNAPSHOT
     old = group.leader
     assert send(old, [b"kept"]).status == "SEND_OK"
     group.clock.advance(LEASE_MS + 1)

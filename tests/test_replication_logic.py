@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from raymq.actors.replica_set import Ack, ReplicaSet
+from raymq.actors.replication.in_sync import Ack, ReplicaSet
 from raymq.storage.epochs import UNDEFINED, EpochCache
 from raymq.storage.errors import (CorruptLogError, NotEnoughReplicasError, NotLeaderError,
                                   StorageError)
@@ -161,7 +161,7 @@ def test_a_group_is_built_valid():
 
 # ------------------------------------------------ parts shipped beside the log
 def test_a_part_is_shipped_when_its_version_changes_and_a_slow_part_at_most_every_so_often(tmp_path):
-    from raymq.actors.replica_state import Part, Shipper, file_part
+    from raymq.actors.replication.parts import Part, Shipper, file_part
     from raymq.storage.clock import ManualClock
     clock = ManualClock()
     (tmp_path / "snap").write_bytes(b"v1")
@@ -185,7 +185,7 @@ def test_a_part_is_shipped_when_its_version_changes_and_a_slow_part_at_most_ever
 
 
 def test_installed_parts_replace_the_old_whole_and_a_cut_log_forgets_them(tmp_path):
-    from raymq.actors import replica_state as rs
+    from raymq.actors.replication import parts as rs
     (tmp_path / "timer" / "b" / "0").mkdir(parents=True)
     (tmp_path / "timer" / "b" / "0" / "5").write_bytes(b"stale bucket")
     rs.install(str(tmp_path), {
@@ -202,7 +202,8 @@ def test_installed_parts_replace_the_old_whole_and_a_cut_log_forgets_them(tmp_pa
 
 def test_the_parts_are_where_their_owners_write_them(tmp_path):
     import os
-    from raymq.actors import ktx, replica_state, txn_log
+    from raymq.actors import ktx, txn_log
+    from raymq.actors.replication import parts as replica_state
     from raymq.actors.coordinator import TransactionCoordinator
     from raymq.actors.shard import BrokerShard
     assert replica_state.KTX_SNAPSHOT == ktx.SNAPSHOT_FILE

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from raymq.actors.replica_groups import ReplicaGroups, replica_name
+from raymq.actors.replication.groups import ReplicaGroups, replica_name
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import ManualClock
 from raymq.storage.config import StoreConfig

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from raymq.actors.config import ClusterConfig
 from raymq.actors.controller import Controller
-from raymq.actors.replica import ShardReplica
-from raymq.actors.replica_groups import replica_name
+from raymq.actors.replication.replica import ShardReplica
+from raymq.actors.replication.groups import replica_name
 from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
 from raymq.storage.clock import ManualClock

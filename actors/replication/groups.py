@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from raymq.actors.replication.in_sync import choose_leader
 from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, NotEnoughReplicasError
 
@@ -303,8 +304,8 @@ class ReplicaGroups:
             candidates &= {to}
         if not candidates:
             return False
-        new = max(sorted(candidates), key=lambda r: (self._log_epochs.get(r, -1),
-                                                     self._ends.get(r, -1)))
+        new = choose_leader(candidates, lambda r: (self._log_epochs.get(r, -1),
+                                                   self._ends.get(r, -1)))
         epoch = g["epoch"] + 1
         # the in-sync set keeps its alive members (a deposed leader alive among them)
         in_sync = sorted((set(g["in_sync"]) & alive) | {new})

@@ -21,7 +21,8 @@ rules for acknowledging and fencing:
   the leader's group offsets come with a fetch whenever they changed.
 
 A plain class (no Ray): the actor (``raymq.deploy``) hands in how to reach the
-controller and the other replicas.
+controller and the other replicas.  The leader's side is ``leader``, the follower's
+``follower``, the in-sync rules ``in_sync``, the controller's side ``groups``.
 """
 from __future__ import annotations
 
@@ -29,264 +30,25 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
-from raymq.actors import replica_state
-from raymq.actors.replica_set import Ack, ReplicaSet
-from raymq.actors.replica_state import Part, Shipper
+from raymq.actors.replication import parts
+from raymq.actors.replication.assignment import (KEPT_ASSIGNMENT, KEPT_METADATA, Assignment,
+                                                 read_kept)
+from raymq.actors.replication.follower import Follower
+from raymq.actors.replication.leader import _ACKS, LeaderState
 from raymq.storage import MessageStore
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.epochs import EpochCache
+from raymq.storage.errors import NotLeaderError
 from raymq.storage.fileutil import atomic_write
-from raymq.storage.errors import (InvalidMessageError, NotEnoughReplicasError, NotLeaderError,
-                                  RayMQError)
-from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
 from raymq.storage.replication import truncate_log
-from raymq.storage.store import PutStatus
 
 log = logging.getLogger("raymq.replica")
 
 #: What a leader serves that writes: refused while too few replicas are in sync, and
 #: acknowledged once every in-sync replica holds it (a commit of offsets is a record).
 WRITES = frozenset({"send", "ktx_send", "commit_offsets"})
-
-#: The sends of this thread ask for the leader's write only (``ShardReplica.call``).
-_ACKS = threading.local()
-
-#: Most bytes of log one fetch carries; how long a fetch waits for new records.
-FETCH_MAX_BYTES = 8 << 20
-FETCH_WAIT_MS = 200
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """What the controller says of a group: who leads with which epoch, who is in sync."""
-
-    epoch: int
-    leader: str | None
-    in_sync: tuple[str, ...]
-    replicas: tuple[str, ...]
-    version: int = 0  # the group's version (Kafka's partition epoch): every change bumps it
-
-    @classmethod
-    def of(cls, doc: dict) -> "Assignment":
-        return cls(doc["epoch"], doc["leader"], tuple(doc["in_sync"]), tuple(doc["replicas"]),
-                   doc.get("version", 0))
-
-
-#: The assignment a replica was last told, kept beside its log: a controller that lost its
-#: files takes each group's state from what the group's replicas keep.
-KEPT_ASSIGNMENT = "group.json"
-
-
-#: The controller's topics and routes, as a replica keeps them (``Controller._mirror``).
-KEPT_METADATA = "controller-meta.json"
-
-
-def read_kept(directory: str, name: str = KEPT_ASSIGNMENT) -> dict | None:
-    try:
-        with open(os.path.join(directory, name), "rb") as f:
-            doc = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except ValueError:  # (written atomically: damage is the disk's; the others report)
-        log.warning("%s: %s is damaged; not reported", directory, name)
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-class LeaderState:
-    """A leader's side of one epoch: its ``ReplicaSet``, the writes waiting for it, and
-    the followers' fetches it serves."""
-
-    def __init__(self, shard: int, name: str, a: Assignment, store: MessageStore,
-                 epochs: EpochCache, *, min_insync: int, lag_max_ms: int, timeout_ms: int,
-                 confirmed: int, clock: Clock, wake_readers: Callable[[], None],
-                 parts: list[Part] = ()):
-        self.name, self.store, self.epochs, self.clock = name, store, epochs, clock
-        self.timeout_ms = timeout_ms
-        self.rs = ReplicaSet(shard, list(a.replicas), name, a.epoch, min_insync, lag_max_ms,
-                             in_sync=set(a.in_sync) | {name})
-        now = clock.monotonic_ms()
-        for f in self.rs.followers.values():
-            f.caught_up_ms = now  # (in sync as of the election)
-        self.rs.took_over(store.max_phys_offset)
-        self.rs.confirmed = min(confirmed, store.max_phys_offset)
-        self._wake_readers = wake_readers
-        self._cond = threading.Lock()  # one lock, two conditions: who waits for what
-        self._acks = threading.Condition(self._cond)  # writes waiting for the confirmed offset
-        self._data = threading.Condition(self._cond)  # fetches waiting for new records
-        self._answered_end: dict[str, int] = {}  # the leader's end when a fetch was answered
-        self._offsets_held: dict[str, int] = {}  # the offsets version each follower holds
-        self.shipper = Shipper(list(parts), clock)  # what it keeps beside the log
-        self.deposed = False
-
-    @property
-    def epoch(self) -> int:
-        return self.rs.epoch
-
-    def confirmed(self) -> int:
-        return self.rs.confirmed
-
-    def _moved(self, before: int) -> None:
-        """(under the lock) wake what a new confirmed offset lets go on."""
-        if self.rs.confirmed != before:
-            self._acks.notify_all()
-            self._wake_readers()
-
-    # --------------------------------------------------------------- writes
-    def refuse_if_short(self) -> None:
-        if self.deposed:
-            raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} no longer leads")
-        self.rs.refuse_if_short()
-
-    def wait_replicated(self, end: int) -> PutStatus:
-        """The store's replication hook: wait until every in-sync replica holds the log up
-        to ``end``.  ``FLUSH_SLAVE_TIMEOUT`` when they did not within the timeout (the
-        write stays; a resend waits again); ``NotEnoughReplicasError`` when too few are
-        in sync; ``NotLeaderError`` once this replica was deposed."""
-        deadline = self.clock.monotonic_ms() + self.timeout_ms
-        with self._cond:
-            before = self.rs.confirmed
-            self.rs.appended(self.store.max_phys_offset)
-            self._moved(before)
-            if getattr(_ACKS, "leader", False):  # (acks of the leader only: written here)
-                if self.deposed:
-                    raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} was deposed")
-                return PutStatus.PUT_OK
-            while True:
-                if self.deposed:
-                    raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} was deposed "
-                                         f"before the write was replicated (not acknowledged)")
-                ack = self.rs.ack(end)
-                if ack is Ack.OK:
-                    return PutStatus.PUT_OK
-                if ack is Ack.NOT_ENOUGH:
-                    self.rs.refuse_if_short()
-                left = deadline - self.clock.monotonic_ms()
-                if left <= 0:
-                    return PutStatus.FLUSH_SLAVE_TIMEOUT
-                self._acks.wait(left / 1000.0)
-
-    # -------------------------------------------------------------- fetches
-    def serve_fetch(self, follower: str, epoch: int, from_phys: int, wait_ms: int,
-                    max_bytes: int, offsets_version: int, held: dict | None = None,
-                    last_epoch: int | None = None) -> dict:
-        """A follower holding the log up to ``from_phys`` (group offsets of
-        ``offsets_version``, the parts ``held``: ``raymq.actors.replica_state``), whose
-        latest leader epoch is ``last_epoch``, asks for what follows.
-
-        A position this leader's log does not hold -- past its end, or after where the
-        follower's last epoch ends here -- is not counted: the reply is ``{"diverging":
-        (epoch, end)}`` (Kafka's diverging epoch, KIP-320/595) and the follower cuts its
-        log and asks again, as many rounds as it takes (KIP-279)."""
-        if follower not in self.rs.followers:
-            raise InvalidMessageError(f"shard-{self.rs.shard}: {follower!r} is not a replica")
-        deadline = self.clock.monotonic_ms() + max(0, min(wait_ms, 5000))
-        with self._cond:
-            self._check(epoch)
-            diverging = self._diverging(from_phys, last_epoch)
-            if diverging is not None:
-                return {"diverging": diverging, "epochs": self.epochs.entries()}
-            before = self.rs.confirmed
-            self.rs.appended(self.store.max_phys_offset)
-            self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
-                            self.clock.monotonic_ms())
-            if offsets_version > self._offsets_held.get(follower, -1):
-                self._acks.notify_all()  # (a commit waiting for its offsets here)
-            self._moved(before)
-            self._offsets_held[follower] = offsets_version
-            while self.store.max_phys_offset <= from_phys and not self.deposed and \
-                    self.store.offsets.version == offsets_version:
-                left = deadline - self.clock.monotonic_ms()
-                if left <= 0:
-                    break
-                self._data.wait(left / 1000.0)
-            self._check(epoch)
-            end_then = self.store.max_phys_offset
-            self._answered_end[follower] = end_then
-            confirmed = self.rs.confirmed
-        # the parts and offsets are read before the frames, and go only with every record
-        # written before they were read, so that they never pass what the follower holds
-        parts = self.shipper.due(follower, held) if held is not None and \
-            from_phys + max_bytes >= end_then else {}
-        version, table = self.store.offsets.versioned()
-        covered = self.store.max_phys_offset  # (>= end_then: a leader's log only grows)
-        start, data = self.store.read_frames(from_phys, max_bytes)
-        caught_up = start + len(data) >= covered
-        if caught_up and parts:
-            self.shipper.sent(follower, parts)
-        return {"start": start, "data": data, "leader_end": end_then, "confirmed": confirmed,
-                "epochs": self.epochs.entries(), "offsets_version": version,
-                "offsets": table if caught_up and version != offsets_version else None,
-                "parts": parts if caught_up else {}}
-
-    def _diverging(self, from_phys: int, last_epoch: int | None):
-        """(under the lock) ``(epoch, end)`` when a follower at ``from_phys`` with latest
-        epoch ``last_epoch`` holds what this log does not; None when its log is a prefix."""
-        empty = from_phys <= SEGMENT_HEADER_BYTES  # (an empty log: its first header)
-        return None if empty else self.epochs.diverging(self.store.max_phys_offset,
-                                                        last_epoch, from_phys)
-
-    def wait_offsets(self) -> bool:
-        """After group offsets changed: wait until every in-sync follower holds them (a new
-        leader then carries on from them); whether they did within the timeout."""
-        version = self.store.offsets.version
-        deadline = self.clock.monotonic_ms() + self.timeout_ms
-        with self._cond:
-            self._data.notify_all()  # (a follower long-polling takes them now)
-            while not self.deposed:
-                behind = [r for r in self.rs.in_sync if r != self.name
-                          and self._offsets_held.get(r, -1) < version]
-                left = deadline - self.clock.monotonic_ms()
-                if not behind or left <= 0:
-                    return not behind
-                self._acks.wait(left / 1000.0)
-        return False
-
-    def _check(self, epoch: int) -> None:
-        if self.deposed or epoch != self.rs.epoch:
-            raise NotLeaderError(f"shard-{self.rs.shard}: {self.name} leads epoch "
-                                 f"{self.rs.epoch}{' no more' if self.deposed else ''}, "
-                                 f"not epoch {epoch}")
-
-    def wake(self) -> None:
-        """New records (the store's written hook): long-polling fetches answer."""
-        with self._cond:
-            self._data.notify_all()
-
-    # ------------------------------------------------------------ in-sync set
-    def shrink_candidates(self) -> list[str]:
-        """Followers not caught up within the lag limit (to ask the controller about)."""
-        now = self.clock.monotonic_ms()
-        with self._cond:
-            return self.rs.lagging(now)
-
-    def in_sync(self) -> list[str]:
-        with self._cond:
-            return sorted(self.rs.in_sync)
-
-    def set_in_sync(self, in_sync: set[str]) -> None:
-        """The controller agreed: the in-sync set is now ``in_sync``."""
-        with self._cond:
-            before = self.rs.confirmed
-            self.rs.set_in_sync(set(in_sync) | {self.name})
-            self._moved(before)
-            self._acks.notify_all()
-
-    def depose(self) -> None:
-        with self._cond:
-            self.deposed = True
-            self._acks.notify_all()
-            self._data.notify_all()
-
-    def status(self) -> dict:
-        with self._cond:
-            end = self.store.max_phys_offset
-            return {"confirmed": self.rs.confirmed, "in_sync": sorted(self.rs.in_sync),
-                    "lag_bytes": {r: max(0, end - f.log_end)
-                                  for r, f in self.rs.followers.items()}}
 
 
 class ShardReplica:
@@ -317,7 +79,7 @@ class ShardReplica:
         self.shard = None                      # the BrokerShard, while leading
         self.leader: LeaderState | None = None
         self.store: MessageStore | None = self.open_store()  # a follower's
-        self._following: _Follower | None = None
+        self._following: Follower | None = None
         self._confirmed = 0  # the last confirmed offset learned from a leader
         self._fresh = True   # until the first heartbeat: this process just started
         self._stop = threading.Event()
@@ -506,7 +268,7 @@ class ShardReplica:
                              timeout_ms=min(cfg.send_timeout_ms // 2, 5000),
                              confirmed=self._confirmed, clock=self.clock,
                              wake_readers=reads.wake if reads is not None else _nothing,
-                             parts=replica_state.parts_of(shard))
+                             parts=parts.parts_of(shard))
         shard.store.replication = leader.wait_replicated
         shard.store.written = leader.wake
         if reads is not None:  # (a shard's readers; a coordinator has none)
@@ -527,7 +289,7 @@ class ShardReplica:
 
     def _follow(self, a: Assignment) -> None:
         self._stop_following()
-        self._following = _Follower(self, a, thread=self._fetch_threads)
+        self._following = Follower(self, a, thread=self._fetch_threads)
         self._following.start()
 
     def truncate(self, cut: int) -> None:
@@ -537,11 +299,11 @@ class ShardReplica:
         truncate_log(os.path.join(self.directory, "commitlog"),
                      self.config.segment_size_bytes, cut)
         self.epochs.truncate_from_end(cut)
-        replica_state.forget(self.directory)
+        parts.forget(self.directory)
         self.store = self.open_store()
 
     @property
-    def following(self) -> "_Follower | None":
+    def following(self) -> "Follower | None":
         return self._following
 
     def _stop_following(self) -> None:
@@ -621,99 +383,3 @@ class ShardReplica:
 
 def _nothing() -> None:
     pass
-
-
-class _Follower:
-    """A follower's copying from the leader of assignment ``a`` (a thread, or ``step``
-    driven by a test).
-
-    A reply is applied only while this follower still copies from that leader and the
-    log still ends where the fetch was asked from (Kafka's fetch state: leader, epoch,
-    offset); ``stop`` takes the same lock, so once it returns nothing more of this
-    follower's is written, even from a fetch still in flight."""
-
-    def __init__(self, replica: ShardReplica, a: Assignment, *, thread: bool = True):
-        self.replica, self.a = replica, a
-        self._stop = threading.Event()
-        self._apply = threading.Lock()
-        self._offsets_version = -1
-        self._held: dict = {}  # the versions of the leader's parts this replica holds
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"raymq-{replica.name}-fetch") if thread else None
-
-    def start(self) -> None:
-        if self._thread is not None:
-            self._thread.start()
-
-    def stop(self) -> None:
-        with self._apply:  # (a reply being applied finishes first; none after)
-            self._stop.set()
-        t = self._thread
-        if t is not None and t.is_alive() and t is not threading.current_thread():
-            t.join(2.0)  # (a fetch in flight may outlive this: it applies nothing)
-
-    def _run(self) -> None:
-        r = self.replica
-        while not self._stop.is_set():
-            try:
-                self.step(FETCH_WAIT_MS)
-            except Exception as err:  # the leader gone or deposed: the heartbeat says whom next
-                if not isinstance(err, RayMQError):
-                    log.warning("shard-%d: %s fetching from %s: %s: %s", r.index, r.name,
-                                self.a.leader, type(err).__name__, err)
-                self._stop.wait(0.1)
-
-    def step(self, wait_ms: int = 0) -> bool:
-        """One fetch from the leader, applied if still current; whether it was."""
-        r = self.replica
-        store = r.store
-        if self._stop.is_set() or store is None:
-            return False
-        from_phys, last_epoch = store.max_phys_offset, r.epochs.latest_epoch()
-        reply = r._call(self.a.leader, "replica_fetch",
-                        (r.name, self.a.epoch, from_phys, wait_ms, FETCH_MAX_BYTES,
-                         self._offsets_version, self._held, last_epoch), 30.0)
-        with self._apply:
-            if self._stop.is_set() or r.store is not store or \
-                    store.max_phys_offset != from_phys or r.epochs.latest_epoch() != last_epoch:
-                return False  # (asked of a leader this replica no longer follows, or stale)
-            if "diverging" in reply:
-                self._truncate(*reply["diverging"])
-                return True
-            self._take(reply)
-            return True
-
-    def _truncate(self, e: int, end: int) -> None:
-        """Cut the log where it diverges from the leader's (KIP-279): one round; the next
-        fetch, carrying the new latest epoch, says whether another is needed."""
-        r = self.replica
-        log_end = r.store.max_phys_offset
-        cut = max(SEGMENT_HEADER_BYTES, r.epochs.truncation_offset(e, end, log_end))
-        if cut >= log_end:
-            # (nothing to cut, yet the leader does not take the position: the epochs
-            # past the log end go, so the next fetch asks by an epoch the log holds)
-            r.epochs.truncate_from_end(log_end)
-            return
-        log.warning("shard-%d: %s cuts its log from %d to %d (where it diverges from leader "
-                    "%s, epoch %d)", r.index, r.name, log_end, cut, self.a.leader, e)
-        r.truncate(cut)
-
-    def _take(self, reply: dict) -> None:
-        r = self.replica
-        store = r.store
-        if reply["data"]:
-            store.append_replicated(reply["start"], reply["data"])
-        end = store.max_phys_offset
-        for e, s in reply["epochs"]:
-            if e > r.epochs.latest_epoch() and s <= end:
-                r.epochs.assign(e, s)
-        r._confirmed = max(r._confirmed, min(reply["confirmed"], end))
-        if reply.get("kept"):
-            r._keep(reply["kept"])
-        if reply["offsets"] is not None:
-            store.offsets.replace(reply["offsets"])
-            self._offsets_version = reply["offsets_version"]
-        if reply["parts"]:
-            store.flush()  # (what they cover durable here first)
-            replica_state.install(r.directory, reply["parts"])
-            self._held.update({n: p["version"] for n, p in reply["parts"].items()})

@@ -21,12 +21,14 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
+from raymq.actors import ktx, timers, txn_log
 from raymq.storage.fileutil import atomic_write, fsync_dir
 
 log = logging.getLogger("raymq.replica")
 
-#: Where each part lives in a replica's directory (deleted there when its log is cut).
-KTX_SNAPSHOT, TXN_SNAPSHOT, TIMER_DIR = "ktx-index.snapshot", "txn-log.snapshot", "timer"
+#: Where each part lives in a replica's directory (deleted there when its log is cut):
+#: named by the components that write them.
+KTX_SNAPSHOT, TXN_SNAPSHOT, TIMER_DIR = ktx.SNAPSHOT_FILE, txn_log.SNAPSHOT_FILE, timers.WHEEL_DIR
 PART_PATHS = (KTX_SNAPSHOT, TXN_SNAPSHOT, TIMER_DIR)
 
 
@@ -66,21 +68,11 @@ def file_part(name: str, directory: str, filename: str) -> Part:
 def parts_of(served) -> list[Part]:
     """What the leader serving ``served`` ships: a shard's Kafka-style index snapshot and
     timer wheel, a coordinator's transaction-log snapshot."""
-    timers = getattr(served, "timers", None)
-    if timers is not None:  # (a BrokerShard)
-        return [file_part("ktx-index", served.directory, KTX_SNAPSHOT), timers.replica_part()]
+    wheel = getattr(served, "timers", None)
+    if wheel is not None:  # (a BrokerShard)
+        return [file_part("ktx-index", served.directory, KTX_SNAPSHOT),
+                Part(**wheel.replica_part())]
     return [file_part("txn-log", served.directory, TXN_SNAPSHOT)]
-
-
-def read_tree(root: str, prefix: str) -> dict[str, bytes]:
-    """Every file under ``root`` as ``{prefix/relative path: bytes}``."""
-    out = {}
-    for d, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(d, name)
-            with open(path, "rb") as f:
-                out[os.path.join(prefix, os.path.relpath(path, root))] = f.read()
-    return out
 
 
 class Shipper:

@@ -25,6 +25,13 @@ from dataclasses import dataclass, field
 from raymq.storage.errors import NotEnoughReplicasError, NotLeaderError
 
 
+def choose_leader(candidates, rank) -> str:
+    """The one election rule (the controller's ``ReplicaGroups`` and this module's): the
+    candidate ranking highest -- the controller ranks by the newest epoch a log holds,
+    then the most log (RocketMQ's ``electMaster``) -- and among equals the first by name."""
+    return max(sorted(candidates), key=rank)
+
+
 class Ack(enum.Enum):
     """What a write ending at some offset can be answered now."""
 
@@ -153,8 +160,8 @@ class ReplicaSet:
         if not candidates:
             return None
         ends = ends or {}
-        new = prefer if prefer in candidates else min(
-            candidates, key=lambda r: (-ends.get(r, -1), r))
+        new = prefer if prefer in candidates else choose_leader(
+            candidates, lambda r: ends.get(r, -1))
         self.epoch += 1
         old = self.leader
         self.leader = new
