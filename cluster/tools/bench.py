@@ -824,10 +824,6 @@ def bench_spark(b: Bench) -> None:
         _teardown_cluster(data)
 
 
-from raymq.tools import soak  # noqa: E402,F401 -- registers the soak suite
-from raymq.tools import failover  # noqa: E402,F401 -- registers the replication suite
-from raymq.tools import bench_console  # noqa: E402,F401 -- registers the console suite
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["e2e-consumer"]:
         _e2e_consumer(sys.argv[2], int(sys.argv[3]))

@@ -340,14 +340,14 @@ def _cmd_demo(args) -> int:
 def _cmd_bench(args) -> int:
     import os
 
-    from raymq.tools import bench
+    from raymq.tools import suites
     # stdout carries the JSON lines only: anything else written to it (Ray's own
     # messages included) goes to stderr
     sys.stdout.flush()
     json_out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     try:
-        bench.run(args.suites, scale=args.scale, workdir=args.workdir, out=json_out)
+        suites.run(args.suites, scale=args.scale, workdir=args.workdir, out=json_out)
     finally:
         json_out.flush()
     return 0
@@ -694,7 +694,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                        "per line on stdout: metric, value, unit, params. "
                                        "Figures with a baseline come with the baseline "
                                        "measured in the same run and their ratio.")
-    from raymq.tools.bench import LONG_SUITES, SUITES
+    from raymq.tools.suites import LONG_SUITES, SUITES
     bench.add_argument("suites", nargs="*", metavar="SUITE",
                        help=f"suites to run: {', '.join(SUITES)} (default: all but the long "
                             f"ones, which run only when named: {', '.join(sorted(LONG_SUITES))})")
