@@ -65,6 +65,15 @@ def test_the_console_command_joins_the_cluster_serves_and_stops_on_ctrl_c(mq, na
         assert "console stopped" in _stop(proc)
 
 
+def test_a_ctrl_c_as_soon_as_the_url_is_printed_stops_the_console_cleanly(mq):
+    """(A clean clone once failed the Ctrl-C test: the handler was entered only after the
+    URL and its notes were printed, so a Ctrl-C in between ended the process with a
+    traceback.)"""
+    from raymq import rpc
+    proc, _lines = _start(["--address", rpc.gcs_address()], read_only=True)
+    assert "console stopped" in _stop(proc)
+
+
 def test_a_read_only_console_prints_no_token_and_refuses_actions(mq):
     from raymq import rpc
     proc, (url, second) = _start(["--address", rpc.gcs_address()], read_only=True)

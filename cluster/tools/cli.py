@@ -433,16 +433,17 @@ def _cmd_console(args) -> int:
         mq = _connect(args)
     console = Console(mq, read_only=args.read_only, pages=Pages(mq, sample_s=args.sample_every))
     server = ConsoleServer(console, args.host, args.port).start()
-    print(f"RayMQ console: {server.url}", flush=True)
-    if console.token:
-        print(f"access token for actions (the page asks once): {console.token}", flush=True)
-    else:
-        print("read-only: every action is refused", flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"raymq console: serving on {args.host}: anyone who reaches this port can read "
-              "the cluster's messages", file=sys.stderr)
-    print("Ctrl-C to stop", file=sys.stderr, flush=True)
-    try:
+    try:  # (before the URL is printed: a Ctrl-C as soon as it is seen stops cleanly too)
+        print(f"RayMQ console: {server.url}", flush=True)
+        if console.token:
+            print(f"access token for actions (the page asks once): {console.token}",
+                  flush=True)
+        else:
+            print("read-only: every action is refused", flush=True)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"raymq console: serving on {args.host}: anyone who reaches this port can "
+                  "read the cluster's messages", file=sys.stderr)
+        print("Ctrl-C to stop", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
