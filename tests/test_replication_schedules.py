@@ -475,3 +475,27 @@ def test_a_producer_may_ask_for_the_leader_s_write_only(sim):
     assert sim.send(a, b"all", pump=False) != "SEND_OK"  # (nobody copies it)
     with pytest.raises(Exception, match="acks must be one of all, leader"):
         replica.call(BrokerShard, "send", (RecordBatch("t", 0, [b"x"]), 0, 0, None, "two"), {})
+
+
+def test_a_new_leader_starts_from_the_confirmed_offset_it_learned_never_lower(sim):
+    """A follower that learned confirmed offset X from one leader keeps X when the next
+    leader (which knows less at first: its in-sync followers have not fetched from it
+    yet) answers with a lower one; elected, it starts from X -- what readers saw is never
+    taken back from them."""
+    a = sim.leader_name()
+    assert sim.send(a, b"one") == "SEND_OK"
+    assert sim.send(a, b"two") == "SEND_OK"
+    b, c = sorted(n for n in sim.names if n != a)
+    sim.fetch(c)  # c learns the confirmed offset of both; b does not
+    known = sim.replicas[c]._confirmed
+    assert known == sim.replicas[a].leader.confirmed() > sim.replicas[b]._confirmed
+    sim.controller.replica_elect(0, to=b)  # (a stays alive and in sync: it has not
+    sim.beat(b, c)                         # fetched from b yet)
+    assert sim.replicas[b].leader is not None
+    sim.fetch(c)  # b answers with what it knows confirmed
+    assert sim.replicas[c]._confirmed >= known
+    sim.controller.replica_elect(0, to=c)
+    sim.beat(c)
+    assert sim.replicas[c].leader.confirmed() >= known
+    assert [bytes(m.body) for m in sim.replicas[c].serving().pull(
+        [("t", 0, 0, 100)], 0)[0][2].messages()] == [b"one", b"two"]
