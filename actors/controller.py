@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 from raymq.actors.config import ClusterConfig
 from raymq.actors.membership import Membership
@@ -45,6 +46,8 @@ class Controller:
         self._meta_version = 0
         self._meta_on_disk = False
         self._meta_wanted = 0  # a newer version a replica keeps (this controller lost it)
+        self._meta_kept: dict[str, int] = {}  # replica -> the metadata version it keeps
+        self._kept_cv = threading.Condition()
         self._load()
         #: replicated shards' groups (``replication_factor`` > 1): leaders, epochs, in sync
         self.replica_groups = ReplicaGroups(
@@ -102,24 +105,48 @@ class Controller:
                 if len(existing["routes"]) != queues:
                     raise TopicExistsError(f"topic {name!r} exists with "
                                            f"{len(existing['routes'])} queues, not {queues}")
-                return self.describe_topic(name)
-            if not system:
-                user = sum(1 for t in self._topics.values() if not t.get("system"))
-                if user >= self.config.max_topics:
-                    raise QuotaExceededError(f"cannot create topic {name!r}: the cluster holds "
-                                             f"{user} topics, its max_topics")
-            n = self.config.num_shards
-            if system and queues == n:
-                routes = list(range(n))  # queue i on shard i (retry / dead-letter topics)
             else:
-                first = len(self._topics) % n  # spread the first queues of topics
-                routes = [(first + i) % n for i in range(queues)]
-            self._topics[name] = {"routes": routes, "created_ms": self.clock.now_ms(),
-                                  "system": system}
-            self._meta_version += 1
-            self._save()
-            log.info("controller: created topic %s with %d queues", name, queues)
-            return self.describe_topic(name)
+                self._add_topic(name, queues, system)
+            version = self._meta_version  # (asked again: it may not be kept yet)
+        self._wait_kept(version, f"topic {name!r}")
+        return self.describe_topic(name)
+
+    def _add_topic(self, name: str, queues: int, system: bool) -> None:
+        """(under the lock) A new topic's routes, saved."""
+        if not system:
+            user = sum(1 for t in self._topics.values() if not t.get("system"))
+            if user >= self.config.max_topics:
+                raise QuotaExceededError(f"cannot create topic {name!r}: the cluster holds "
+                                         f"{user} topics, its max_topics")
+        n = self.config.num_shards
+        if system and queues == n:
+            routes = list(range(n))  # queue i on shard i (retry / dead-letter topics)
+        else:
+            first = len(self._topics) % n  # spread the first queues of topics
+            routes = [(first + i) % n for i in range(queues)]
+        self._topics[name] = {"routes": routes, "created_ms": self.clock.now_ms(),
+                              "system": system}
+        self._meta_version += 1
+        self._save()
+        log.info("controller: created topic %s with %d queues", name, queues)
+
+    def _wait_kept(self, version: int, what: str) -> None:
+        """(a replicated cluster) Return once a majority of a group's size of replicas keep
+        metadata ``version`` (they take it with their next heartbeat): a controller that
+        loses its node and files after this takes it back.  ``BrokerUnavailableError``
+        (retriable: asking again waits again) when they did not within two leases."""
+        if self.config.replication_factor == 1:
+            return
+        need = self.config.replication_factor // 2 + 1
+        deadline = time.monotonic() + 2 * self.config.replica_lease_ms / 1000
+        with self._kept_cv:
+            while sum(1 for v in self._meta_kept.values() if v >= version) < need:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BrokerUnavailableError(
+                        f"{what} is saved by the controller, but fewer than {need} replicas "
+                        f"took it within {2 * self.config.replica_lease_ms} ms: ask again")
+                self._kept_cv.wait(left)
 
     def ensure_group_topics(self, group: str) -> None:
         """The retry and dead-letter topics of a consumer group (queue i on shard i)."""
@@ -174,7 +201,12 @@ class Controller:
         with self._lock:
             doc = self._groups_of(name).heartbeat(shard, name, node, epoch, log_end,
                                                   in_sync, fresh, **reported)
-            return {**doc, **self._mirror(**mirror)}
+            out = {**doc, **self._mirror(**mirror)}
+        if mirror["meta_version"] is not None:
+            with self._kept_cv:
+                self._meta_kept[name] = int(mirror["meta_version"])
+                self._kept_cv.notify_all()
+        return out
 
     # ---------------------------------------------------- mirrored metadata
     def _mirror(self, meta_version: int | None, meta: dict | None) -> dict:

@@ -360,19 +360,39 @@ def test_the_controller_s_files_lost_nothing_lost_and_no_wedge(sim, leader_too):
     sim.check()
 
 
+def create_topic(sim: Sim, name: str, queues: int) -> dict:
+    """``create_topic`` as a client asks it: answered once replicas keep the topic (they
+    take it with their heartbeats, which go on meanwhile)."""
+    import threading
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(
+        doc=sim.controller.create_topic(name, queues)), daemon=True)
+    t.start()
+    while t.is_alive():
+        sim.beat()
+        t.join(0.01)
+    return out["doc"]
+
+
+def test_a_topic_is_answered_only_once_replicas_keep_it(sim):
+    from raymq.storage.errors import BrokerUnavailableError
+    with pytest.raises(BrokerUnavailableError, match="fewer than 2 replicas took it"):
+        sim.controller.create_topic("orders", 3)  # (nobody heartbeats)
+    assert create_topic(sim, "orders", 3)["queues"] == 3  # (asked again: waits again)
+    kept = [n for n in sim.names if sim.replicas[n]._meta.get("topics", {}).get("orders")]
+    assert len(kept) >= 2
+
+
 def test_a_controller_that_lost_its_files_takes_topics_back_from_the_replicas(sim):
     from raymq.storage.errors import BrokerUnavailableError
-    sim.controller.create_topic("orders", 3)
-    sim.beat()  # (the replicas keep the new version)
-    routes = sim.controller.describe_topic("orders")["routes"]
+    routes = create_topic(sim, "orders", 3)["routes"]
     sim.restart_controller(wipe=True)
     with pytest.raises(BrokerUnavailableError, match="taking back its topics"):
         sim.controller.create_topic("other", 1)
     for _ in range(3):
         sim.beat()
     assert sim.controller.describe_topic("orders")["routes"] == routes
-    sim.controller.create_topic("other", 1)  # (and it goes on from there)
-    sim.beat()
+    create_topic(sim, "other", 1)  # (and it goes on from there)
     sim.restart_controller(wipe=True)
     for _ in range(3):
         sim.beat()

@@ -181,12 +181,18 @@ class ReplicaGroups:
         waited = self.clock.monotonic_ms() - self._started > self.lease_ms
         in_sync = set(newest["in_sync"])
         joined = dict(newest.get("joined") or {r: 0 for r in in_sync})
-        if not in_sync <= reported:
-            if not (waited and 2 * len(reported) > len(g["replicas"])):
-                return  # (an in-sync replica may know newer: a lease for it, then a majority)
-            # a majority reported, not every in-sync replica: those whose logs hold the
-            # newest epoch any of them holds may lead -- the one holding the most is
-            # elected (RocketMQ's electMaster: epoch, then offset)
+        holding = [r for r in in_sync & reported
+                   if self._log_epochs.get(r, -1) >= joined.get(r, 0)]
+        majority = waited and 2 * len(reported) > len(g["replicas"])
+        if not holding and not (set(g["replicas"]) <= reported or majority):
+            return  # (no in-sync replica of it holds its epoch: wait for the others)
+        if not in_sync <= reported and not majority:
+            return  # (an in-sync replica may know newer: a lease for it, then a majority)
+        if not in_sync <= reported or not holding:
+            # a majority reported, not every in-sync replica -- or all reported and no
+            # in-sync one holds its epoch (the newest record's set was wiped; a newer one
+            # died with it): those whose logs hold the newest epoch any of them holds may
+            # lead, the one holding the most elected (RocketMQ's electMaster)
             top = max(self._log_epochs.get(r, -1) for r in reported)
             newer = {r for r in reported if self._log_epochs.get(r, -1) == top}
             in_sync |= newer
