@@ -17,7 +17,8 @@ from raymq.actors.membership import Membership
 from raymq.actors.replication.groups import ReplicaGroups
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import (BrokerUnavailableError, InvalidMessageError,
+from raymq.storage.errors import (BrokerUnavailableError, ControllerRecoveringError,
+                                  InvalidMessageError,
                                   QuotaExceededError, TopicExistsError, UnknownTopicError)
 from raymq.storage.fileutil import atomic_write
 
@@ -157,6 +158,7 @@ class Controller:
 
     def describe_topic(self, name: str) -> dict:
         with self._lock:
+            self._check_meta_known()
             t = self._topics.get(name)
             if t is None:
                 raise UnknownTopicError(f"topic {name!r} does not exist")
@@ -165,16 +167,19 @@ class Controller:
 
     def topics(self, *, include_system: bool = False) -> dict[str, dict]:
         with self._lock:
+            self._check_meta_known()
             return {name: self.describe_topic(name) for name in sorted(self._topics)
                     if include_system or not self._topics[name].get("system")}
 
     def routes(self, names: list[str]) -> dict[str, list[int] | None]:
         with self._lock:
+            self._check_meta_known()
             return {n: (list(self._topics[n]["routes"]) if n in self._topics else None)
                     for n in names}
 
     def shard_routes(self, shard: int) -> list[tuple[str, int]]:
         with self._lock:
+            self._check_meta_known()
             return [(name, qid) for name, t in self._topics.items()
                     for qid, s in enumerate(t["routes"]) if s == shard]
 
@@ -244,7 +249,7 @@ class Controller:
         if self.config.replication_factor == 1 or self._meta_on_disk:
             return
         if self._meta_wanted or not all(g["known"] for g in self.replica_groups.groups.values()):
-            raise BrokerUnavailableError(
+            raise ControllerRecoveringError(
                 "the controller is taking back its topics from the shards' replicas (its "
                 "files were lost, or it is new): try again in a few seconds")
 

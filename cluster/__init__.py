@@ -6,7 +6,7 @@ This package (the card's ``cluster/`` folder) is the client layer; the broker is
 from raymq.actors.config import ClusterConfig
 from raymq.message import Message, MessageExt, SendResult, SendStatus
 from raymq.storage.errors import (AlreadyDeliveredError, BrokerUnavailableError, ChannelRefusedError,
-                                  ChannelTLSError, ConcurrentTransactionsError, ConfigError,
+                                  ChannelTLSError, ControllerRecoveringError, ConcurrentTransactionsError, ConfigError,
                                   ConfigMismatchError, CorruptLogError, InvalidMessageError,
                                   InvalidTxnStateError, JavaMissingError, MessageTooLargeError,
                                   NotEnoughReplicasError, NotLeaderError,
@@ -28,7 +28,7 @@ __all__ = ["connect", "Message", "MessageExt", "SendResult", "SendStatus", "Clus
            "QuotaExceededError", "ProducerFencedError", "TransactionAbortedError",
            "TransactionAbortableError", "InvalidTxnStateError", "ConcurrentTransactionsError", "OutOfOrderSequenceError",
            "JavaMissingError", "AlreadyDeliveredError", "NotScheduledError",
-           "NotEnoughReplicasError", "NotLeaderError"]
+           "NotEnoughReplicasError", "NotLeaderError", "ControllerRecoveringError"]
 
 
 def __getattr__(name):  # Ray-dependent names load on first use

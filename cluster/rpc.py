@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,8 +31,9 @@ import ray
 from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raymq.storage.errors import (BrokerUnavailableError, RayAuthError, RayMQError,
-                                  RayUnreachableError, RequestTimeoutError)
+from raymq.storage.errors import (BrokerUnavailableError, ControllerRecoveringError,
+                                  RayAuthError, RayMQError, RayUnreachableError,
+                                  RequestTimeoutError)
 
 #: The Ray namespace of RayMQ's actors (and of the drivers ``init`` attaches).
 NAMESPACE = "raymq"
@@ -524,9 +526,22 @@ class ActorClient:
 
 class ControllerClient(ActorClient):
     """Calls to the controller (``raymq.actors.controller.Controller``): topics, routes,
-    group membership, shard placement."""
+    group membership, shard placement.  A controller taking its records back from the
+    replicas (``ControllerRecoveringError``) is asked again, within ``timeout_s``."""
 
     __slots__ = ()
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> Any:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 0.05
+        while True:
+            try:
+                return super().call(method, *args, timeout_s=timeout_s, **kwargs)
+            except ControllerRecoveringError:
+                if deadline is not None and time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
 
 class ShardClient(ActorClient):

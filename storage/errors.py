@@ -71,6 +71,13 @@ class BrokerUnavailableError(RayMQError):
     retriable = True
 
 
+class ControllerRecoveringError(BrokerUnavailableError):
+    """The controller lost its files (or is new) and is taking its topics and groups back
+    from the replicas' records: asked again in a moment, it answers."""
+
+    code = "CONTROLLER_RECOVERING"
+
+
 class RequestTimeoutError(RayMQError, TimeoutError):
     code = "REQUEST_TIMEOUT"
     retriable = True

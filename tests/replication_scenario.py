@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -358,6 +359,261 @@ def down_up() -> int:
               f"duplicates {dup} ordered {ordered}", flush=True)
         _print_console_overview(mq)
         return 0 if lost == 0 and len(log.acked) == 400 else 1
+    finally:
+        h.close()
+
+
+def _replica_status(shard: int = 0, factor: int = 3) -> dict[str, dict]:
+    """Each replica of ``shard``: its status (``pid``, ``node``, ``role``, ``epoch``)."""
+    from raymq import rpc
+    names = [f"shard-{shard}-r{k}" for k in range(factor)]  # (their actor names)
+    return {n: rpc.call(rpc.get_actor(n).ping, timeout_s=30) for n in names}
+
+
+def _leader_name(g: dict) -> str | None:
+    return next((r["name"] for r in g["replicas"] if r["role"] == "leader"), None)
+
+
+def _wait_gone(pid: int, timeout_s: float = 30) -> bool:
+    """Until process ``pid`` exited (a removed node's worker); whether it did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def controller_node_lost() -> int:
+    """The controller on a node of its own (the ``raymq_controller`` resource), that node
+    lost while producers send, its files with it: it restarts on a fresh node with the
+    resource, takes the groups, topics and routes back from what the replicas keep, and
+    elections go on (the shard-0 leader's node lost next)."""
+    import threading
+    h = Harness(workers=3)
+    try:
+        # a node no replica's bundle fits on (no CPU), holding the controller's resource
+        controller_node = dict(num_cpus=0, resources={"raymq_controller": 1})
+        first = h.add(**controller_node)
+        mq = h.deploy()
+        where = mq.control.call("node_id", timeout_s=30)
+        print(f"controller on the raymq_controller node: {where == first.node_id}", flush=True)
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 13)
+        log.send(100)
+        pid = mq.control.call("ping", timeout_s=30)["pid"]
+        stop, errors = threading.Event(), []
+
+        def produce():  # (the only user of ``log`` until joined)
+            while not stop.wait(0.05):
+                try:
+                    log.send(20)
+                except Exception as err:  # noqa: BLE001 -- not acknowledged: not in the log
+                    errors.append(type(err).__name__)
+                    time.sleep(0.2)
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        time.sleep(0.5)
+        acked_before = len(log.acked)
+        h.remove(first.node_id, replace=False)
+        gone = _wait_gone(pid)
+        # its files were on that node's disk (here a directory shared by every node)
+        directory = os.path.join(mq.config.resolved_data_dir(), "controller")
+        shutil.rmtree(directory, ignore_errors=True)
+        print(f"controller's node removed: process gone {gone}, files wiped "
+              f"{not os.path.exists(os.path.join(directory, 'meta.json'))}", flush=True)
+        time.sleep(2.0)  # (producers go on sending to the leader meanwhile)
+        acked_without = len(log.acked) - acked_before
+        fresh = h.add(**controller_node)
+        t0 = time.monotonic()
+        ping = mq.control.call("ping", timeout_s=120)
+        where = mq.control.call("node_id", timeout_s=30)
+        print(f"controller restarted on the fresh node: {where == fresh.node_id}, new process "
+              f"{ping['pid'] != pid}, {time.monotonic() - t0:.2f} s", flush=True)
+        time.sleep(1.0)
+        stop.set()
+        producer.join(60)
+        print(f"sent while the controller was lost and restarted: acked {len(log.acked)}/"
+              f"{log.sent} ({acked_without} without a controller), errors "
+              f"{sorted(set(errors))}", flush=True)
+        print(f"topics after: {sorted(mq.topics())}", flush=True)
+        g = h.wait_in_sync(3, timeout_s=60)
+        took = log.until_acked()
+        print(f"after the controller's restart: in sync {len(g['in_sync'])}, SEND_OK in "
+              f"{took:.2f} s", flush=True)
+        # elections still happen: the shard-0 leader's node lost next
+        before = mq.admin.replicas()[0]
+        t0 = time.monotonic()
+        h.remove(before["leader_node"], replace=False)
+        took = log.until_acked(past_epoch=before["epoch"], since=t0)
+        after = mq.admin.replicas()[0]
+        print(f"leader's node lost: epoch {before['epoch']} -> {after['epoch']}, "
+              f"{took:.2f} s to SEND_OK", flush=True)
+        h.add()
+        g = h.wait_in_sync(3, timeout_s=90)
+        n = len(log.acked)
+        log.send(50)
+        again = len(log.acked) - n
+        lost, dup, ordered = log.missing(mq, "check")
+        print(f"after: in sync {len(g['in_sync'])}, acked again {again}/50, acked "
+              f"{len(log.acked)} lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+        return 0 if lost == 0 and again == 50 and after["epoch"] > before["epoch"] and \
+            "t" in mq.topics() else 1
+    finally:
+        h.close()
+
+
+def controller_node_lost_new_topic(lease_ms: int = 10_000) -> int:
+    """The controller's node lost, its files with it, right after a topic was created and
+    written to (before the replicas' next heartbeats: every ``replica_lease_ms / 5``, long
+    here): the topic and its acknowledged messages must survive the controller's restart."""
+    h = Harness(workers=3)
+    try:
+        controller_node = dict(num_cpus=0, resources={"raymq_controller": 1})
+        first = h.add(**controller_node)
+        mq = h.deploy(replica_lease_ms=lease_ms)
+        h.wait_in_sync(3, timeout_s=60)
+        pid = mq.control.call("ping", timeout_s=30)["pid"]
+        t0 = time.monotonic()
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 29)
+        log.send(50)
+        h.remove(first.node_id, replace=False)
+        print(f"controller's node removed {time.monotonic() - t0:.2f} s after the topic was "
+              f"created, acked {len(log.acked)}/{log.sent}", flush=True)
+        gone = _wait_gone(pid)
+        directory = os.path.join(mq.config.resolved_data_dir(), "controller")
+        shutil.rmtree(directory, ignore_errors=True)
+        h.add(**controller_node)
+        mq.control.call("ping", timeout_s=120)
+        g = h.wait_in_sync(3, timeout_s=60)
+        print(f"controller restarted (old process gone {gone}): in sync {len(g['in_sync'])}, "
+              f"topics after: {sorted(mq.topics())}", flush=True)
+        n, errors = len(log.acked), []
+        for _ in range(5):
+            try:
+                log.send(10)
+            except Exception as err:  # noqa: BLE001 -- printed: the topic lost?
+                errors.append(f"{type(err).__name__}: {err}")
+                time.sleep(0.5)
+        again = len(log.acked) - n
+        lost, dup, ordered = log.missing(mq, "check", timeout_s=20)
+        print(f"after: acked again {again}/50 errors {errors[:1]}, acked {len(log.acked)} "
+              f"lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+        return 0 if lost == 0 and again == 50 and "t" in mq.topics() else 1
+    finally:
+        h.close()
+
+
+def controller_files_wiped() -> int:
+    """`raymq down`, the controller's directory deleted, `raymq up` with the same
+    settings: the controller takes the topics, routes and groups back from the replicas;
+    nothing acknowledged is lost, sends are acknowledged again."""
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy()
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 17)
+        log.send(300)
+        epoch = mq.admin.replicas()[0]["epoch"]
+        directory = os.path.join(mq.config.resolved_data_dir(), "controller")
+        h.undeploy()
+        shutil.rmtree(directory)
+        print(f"controller's directory wiped: {not os.path.exists(directory)}", flush=True)
+        mq = h.deploy()
+        print(f"topics after: {sorted(mq.topics())}", flush=True)
+        log.mq, log.p = mq, mq.producer("acked-t")
+        g = h.wait_in_sync(3, timeout_s=90)
+        n = len(log.acked)
+        log.send(100)
+        again = len(log.acked) - n
+        lost, dup, ordered = log.missing(mq, "check")
+        print(f"after the controller's files were wiped: epoch {epoch} -> {g['epoch']}, in "
+              f"sync {len(g['in_sync'])}, acked again {again}/100, acked {len(log.acked)}/"
+              f"{log.sent} lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+        return 0 if lost == 0 and again == 100 and "t" in mq.topics() else 1
+    finally:
+        h.close()
+
+
+def leader_dir_wiped() -> int:
+    """`raymq down`, the shard-0 leader replica's directory deleted (a disk replaced),
+    `raymq up`: the wiped replica does not lead, copies the log back and rejoins."""
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy()
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 21)
+        log.send(300)
+        g = h.wait_in_sync(3)
+        wiped = _leader_name(g)
+        node = next(r["node"] for r in g["replicas"] if r["name"] == wiped)
+        directory = os.path.join(mq.config.resolved_data_dir(node), wiped)
+        h.undeploy()
+        shutil.rmtree(directory)
+        print(f"wiped the leader's directory: {not os.path.exists(directory)}", flush=True)
+        mq = h.deploy()
+        first = mq.admin.replicas()[0]
+        log.mq, log.p = mq, mq.producer("acked-t")
+        n = len(log.acked)
+        log.send(100)
+        again = len(log.acked) - n
+        g = h.wait_in_sync(3, timeout_s=90)
+        status = _replica_status()
+        print(f"leader after up: wiped one leads {_leader_name(first) == wiped}, epoch "
+              f"{g['epoch']}; once in sync: wiped one leads {_leader_name(g) == wiped}; "
+              f"wiped replica's log end {status[wiped]['log_end']} (leader's "
+              f"{status[_leader_name(g)]['log_end']})", flush=True)
+        lost, dup, ordered = log.missing(mq, "check")
+        print(f"after the leader's directory was wiped: in sync {len(g['in_sync'])}, acked "
+              f"again {again}/100, acked {len(log.acked)}/{log.sent} lost {lost} duplicates "
+              f"{dup} ordered {ordered}", flush=True)
+        return 0 if lost == 0 and again == 100 and _leader_name(first) != wiped else 1
+    finally:
+        h.close()
+
+
+def all_in_sync_paused() -> int:
+    """Every replica of shard 0 paused (SIGSTOP) past the lease, then one follower only
+    resumed: it leads (a new epoch) and acknowledges (``min_insync_replicas`` 1: one
+    replica may acknowledge); the rest resumed, they rejoin and nothing is lost."""
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy(min_insync_replicas=1)
+        mq.create_topic("t", queues=2)
+        log = AckedLog(mq, "t", 23)
+        log.send(200)
+        g = h.wait_in_sync(3)
+        status = _replica_status()
+        old = _leader_name(g)
+        resumed = next(n for n in sorted(status) if n != old)
+        for s in status.values():
+            os.kill(s["pid"], signal.SIGSTOP)
+        try:
+            time.sleep(3 * mq.config.replica_lease_ms / 1000)
+            os.kill(status[resumed]["pid"], signal.SIGCONT)
+            t0 = time.monotonic()
+            took = log.until_acked(past_epoch=g["epoch"], since=t0)
+            after = mq.admin.replicas()[0]
+            n = len(log.acked)
+            log.send(50)
+            print(f"one follower resumed: it leads {_leader_name(after) == resumed}, epoch "
+                  f"{g['epoch']} -> {after['epoch']}, {took:.2f} s to SEND_OK, acked "
+                  f"{len(log.acked) - n}/50 more with the others paused", flush=True)
+        finally:
+            for s in status.values():
+                os.kill(s["pid"], signal.SIGCONT)
+        g = h.wait_in_sync(3, timeout_s=90)
+        n = len(log.acked)
+        log.send(50)
+        again = len(log.acked) - n
+        lost, dup, ordered = log.missing(mq, "check")
+        print(f"all resumed: in sync {len(g['in_sync'])}, epoch {g['epoch']}, acked again "
+              f"{again}/50, acked {len(log.acked)}/{log.sent} lost {lost} duplicates {dup} "
+              f"ordered {ordered}", flush=True)
+        return 0 if lost == 0 and again == 50 and _leader_name(after) == resumed else 1
     finally:
         h.close()
 

@@ -83,3 +83,62 @@ def test_the_coordinators_leader_node_lost_twice_under_kafka_style_transactions(
     m = re.search(r"^kafka after coordinator failovers: committed seen once (\d+)/(\d+) "
                   r"aborted seen 0 left open 0", out, re.M)
     assert m and m.group(1) == m.group(2)
+
+
+@pytest.mark.slow
+def test_the_controllers_node_lost_with_its_files_it_restarts_from_what_replicas_keep():
+    out = run("controller_node_lost")
+    assert "controller on the raymq_controller node: True" in out
+    assert "controller's node removed: process gone True, files wiped True" in out
+    assert re.search(r"^controller restarted on the fresh node: True, new process True", out,
+                     re.M)
+    m = re.search(r"^sent while the controller was lost and restarted: acked (\d+)/(\d+)",
+                  out, re.M)
+    assert m and int(m.group(1)) > 0
+    assert re.search(r"^topics after: \['t'\]", out, re.M)
+    assert re.search(r"^after the controller's restart: in sync 3, SEND_OK", out, re.M)
+    m = re.search(r"^leader's node lost: epoch (\d+) -> (\d+), [\d.]+ s to SEND_OK", out, re.M)
+    assert m and int(m.group(2)) > int(m.group(1))
+    assert re.search(r"^after: in sync 3, acked again 50/50, acked \d+ lost 0 duplicates 0 "
+                     r"ordered True", out, re.M)
+
+
+@pytest.mark.slow
+def test_the_controllers_files_wiped_between_down_and_up_it_takes_them_from_replicas():
+    out = run("controller_files_wiped")
+    assert "controller's directory wiped: True" in out
+    assert re.search(r"^topics after: \['t'\]", out, re.M)
+    assert re.search(r"^after the controller's files were wiped: epoch \d+ -> \d+, in sync 3, "
+                     r"acked again 100/100, acked 400/400 lost 0 duplicates 0 ordered True",
+                     out, re.M)
+
+
+@pytest.mark.slow
+def test_the_leaders_directory_wiped_between_down_and_up_it_does_not_lead_and_copies_back():
+    out = run("leader_dir_wiped")
+    assert "wiped the leader's directory: True" in out
+    m = re.search(r"^leader after up: wiped one leads False, epoch \d+; once in sync: wiped "
+                  r"one leads False; wiped replica's log end (\d+) \(leader's (\d+)\)", out, re.M)
+    assert m and int(m.group(1)) > 0  # (copied back: in sync holding what the leader does)
+    assert re.search(r"^after the leader's directory was wiped: in sync 3, acked again "
+                     r"100/100, acked 400/400 lost 0 duplicates 0 ordered True", out, re.M)
+
+
+@pytest.mark.slow
+def test_every_in_sync_replica_paused_the_first_follower_back_leads():
+    out = run("all_in_sync_paused")
+    m = re.search(r"^one follower resumed: it leads True, epoch (\d+) -> (\d+), [\d.]+ s to "
+                  r"SEND_OK, acked 50/50 more with the others paused", out, re.M)
+    assert m and int(m.group(2)) > int(m.group(1))
+    assert re.search(r"^all resumed: in sync 3, epoch \d+, acked again 50/50, acked \d+/\d+ "
+                     r"lost 0 duplicates 0 ordered True", out, re.M)
+
+
+@pytest.mark.slow
+def test_the_controllers_node_lost_right_after_a_topic_was_created_keeps_the_topic():
+    # the replicas keep the controller's topics from their next heartbeat on: a topic
+    # created (and written to) just before the controller's node and files are lost
+    out = run("controller_node_lost_new_topic")
+    assert re.search(r"^controller restarted \(old process gone True\): in sync 3, topics "
+                     r"after: \['t'\]", out, re.M)
+    assert re.search(r"^after: acked again 50/50 errors \[\], acked 100 lost 0 ", out, re.M)

@@ -342,7 +342,7 @@ class ShardReplica:
     def _beat_loop(self) -> None:
         every = self.config.replica_lease_ms / 5000.0
         failing = None
-        while not self._stop.wait(every):
+        while not self._stop.wait(0.0 if self._send_meta and failing is None else every):
             try:
                 self.heartbeat(act=False)
                 failing = None

@@ -69,8 +69,10 @@ class Harness:
         if replace:
             self.add()
 
-    def add(self):
-        node = self.cluster.add_node(**NODE)
+    def add(self, **options):
+        """A fresh worker node (``NODE``, with ``options`` over it: ``resources=...``,
+        ``num_cpus=0`` for a node no replica's bundle fits on)."""
+        node = self.cluster.add_node(**{**NODE, **options})
         self.nodes.append(node)
         return node
 
@@ -95,12 +97,12 @@ class Harness:
 
 
 def produce_rate(mq, topic: str, n: int, batch: int = 500, size: int = 256,
-                 threads: int = 4) -> float:
+                 threads: int = 4, acks: str = "all") -> float:
     """Messages/s of ``n`` messages sent in batches of ``batch`` by ``threads`` threads
     sharing one producer (each waits for its batch: ``threads`` batches in flight)."""
     import threading
     from raymq import Message
-    p = mq.producer(f"rate-{topic}")
+    p = mq.producer(f"rate-{topic}", acks=acks)
     body = b"x" * size
     per = n // threads
 
@@ -227,6 +229,7 @@ def bench_replication(b: Bench) -> None:
             if r == 1:
                 h.undeploy()
         b.ratio("replication.produce_ratio", "replication.produce_r3", "replication.produce_r1")
+        _bench_acks_and_follower_cpu(b, h.mq, n)
         b.progress("replication: five failovers of the leader's node")
         mq = h.mq
         mq.create_topic("bench-failover", queues=2)
@@ -241,3 +244,53 @@ def bench_replication(b: Bench) -> None:
                duplicates=dup, ordered=ordered)
     finally:
         h.close()
+    _bench_nemesis(b)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has spent (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _bench_acks_and_follower_cpu(b: Bench, mq, n: int) -> None:
+    """On the R = 3 deployment: the same load with ``acks="leader"`` (the price of waiting
+    for the in-sync replicas), and the CPU a follower's process spends per MB it copies
+    over what its leader's spends for the same data."""
+    from raymq import rpc
+    from raymq.deploy import NAMESPACE
+    group = mq.admin.replicas()[0]
+    pids = {r["name"]: rpc.call(rpc.get_actor(r["name"], NAMESPACE).ping, timeout_s=30)["pid"]
+            for r in group["replicas"]}
+    leader = next(r["name"] for r in group["replicas"] if r["role"] == "leader")
+    follower = next(r["name"] for r in group["replicas"] if r["role"] != "leader")
+    b.progress(f"replication: R = 3 with acks of the leader only, {n} messages")
+    before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    rate = produce_rate(mq, "bench", n, acks="leader")
+    spent = {name: _cpu_s(pid) - before[name] for name, pid in pids.items()}
+    b.emit("replication.produce_r3_leader_acks", rate, "msgs/s", n=n, batch=500, size=256,
+           threads=4, replication_factor=3, acks="leader")
+    b.ratio("replication.acks_all_ratio", "replication.produce_r3",
+            "replication.produce_r3_leader_acks")
+    mb = n * 256 / 1e6
+    b.emit("replication.leader_cpu_s_per_mb", spent[leader] / mb, "s/MB", replica=leader)
+    b.emit("replication.follower_cpu_s_per_mb", spent[follower] / mb, "s/MB",
+           replica=follower)
+    b.ratio("replication.follower_cpu_ratio", "replication.follower_cpu_s_per_mb",
+            "replication.leader_cpu_s_per_mb")
+
+
+def _bench_nemesis(b: Bench) -> None:
+    """The in-process random search of replication schedules (``raymq.tools.nemesis``):
+    steps a second, every check holding."""
+    from raymq.tools.nemesis import search
+    seeds, steps = max(2, int(b.n(20, 4))), 500
+    b.progress(f"replication: nemesis, {seeds} seeds of {steps} steps")
+    t0, done, faults = time.perf_counter(), 0, 0
+    for seed in range(seeds):
+        result = search(10_000 + seed, steps)
+        done += result.steps
+        faults += sum(result.faults.values())
+    b.emit("replication.nemesis_steps_per_s", done / (time.perf_counter() - t0), "steps/s",
+           seeds=seeds, steps=done, faults=faults)
