@@ -22,7 +22,9 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-def test_only_up_deploys_and_up_refuses_other_settings(own_ray, run_raymq, tmp_path):
+def cli_on_own_ray(own_ray, run_raymq, tmp_path):
+    """A Ray of the test's own (one node), its environment, and ``raymq(*args, rc=0)``
+    running the CLI there (asserting its exit code)."""
     cluster = own_ray()
     env = ray_env(RAY_ADDRESS=cluster.address, RAY_TMPDIR=cluster.tmp, RAY_AUTH_MODE="disabled",
                   RAYMQ_DATA_DIR=str(tmp_path / "data"))
@@ -31,6 +33,11 @@ def test_only_up_deploys_and_up_refuses_other_settings(own_ray, run_raymq, tmp_p
         res = run_raymq(list(args), env, timeout_s=180)
         assert res.rc == rc, f"raymq {' '.join(args)}: rc {res.rc}\n{res.out}\n{res.err[-3000:]}"
         return res
+    return cluster, env, raymq
+
+
+def test_only_up_deploys_and_up_refuses_other_settings(own_ray, run_raymq, tmp_path):
+    cluster, env, raymq = cli_on_own_ray(own_ray, run_raymq, tmp_path)
 
     # a cluster without RayMQ: status says so and deploys nothing
     line = one_line(raymq("status", rc=1).err)
@@ -68,14 +75,7 @@ def test_a_refused_up_deploys_nothing(own_ray, run_raymq, tmp_path):
     same way, `status` said "partly deployed"); a plain `up` then works.  A running
     RayMQ asked other settings, or one whose own settings the cluster cannot hold, is
     refused naming them and that `raymq down` comes first."""
-    cluster = own_ray()
-    env = ray_env(RAY_ADDRESS=cluster.address, RAY_TMPDIR=cluster.tmp, RAY_AUTH_MODE="disabled",
-                  RAYMQ_DATA_DIR=str(tmp_path / "data"))
-
-    def raymq(*args, rc=0):
-        res = run_raymq(list(args), env, timeout_s=180)
-        assert res.rc == rc, f"raymq {' '.join(args)}: rc {res.rc}\n{res.out}\n{res.err[-3000:]}"
-        return res
+    _cluster, env, raymq = cli_on_own_ray(own_ray, run_raymq, tmp_path)
 
     def python(code: str) -> str:
         res = run_raymq(python="from raymq import rpc, deploy\nrpc.init()\n" + code, env=env,

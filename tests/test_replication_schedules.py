@@ -25,8 +25,7 @@ def sim(tmp_path):
     s = Sim(tmp_path)
     s.settle()
     yield s
-    for name in s.names:
-        s.kill(name)
+    s.close()
 
 
 def lease_out(sim: Sim, *beating) -> None:
@@ -267,8 +266,7 @@ def test_offsets_are_refused_like_a_send_when_too_few_replicas_are_in_sync(tmp_p
         with pytest.raises(NotEnoughReplicasError):
             commit(s, leader, 1)
     finally:
-        for n in s.names:
-            s.kill(n)
+        s.close()
 
 
 def test_an_acknowledged_commit_is_held_by_the_new_leader(sim):
@@ -336,8 +334,7 @@ def test_a_follower_elected_in_the_middle_of_a_put_cuts_it(tmp_path):
         assert s.bodies(new) == [b"first", b"next"]
         s.check()
     finally:
-        for n in s.names:
-            s.kill(n)
+        s.close()
 
 
 # ------------------------------------------------------------------ defect 7
@@ -410,8 +407,7 @@ def test_a_new_group_waits_for_every_replica_before_its_first_leader(tmp_path):
         s.settle()
         assert s.leader_name() is not None
     finally:
-        for n in s.names:
-            s.kill(n)
+        s.close()
 
 
 # ------------------------------------------------------------------ defect 8
