@@ -53,6 +53,7 @@ class GroupOffsets:
             raise RequestTimeoutError(f"shard-{self.shard}: the commit of group {group!r}'s "
                                       f"offsets was not acknowledged ({result.status.name}); "
                                       f"commit again")
+        self.store.make_durable()  # (a commit is durable in every flush mode, as before)
         self.store.offsets.update(
             {**values, APPLIED_KEY: result.queue_offsets[-1] + 1}, durable=False)
 

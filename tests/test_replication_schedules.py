@@ -515,3 +515,26 @@ def test_a_new_leader_starts_from_the_confirmed_offset_it_learned_never_lower(si
     assert sim.replicas[c].leader.confirmed() >= known
     assert [bytes(m.body) for m in sim.replicas[c].serving().pull(
         [("t", 0, 0, 100)], 0)[0][2].messages()] == [b"one", b"two"]
+
+
+def test_a_commit_of_offsets_is_a_durable_record_in_every_flush_mode(tmp_path):
+    """(A shard of one replica too.) The commit is a record of the log, durable when
+    ``commit_offsets`` returns even with ``flush_mode="async"`` (the table was fsynced
+    before offsets became records), and replayed into the table when the shard opens."""
+    from raymq.actors.config import ClusterConfig
+    from raymq.actors.protocol import OFFSETS_TOPIC
+    from raymq.actors.shard import BrokerShard
+    cfg = ClusterConfig(data_dir=str(tmp_path), num_shards=1, flush_mode="async")
+    shard = BrokerShard(0, cfg, background=False)
+    shard.set_routes([("t", 0)])
+    shard.send(RecordBatch("t", 0, [b"a", b"b"]), 0, 0)
+    shard.commit_offsets("g", {("t", 0): 2})
+    assert shard.store.flushed_offset >= shard.store.max_phys_offset
+    assert shard.store.max_queue_offset(OFFSETS_TOPIC, 0) == 1
+    import shutil
+    crashed = str(tmp_path / "crashed")  # (as a power cut leaves it: the table not written)
+    shutil.copytree(shard.directory, crashed)
+    shard.close()
+    again = BrokerShard(0, cfg, background=False, directory=crashed)
+    assert again.get_offsets("g", [("t", 0)]) == {("t", 0): 2}
+    again.close()
