@@ -453,12 +453,10 @@ def controller_node_lost() -> int:
               f"{took:.2f} s to SEND_OK", flush=True)
         h.add()
         g = h.wait_in_sync(3, timeout_s=90)
-        n = len(log.acked)
-        log.send(50)
-        again = len(log.acked) - n
-        lost, dup, ordered = log.missing(mq, "check")
-        print(f"after: in sync {len(g['in_sync'])}, acked again {again}/50, acked "
-              f"{len(log.acked)} lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+        again = log.send_again(50)
+        lost, checked = log.checked(mq)
+        print(f"after: in sync {len(g['in_sync'])}, acked again {again}/50, {checked}",
+              flush=True)
         return 0 if lost == 0 and again == 50 and after["epoch"] > before["epoch"] and \
             "t" in mq.topics() else 1
     finally:
@@ -499,9 +497,8 @@ def controller_node_lost_new_topic(lease_ms: int = 10_000) -> int:
                 errors.append(f"{type(err).__name__}: {err}")
                 time.sleep(0.5)
         again = len(log.acked) - n
-        lost, dup, ordered = log.missing(mq, "check", timeout_s=20)
-        print(f"after: acked again {again}/50 errors {errors[:1]}, acked {len(log.acked)} "
-              f"lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+        lost, checked = log.checked(mq, timeout_s=20)
+        print(f"after: acked again {again}/50 errors {errors[:1]}, {checked}", flush=True)
         return 0 if lost == 0 and again == 50 and "t" in mq.topics() else 1
     finally:
         h.close()
@@ -526,13 +523,10 @@ def controller_files_wiped() -> int:
         print(f"topics after: {sorted(mq.topics())}", flush=True)
         log.mq, log.p = mq, mq.producer("acked-t")
         g = h.wait_in_sync(3, timeout_s=90)
-        n = len(log.acked)
-        log.send(100)
-        again = len(log.acked) - n
-        lost, dup, ordered = log.missing(mq, "check")
+        again = log.send_again(100)
+        lost, checked = log.checked(mq)
         print(f"after the controller's files were wiped: epoch {epoch} -> {g['epoch']}, in "
-              f"sync {len(g['in_sync'])}, acked again {again}/100, acked {len(log.acked)}/"
-              f"{log.sent} lost {lost} duplicates {dup} ordered {ordered}", flush=True)
+              f"sync {len(g['in_sync'])}, acked again {again}/100, {checked}", flush=True)
         return 0 if lost == 0 and again == 100 and "t" in mq.topics() else 1
     finally:
         h.close()
@@ -557,19 +551,16 @@ def leader_dir_wiped() -> int:
         mq = h.deploy()
         first = mq.admin.replicas()[0]
         log.mq, log.p = mq, mq.producer("acked-t")
-        n = len(log.acked)
-        log.send(100)
-        again = len(log.acked) - n
+        again = log.send_again(100)
         g = h.wait_in_sync(3, timeout_s=90)
         status = _replica_status()
         print(f"leader after up: wiped one leads {_leader_name(first) == wiped}, epoch "
               f"{g['epoch']}; once in sync: wiped one leads {_leader_name(g) == wiped}; "
               f"wiped replica's log end {status[wiped]['log_end']} (leader's "
               f"{status[_leader_name(g)]['log_end']})", flush=True)
-        lost, dup, ordered = log.missing(mq, "check")
+        lost, checked = log.checked(mq)
         print(f"after the leader's directory was wiped: in sync {len(g['in_sync'])}, acked "
-              f"again {again}/100, acked {len(log.acked)}/{log.sent} lost {lost} duplicates "
-              f"{dup} ordered {ordered}", flush=True)
+              f"again {again}/100, {checked}", flush=True)
         return 0 if lost == 0 and again == 100 and _leader_name(first) != wiped else 1
     finally:
         h.close()
@@ -597,22 +588,18 @@ def all_in_sync_paused() -> int:
             t0 = time.monotonic()
             took = log.until_acked(past_epoch=g["epoch"], since=t0)
             after = mq.admin.replicas()[0]
-            n = len(log.acked)
-            log.send(50)
+            more = log.send_again(50)
             print(f"one follower resumed: it leads {_leader_name(after) == resumed}, epoch "
                   f"{g['epoch']} -> {after['epoch']}, {took:.2f} s to SEND_OK, acked "
-                  f"{len(log.acked) - n}/50 more with the others paused", flush=True)
+                  f"{more}/50 more with the others paused", flush=True)
         finally:
             for s in status.values():
                 os.kill(s["pid"], signal.SIGCONT)
         g = h.wait_in_sync(3, timeout_s=90)
-        n = len(log.acked)
-        log.send(50)
-        again = len(log.acked) - n
-        lost, dup, ordered = log.missing(mq, "check")
+        again = log.send_again(50)
+        lost, checked = log.checked(mq)
         print(f"all resumed: in sync {len(g['in_sync'])}, epoch {g['epoch']}, acked again "
-              f"{again}/50, acked {len(log.acked)}/{log.sent} lost {lost} duplicates {dup} "
-              f"ordered {ordered}", flush=True)
+              f"{again}/50, {checked}", flush=True)
         return 0 if lost == 0 and again == 50 and _leader_name(after) == resumed else 1
     finally:
         h.close()

@@ -132,3 +132,16 @@ def test_a_restarted_leader_alone_leads_again_only_holding_what_it_had(groups):
     groups.heartbeat(0, R1, "n1", 0, 0, None)  # not "the first of a new group"
     assert groups.leader(0) == (None, 2)
     assert groups.elect(0, unclean=True)["leader"] in (R0, R1)
+
+
+def test_a_follower_the_leader_adds_is_electable_before_its_own_next_heartbeat(groups):
+    """(The multi-node paused-leader scenario elected a rejoined replica right after the
+    leader added it: the epoch its log holds had not been reported yet.)"""
+    groups.heartbeat(0, R0, "n0", 0, 0, None, log_epoch=1)
+    for r in (R1, R2):
+        groups.heartbeat(0, r, f"n-{r}", 1, 0, None, log_epoch=-1)  # (not copied yet)
+    groups.heartbeat(0, R0, "n0", 1, 100, [R0, R1], isr_version=version(groups), log_epoch=1)
+    assert groups.elect(0, to=R1)["leader"] == R1
+    # its own heartbeat says what its log holds: a new disk makes it ineligible again
+    groups.heartbeat(0, R1, "n-r1", 2, 24, None, True, log_epoch=-1)
+    assert groups.describe()[0]["candidacy"][R1] != "electable"

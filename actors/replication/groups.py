@@ -164,6 +164,10 @@ class ReplicaGroups:
         grown = sorted((set(g["in_sync"]) | (set(in_sync) - set(self._floor)))
                        & set(g["replicas"]))
         if grown != g["in_sync"]:
+            for r in set(grown) - set(g["in_sync"]):
+                # the leader vouches that its log reaches this epoch's start; its own next
+                # heartbeat tells the epoch its log holds (a restart on a new disk: less)
+                self._log_epochs[r] = max(self._log_epochs.get(r, -1), g["epoch"])
             self._changed(g, in_sync=grown)
 
     def _recover(self, g: dict) -> None:

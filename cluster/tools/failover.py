@@ -139,6 +139,19 @@ class AckedLog:
                                  for b in bodies])
         self.acked += [b for b, r in zip(bodies, out) if r.status is SendStatus.SEND_OK]
 
+    def send_again(self, k: int) -> int:
+        """Send ``k`` more; how many of them were acknowledged."""
+        before = len(self.acked)
+        self.send(k)
+        return len(self.acked) - before
+
+    def checked(self, mq, group: str = "check", timeout_s: float = 60) -> tuple[int, str]:
+        """``missing`` as the scenarios print it: (lost, "acked A/S lost L duplicates D
+        ordered O")."""
+        lost, dup, ordered = self.missing(mq, group, timeout_s)
+        return lost, (f"acked {len(self.acked)}/{self.sent} lost {lost} duplicates {dup} "
+                      f"ordered {ordered}")
+
     def until_acked(self, past_epoch: int | None = None, since: float | None = None) -> float:
         """Send one message at a time until one is acknowledged (with ``past_epoch``: by a
         leader elected after that epoch -- a node being removed may answer a little
