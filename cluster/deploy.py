@@ -138,7 +138,7 @@ def _delegate(served: type, *classes: type) -> None:
 
 
 #: What a replica's data channel serves: the clients' calls, and followers' fetches.
-REPLICA_METHODS = DATA_METHODS | {"replica_fetch", "replica_epoch_end"}
+REPLICA_METHODS = DATA_METHODS | {"replica_fetch"}
 
 
 class _LeaderCalls:
@@ -150,9 +150,6 @@ class _LeaderCalls:
 
     def replica_fetch(self, *args) -> dict:
         return self._replica.replica_fetch(*args)
-
-    def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
-        return self._replica.replica_epoch_end(epoch)
 
 
 class _Replica:
@@ -215,9 +212,6 @@ class _Replica:
 
     def replica_fetch(self, *args) -> dict:
         return self._replica.replica_fetch(*args)
-
-    def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
-        return self._replica.replica_epoch_end(epoch)
 
     def endpoint(self) -> tuple[tuple[str, int], bytes]:
         self._replica.serving()  # (clients ask the leader's only)
@@ -371,7 +365,7 @@ class CoordinatorReplicaActor(_Replica):
     (its log replicated as a shard's commit log is), calling shards' leaders."""
 
     _kind = "coordinator"
-    _methods = COORDINATOR_METHODS | {"replica_fetch", "replica_epoch_end"}
+    _methods = COORDINATOR_METHODS | {"replica_fetch"}
     _calls = _CoordinatorCalls
 
     def _maker(self, index: int, cfg: ClusterConfig, controller):

@@ -323,11 +323,6 @@ class ShardReplica:
         reply["kept"] = self._kept  # (the followers keep the group's newest assignment)
         return reply
 
-    def replica_epoch_end(self, epoch: int) -> tuple[int, int]:
-        """Where ``epoch`` ends in this leader's log (``EpochCache.end_offset_for``)."""
-        shard = self.serving()
-        return self.epochs.end_offset_for(epoch, shard.store.max_phys_offset)
-
     def status(self) -> dict:
         a, leader = self.assignment, self.leader
         out = {"shard": self.index, "name": self.name, "node": self.node, "pid": os.getpid(),
