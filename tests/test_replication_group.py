@@ -298,8 +298,11 @@ def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whol
             {Prop.DELIVER_AT: str(now)}, {Prop.DELIVER_AT: str(now + 3_600_000)}])
         assert shard.send(batch, 0, 0).status == "SEND_OK"
         # (the timer wheel's checkpoint comes once "soon"'s bucket is over)
-        wait_for(lambda: (tmp_path / old.name / TIMER_DIR / "checkpoint.json").exists(), 20,
-                 "the leader's timer checkpoint")
+        def indexed(name):  # (a bucket over before the send checkpoints nothing indexed)
+            path = tmp_path / name / TIMER_DIR / "checkpoint.json"
+            return path.exists() and json.loads(path.read_bytes()).get("indexed", 0)
+
+        wait_for(lambda: indexed(old.name), 20, "the leader's timer checkpoint of the send")
         shard.ktx_register(200, 0, [("t", 0)])  # one more after the snapshot
         shard.ktx_send(RecordBatch("t", 0, [b"tx-tail"]), 200, 0, 1, 0)
         shard.ktx_end(200, 0, "COMMIT")
@@ -309,7 +312,7 @@ def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whol
         def shipped():
             return all((tmp_path / n / KTX_SNAPSHOT).exists()
                        and (tmp_path / n / KTX_SNAPSHOT).read_bytes() == snapshot
-                       and (tmp_path / n / TIMER_DIR / "checkpoint.json").exists()
+                       and indexed(n)  # (the checkpoint of the send, not an earlier one)
                        for n in followers)
         wait_for(shipped, 20, "the snapshots on the followers")
         for n in followers:

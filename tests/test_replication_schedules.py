@@ -316,10 +316,9 @@ def test_a_follower_elected_in_the_middle_of_a_put_cuts_it(tmp_path):
         assert s.send(a, b"first") == "SEND_OK"
         b = next(n for n in s.names if n != a)
         put_start = s.replicas[b].log_end()
-        import threading
         store = s.replicas[a].serving().store
-        threading.Thread(target=store.put, args=(RecordBatch("t", 0, [bytes(1 << 20)] * 20),),
-                         daemon=True).start()  # (never acknowledged: nobody copies all of it)
+        # (never acknowledged: nobody copies all of it)
+        _in_background(store.put, RecordBatch("t", 0, [bytes(1 << 20)] * 20))
         wait_for(lambda: store.max_phys_offset > put_start + (20 << 20), 20, "the put written")
         start, data = s.replicas[a].serving().store.read_frames(put_start, 1)
         s.replicas[b].store.append_replicated(start, data)  # one fetch's worth
@@ -456,8 +455,7 @@ def test_look_ups_and_check_backs_see_only_what_is_confirmed(sim):
             sim.paused.add(name)  # nobody copies what follows
     shard = sim.replicas[a].serving()
     batch = RecordBatch("t", 0, [b"unconfirmed"], keys=["k"])
-    import threading
-    threading.Thread(target=shard.send, args=(batch, 0, 0), daemon=True).start()
+    sent = _in_background(shard.send, batch, 0, 0)
     wait_for(lambda: shard.store.max_queue_offset("t", 0) == 2, 10, "the write")
     first, second = shard.store.read_queue("t", 0, 0, 2)
     assert shard.get_message(first.phys_offset).body == b"confirmed"
@@ -468,12 +466,28 @@ def test_look_ups_and_check_backs_see_only_what_is_confirmed(sim):
     half = RecordBatch(HALF_TOPIC, 0, [b"half"], properties=[{
         Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "pg", Prop.REAL_TOPIC: "t",
         Prop.REAL_QID: "0"}])
-    threading.Thread(target=shard.store.put, args=(half,), daemon=True).start()
+    halved = _in_background(shard.store.put, half)
     wait_for(lambda: shard.store.max_queue_offset(HALF_TOPIC, 0) == 1, 10, "the half")
     sim.clock.advance(3_600_000)
     checks = shard.checks.run(["pg"], now_ms=sim.clock.now_ms(), window=100,
                               max_checks_per_group=100, checks_used=None)
     assert checks == []
+    assert sent == [] and halved == []  # neither answered while nobody copies them
+
+
+def _in_background(call, *args) -> list:
+    """Run ``call(*args)`` on a thread of its own; the list it returns gets the answer or
+    the error (a write left waiting is refused with NotLeaderError when the group closes)."""
+    import threading
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(call(*args))
+        except NotLeaderError as e:
+            outcome.append(e)
+    threading.Thread(target=run, daemon=True).start()
+    return outcome
 
 
 def test_a_producer_may_ask_for_the_leader_s_write_only(sim):
