@@ -26,14 +26,14 @@ if need_java; then
 fi
 log "$(java -version 2>&1 | head -1)"
 
-# CI runs the `ray up ray_config.yaml` test (tests/test_deploy_ray_up.py): it needs sshd
+# CI runs the `ray up ray_config.yaml` test (tests/client/test_deploy_ray_up.py): it needs sshd
 # and rsync (elsewhere that test skips, saying so, when they are missing)
 if [ "${CI:-}" = "true" ] && { [ ! -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null 2>&1; }; then
     log "CI: installing openssh-server and rsync with apt (for the ray up test)"
     apt_install openssh-server rsync
 fi
 
-# CI runs the console's browser test (tests/test_console_browser.py): headless Chromium
+# CI runs the console's browser test (tests/console/test_console_browser.py): headless Chromium
 # and its driver from Debian's packages (elsewhere that test skips, naming what is missing)
 if [ "${CI:-}" = "true" ] && { ! command -v chromium >/dev/null 2>&1 \
                                || ! command -v chromedriver >/dev/null 2>&1; }; then

@@ -13,7 +13,7 @@ import threading
 import time
 
 from raymq.actors.config import ClusterConfig
-from raymq.actors.membership import Membership
+from raymq.actors.groups.membership import Membership
 from raymq.actors.replication.groups import ReplicaGroups
 from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
 from raymq.storage.clock import Clock, SystemClock

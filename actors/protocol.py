@@ -21,7 +21,7 @@ RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
 SYSTEM_TOPIC_PREFIXES = ("RMQ_SYS_", RETRY_PREFIX, DLQ_PREFIX)
 #: Timer messages (any deliver-at time) wait here, due time as tag; deliveries and
-#: cancellations are recorded in the other two (``raymq.actors.timers``).
+#: cancellations are recorded in the other two (``raymq.actors.timing.timers``).
 TIMER_TOPIC = "RMQ_SYS_TIMER"
 TIMER_DONE_TOPIC = "RMQ_SYS_TIMER_DONE"
 TIMER_CANCEL_TOPIC = "RMQ_SYS_TIMER_CANCEL"

@@ -32,26 +32,26 @@ import os
 import threading
 from typing import Callable, Iterable
 
-from raymq.actors.admission import readable_topic, refusals, select
-from raymq.actors.checkback import CheckRounds
+from raymq.actors.front.admission import readable_topic, refusals, select
+from raymq.actors.rocketmq_tx.checkback import CheckRounds
 from raymq.actors.config import ClusterConfig
-from raymq.actors.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
-from raymq.actors.delay import SCHEDULER_PID_BASE, DelayScheduler  # noqa: F401 (tests)
-from raymq.actors.diversion import check_transactional, divert_to_system_topics, diverts
+from raymq.actors.groups.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
+from raymq.actors.timing.delay import SCHEDULER_PID_BASE, DelayScheduler  # noqa: F401 (tests)
+from raymq.actors.front.diversion import check_transactional, divert_to_system_topics, diverts
 from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
-from raymq.actors.half_records import ops_record
-from raymq.actors.group_offsets import GroupOffsets
-from raymq.actors.halves import HalfIndex, carries_halves
-from raymq.actors.ktx import KafkaTxnQueues
+from raymq.actors.rocketmq_tx.records import ops_record
+from raymq.actors.groups.offsets import GroupOffsets
+from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
+from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
 from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
                                    SYSTEM_PROPERTIES, TIMER_TOPIC, CheckRequest, EndOutcome,
                                    EndRequest, EndResult, SendReply, check_group, retry_topic)
-from raymq.actors.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
+from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_queues, check_send)
-from raymq.actors.reads import QueueReads, as_delivered, stored_message
-from raymq.actors.routes import RouteTable
-from raymq.actors.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
+from raymq.actors.front.reads import QueueReads, as_delivered, stored_message
+from raymq.actors.front.routes import RouteTable
+from raymq.actors.timing.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, ReservedNameError

@@ -202,7 +202,7 @@ class RayMQ:
 
     def registry_handle(self, group: str):
         """The Ray handle of the registry of producer group ``group``."""
-        from raymq.actors.checker import registry_for
+        from raymq.actors.rocketmq_tx.checker import registry_for
         return deployment.get_registry(registry_for(group, self.config.num_registries))
 
     def checker_handles(self) -> list:
@@ -384,7 +384,7 @@ class Admin:
         return sorted(out, key=lambda t: t["transactional_id"])
 
     def _coordinator_of(self, transactional_id: str):
-        from raymq.actors.coordinator import coordinator_for
+        from raymq.actors.kafka_tx.coordinator import coordinator_for
         j = coordinator_for(transactional_id, self._mq.config.num_coordinators)
         self._mq.forget_coordinator(j)  # (its leader as it is now)
         return rpc.CoordinatorClient(self._mq.coordinator_handle(j))

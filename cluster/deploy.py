@@ -20,11 +20,11 @@ import threading
 import time
 from typing import Any, Mapping
 
-from raymq.actors.checker import CheckerWorker
+from raymq.actors.rocketmq_tx.checker import CheckerWorker
 from raymq.actors.channel import DATA_METHODS, ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
-from raymq.actors.coordinator import TransactionCoordinator
-from raymq.actors.registry import ProducerGroupRegistry
+from raymq.actors.kafka_tx.coordinator import TransactionCoordinator
+from raymq.actors.rocketmq_tx.registry import ProducerGroupRegistry
 from raymq.actors.replication.peers import PeerLinks
 from raymq.actors.replication.replica import ShardReplica
 from raymq.actors.replication.groups import replica_name

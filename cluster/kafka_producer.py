@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from raymq.actors.coordinator import check_transactional_id, coordinator_for
+from raymq.actors.kafka_tx.coordinator import check_transactional_id, coordinator_for
 from raymq.message import (Message, SendResult, SendStatus, assign_queues, check_group,
                            columns_to_batch, validate_messages)
 from raymq.producer import PartResults, SendResults
@@ -59,7 +59,7 @@ class TransactionalProducer:
         self._seq: dict[int, int] = defaultdict(int)
         # shards written to without an fsync: while a transaction has one shard, its
         # writes are answered once written, and its commit (one fsync there) checks they
-        # are all there (``raymq.actors.fast_commit``)
+        # are all there (``raymq.actors.kafka_tx.fast_commit``)
         self._lazy: set[int] = set()
         # why the open transaction can only be aborted (None: it can commit): a write
         # failed after it was sent, so whether its shard stored it is unknown, and its

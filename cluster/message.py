@@ -14,7 +14,7 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
-from raymq.actors.admission import DEFAULT_MAX_DELAY_MS, properties_problem, text_problem
+from raymq.actors.front.admission import DEFAULT_MAX_DELAY_MS, properties_problem, text_problem
 # the client's names for what it shares with the broker (users import them from here)
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC, ISOLATIONS,  # noqa: F401
                                    OP_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,

@@ -33,7 +33,7 @@ from functools import cached_property
 import numpy as np
 
 from raymq.actors.protocol import EndOutcome, SendReply
-from raymq.actors.requests import ACKS
+from raymq.actors.front.requests import ACKS
 from raymq.clock import client_clock
 from raymq.storage.clock import Clock
 from raymq.transport import Outcome

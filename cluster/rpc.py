@@ -552,19 +552,19 @@ class ShardClient(ActorClient):
 
 
 class RegistryClient(ActorClient):
-    """Calls to a producer-group registry (``raymq.actors.registry.ProducerGroupRegistry``)."""
+    """Calls to a producer-group registry (``raymq.actors.rocketmq_tx.registry.ProducerGroupRegistry``)."""
 
     __slots__ = ()
 
 
 class CheckerClient(ActorClient):
-    """Calls to a check-back worker (``raymq.actors.checker.CheckerWorker``)."""
+    """Calls to a check-back worker (``raymq.actors.rocketmq_tx.checker.CheckerWorker``)."""
 
     __slots__ = ()
 
 
 class CoordinatorClient(ActorClient):
     """Calls to a transaction coordinator
-    (``raymq.actors.coordinator.TransactionCoordinator``)."""
+    (``raymq.actors.kafka_tx.coordinator.TransactionCoordinator``)."""
 
     __slots__ = ()

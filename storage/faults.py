@@ -18,7 +18,7 @@ CRASH_ENV = "RAYMQ_STORAGE_CRASH_AT"
 CRASH_EXIT_CODE = 86
 CRASH_MARKER = "RAYMQ-STORAGE-CRASH-POINT"
 
-#: Every point, with where it is.  ``tests/test_storage_crashpoints.py`` kills a child at
+#: Every point, with where it is.  ``tests/storage/test_storage_crashpoints.py`` kills a child at
 #: each of them and checks that a source file names no point missing here.
 CRASH_POINTS = {
     "put.partly_appended": "a put of several frames has some of them in the commit log",

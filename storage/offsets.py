@@ -30,7 +30,7 @@ class OffsetStore:
         self._table: dict[str, int] = self._load()
         self._dirty = False  # changes made with ``durable=False`` not written yet
         #: counts the table's changes since it was opened (a leader ships the table to its
-        #: followers when this moved, ``raymq.actors.replica``)
+        #: followers when this moved, ``raymq.actors.replication.replica``)
         self.version = 0
 
     def _remove_stale_temp_files(self) -> None:

@@ -117,7 +117,7 @@ class MessageStore:
         self._dispatched_end = self._log.max_offset
         self._replica: Replay | None = None  # a follower's indexing of replicated frames
         self._closed_end: int | None = None  # where the log ended when the store closed
-        #: a leader's wait for its in-sync replicas (``raymq.actors.replica``): called with a
+        #: a leader's wait for its in-sync replicas (``raymq.actors.replication.replica``): called with a
         #: put's end offset once it is durable here; its status, or a RayMQ error
         self.replication: Callable[[int], PutStatus] | None = None
         #: told after each put is written, before it is durable (a leader's followers

@@ -1,13 +1,15 @@
 """Session fixtures: one local Ray for the whole run (through ``raymq.rpc``), RayMQ
-deployed into it once; and ``wait_for``, the tests' polling helper."""
+deployed into it once; Ray clusters of a test's own.  What tests share otherwise is in
+``tests.helpers``."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 
 import pytest
+
+from tests.helpers import ROOT
 
 # Timeouts a stall on a busy 2-core machine must not reach (a false failure otherwise):
 # a consumer gives its queues up after session_timeout_ms without a heartbeat through
@@ -50,19 +52,6 @@ def mq(ray_session, tmp_path_factory):
 def name():
     """A fresh topic or group name per test."""
     return f"t{uuid.uuid4().hex[:10]}"
-
-
-def wait_for(cond, timeout_s: float = 30.0, what: str = "condition"):
-    """Poll ``cond`` until truthy (returns its value) or fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    ev = threading.Event()
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        ev.wait(0.02)
 
 
 # ------------------------------------------------- Ray clusters of a test's own
@@ -142,7 +131,7 @@ def run_raymq():
     import subprocess
     import sys
     from types import SimpleNamespace
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
 
     def run(args=(), env=None, timeout_s: float = 120, python: str | None = None):
         cmd = [sys.executable, "-c", python] if python is not None else \

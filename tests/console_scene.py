@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from raymq import LocalTransactionState, Message, TransactionListener
 from raymq.tools.console import TOKEN_HEADER, Console, ConsoleServer
 from raymq.tools.console_pages import Pages
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 
 TOKEN = "test-token-0123"
 

@@ -12,8 +12,8 @@ import os
 import sys
 
 import pytest
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: repository folder -> the package it installs as
 FOLDERS = {"storage": "raymq.storage", "actors": "raymq.actors", "jobs": "raymq.jobs",
            "cluster": "raymq"}

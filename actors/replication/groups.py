@@ -272,7 +272,6 @@ class ReplicaGroups:
         in-sync one lives (acknowledged writes may be lost: the operator's call)."""
         g = self._group(shard)
         now = self.clock.monotonic_ms()
-        alive = self._alive(now)
         if to is not None and to not in g["replicas"]:
             raise InvalidMessageError(f"{to!r} is not a replica of {self.kind}-{shard} "
                                       f"({', '.join(g['replicas'])})")

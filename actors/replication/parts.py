@@ -21,7 +21,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
-from raymq.actors import ktx, timers, txn_log
+from raymq.actors.kafka_tx import log as txn_log, shard_side as ktx
+from raymq.actors.timing import timers
 from raymq.storage.fileutil import atomic_write, fsync_dir
 
 log = logging.getLogger("raymq.replica")

@@ -2,7 +2,7 @@
 of one shard, a real ``Controller`` on a manual clock, the followers stepped by the
 caller (one fetch a step, no threads of their own), and calls between replicas that can
 fail (a replica paused or down), be held and delivered late (``hold``), or delivered
-twice (``duplicate``) -- for scripted schedules (``tests/test_replication_schedules.py``)
+twice (``duplicate``) -- for scripted schedules (``tests/replication/test_replication_schedules.py``)
 and a seeded random search of them (``search``: the tests run thousands of steps, ``raymq
 bench replication`` a longer run).
 

@@ -1,0 +1,99 @@
+"""A transaction coordinator's durable log: every ``TxnMetadata`` it moves to, appended
+to a topic of its own store, replayed on start, and compacted into a snapshot of its
+live state (``raymq.storage.snapshots``) so that a restart reads the snapshot and the
+records after it: time and memory follow the transactional ids in use, not how many
+transactions ever ran.  The newest record of an id wins; a DEAD record drops the id.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from raymq.actors.kafka_tx.state import TxnMetadata, TxnState
+from raymq.storage import MessageStore, RecordBatch
+from raymq.storage.errors import RayMQError, RequestTimeoutError
+from raymq.storage.snapshots import read_snapshot, write_snapshot
+from raymq.storage.store import PutStatus
+
+log = logging.getLogger("raymq.coordinator")
+
+TXN_LOG_TOPIC = "RMQ_SYS_TXN_LOG"
+#: The log's snapshot: its live state up to an offset.
+SNAPSHOT_FILE, SNAPSHOT_KIND = "txn-log.snapshot", "coordinator-txn-log"
+
+
+class TxnLog:
+    def __init__(self, directory: str, store_config, clock, *, compact_records: int,
+                 background: bool = True):
+        self.store = MessageStore(directory, store_config, clock, background=background)
+        self.compact_records = compact_records
+        self._snapshot_path = os.path.join(directory, SNAPSHOT_FILE)
+        self._snapshot_offset = 0
+        self.replayed = 0  # records read after the snapshot by ``load``
+
+    def load(self) -> tuple[dict[str, TxnMetadata], int]:
+        """(each live transactional id's metadata, the highest producer-id counter ever
+        logged: ids above it were never handed out)."""
+        txns, start, counter = self._snapshot()
+        self._snapshot_offset = start
+        self.replayed, counter = self._fold(txns, start, None, counter)
+        return txns, counter
+
+    def append(self, meta: TxnMetadata, *, wait: bool = True) -> None:
+        """Log ``meta``: durably before returning, unless ``wait`` is False."""
+        res = self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()],
+                                         keys=[meta.transactional_id]), wait=wait)
+        if wait and res.status is not PutStatus.PUT_OK:
+            raise RequestTimeoutError("the transaction log write did not reach the disk "
+                                      "within flush_timeout_ms; retry")
+
+    def compact(self) -> bool:
+        """Fold the log into its snapshot once ``compact_records`` records follow the last
+        one (only what is durable: the snapshot never runs ahead of the log).  Whether
+        it did."""
+        end = self.store.max_queue_offset(TXN_LOG_TOPIC, 0)
+        if end - self._snapshot_offset < self.compact_records:
+            return False
+        self.store.make_durable()
+        txns, start, counter = self._snapshot()
+        _n, counter = self._fold(txns, start, end, counter)
+        write_snapshot(self._snapshot_path, SNAPSHOT_KIND, end, {
+            "last_counter": counter,
+            "txns": [m.to_json().decode() for _t, m in sorted(txns.items())]})
+        self._snapshot_offset = end
+        return True
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _snapshot(self) -> tuple[dict[str, TxnMetadata], int, int]:
+        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND)
+        if snap is None:
+            return {}, 0, 0
+        offset, state = snap
+        txns = {}
+        for text in state["txns"]:
+            meta = TxnMetadata.from_json(text.encode())
+            txns[meta.transactional_id] = meta
+        return txns, offset, state["last_counter"]
+
+    def _fold(self, txns: dict[str, TxnMetadata], start: int, end: int | None,
+              counter: int) -> tuple[int, int]:
+        """Apply the records from ``start`` (to ``end``) to ``txns``: (how many, the
+        highest producer-id counter seen)."""
+        n = 0
+        for m in self.store.scan_queue(TXN_LOG_TOPIC, 0, start):
+            if end is not None and m.queue_offset >= end:
+                break
+            n += 1
+            try:
+                meta = TxnMetadata.from_json(m.body)
+            except RayMQError as err:  # skip-and-log, as every recovery does
+                log.error("%s: skipped a log record: %s", self.store.directory, err)
+                continue
+            counter = max(counter, meta.producer_id >> 8)
+            if meta.state is TxnState.DEAD:
+                txns.pop(meta.transactional_id, None)
+            else:
+                txns[meta.transactional_id] = meta
+        return n, counter

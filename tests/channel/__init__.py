@@ -1,0 +1,1 @@
+"""Tests of the data channel and the client's transport over it (``raymq.actors.channel``)."""

@@ -1,0 +1,1 @@
+"""Tests of the client, deploying and the command line (``raymq``)."""

@@ -1,0 +1,1 @@
+"""Tests of the operators' web console (``raymq.tools.console``)."""

@@ -1,0 +1,1 @@
+"""Tests of the shard's front: request checks, reads, quotas, bad input (``raymq.actors.front``)."""

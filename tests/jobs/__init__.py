@@ -1,0 +1,1 @@
+"""Tests of RayDP and Spark pipelines over committed messages (``raymq.jobs``)."""

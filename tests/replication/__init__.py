@@ -1,0 +1,1 @@
+"""Tests of replicated shards: the nemesis schedules, the group's rules, multi-node scenarios (``raymq.actors.replication``)."""

@@ -1,0 +1,1 @@
+"""Tests of delay levels and timer messages (``raymq.actors.timing``)."""
