@@ -332,6 +332,7 @@ def test_a_bucket_file_with_a_torn_tail_and_repeated_pairs_loads_each_once(tmp_p
 _SCHEDULER_RSS = """
 import json, os, sys, time
 from raymq.actors.protocol import Prop
+from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
 
 def rss_anon_kib():
