@@ -50,12 +50,13 @@ class Controller:
         self._meta_kept: dict[str, int] = {}  # replica -> the metadata version it keeps
         self._kept_cv = threading.Condition()
         self._load()
-        #: replicated shards' groups (``replication_factor`` > 1): leaders, epochs, in sync
+        #: the shards' groups of replicas (of one when not replicated): leaders, epochs,
+        #: in-sync sets
         self.replica_groups = ReplicaGroups(
             self.config.num_shards, self.config.replication_factor,
             self.config.replica_lease_ms, self.clock, self._save, self._replica_groups,
             known=False)  # (a group not on record: taken from what its replicas keep)
-        #: the transaction coordinators' groups, when replicated as shards are
+        #: the transaction coordinators' groups, replicated as shards are
         self.coordinator_groups = ReplicaGroups(
             self.config.num_coordinators, self.config.replication_factor,
             self.config.replica_lease_ms, self.clock, self._save, self._coordinator_groups,
@@ -86,7 +87,7 @@ class Controller:
                "topics": self._topics, "shard_nodes": self._shard_nodes,
                "meta_version": self._meta_version}
         groups = getattr(self, "replica_groups", None)
-        if groups is not None and self.config.replication_factor > 1:
+        if groups is not None:
             doc["replica_groups"] = groups.to_doc()
             doc["coordinator_groups"] = self.coordinator_groups.to_doc()
         atomic_write(self._path, json.dumps(doc, sort_keys=True, indent=1).encode())

@@ -80,7 +80,7 @@ class RayMQ:
         self.config = ClusterConfig.from_dict(self.control.call("get_config", timeout_s=60))
         #: how producers and consumers reach the shards (``raymq.transport``)
         self.transport = make_transport(transport or self.config.transport, self.shard_handle,
-                                        self.forget_leader if self.replicated else None)
+                                        self.forget_leader)
         self._transport_kind = transport or self.config.transport
         self._coordinator_transport = None
         self._coordinator_leaders = None
@@ -93,10 +93,6 @@ class RayMQ:
     def shard_handle(self, i: int):
         """Shard ``i``'s Ray handle."""
         return self._shards[i]
-
-    @property
-    def replicated(self) -> bool:
-        return self.config.replication_factor > 1
 
     def forget_leader(self, i: int) -> None:
         """Shard ``i``'s leader changed (or died): ask the controller next time."""
@@ -175,10 +171,8 @@ class RayMQ:
         return p
 
     def coordinator_handle(self, index: int):
-        """The Ray handle of transaction coordinator ``index`` (of a replicated one: its
-        leading replica's, cached until ``forget_coordinator``)."""
-        if not self.replicated:
-            return deployment.get_coordinator(index)
+        """The Ray handle of transaction coordinator ``index``: its leading replica's,
+        cached until ``forget_coordinator``."""
         if self._coordinator_leaders is None:
             self._coordinator_leaders = deployment.ShardLeaders(self.controller, self.config,
                                                                 "coordinator")
@@ -191,13 +185,11 @@ class RayMQ:
     @property
     def coordinator_transport(self):
         """How transactional producers reach the coordinators (``raymq.transport``, by
-        coordinator index: their data channels, as shards'; following leader changes when
-        they are replicated)."""
+        coordinator index: their data channels, as shards'; following leader changes)."""
         with self._lock:
             if self._coordinator_transport is None:
                 self._coordinator_transport = make_transport(
-                    self._transport_kind, self.coordinator_handle,
-                    self.forget_coordinator if self.replicated else None)
+                    self._transport_kind, self.coordinator_handle, self.forget_coordinator)
             return self._coordinator_transport
 
     def registry_handle(self, group: str):
@@ -271,21 +263,14 @@ class Admin:
         ``electable`` and ``candidacy`` (who could be elected now, and why the others
         could not) and ``replicas`` (each ``name``, ``node``, ``role``, ``alive``,
         ``log_end``, ``lag_bytes``: how far behind the leader's log end it was at its
-        last heartbeat, and ``candidacy``).  A shard that is not replicated is its one
-        replica, leading, epoch 0."""
-        mq = self._mq
-        if not mq.replicated:
-            nodes = rpc.wait_all([mq.shard(s).submit("node_id") for s in range(mq.num_shards)],
-                                 30)
-            return [replica_view.unreplicated_doc(s, n) for s, n in enumerate(nodes)]
+        last heartbeat, and ``candidacy``).  A shard that is not replicated is a group of
+        one."""
         return [replica_view.group_doc(g, "shard")
-                for g in mq.control.call("replicas", timeout_s=30)]
+                for g in self._mq.control.call("replicas", timeout_s=30)]
 
     def coordinator_replicas(self) -> list[dict]:
         """Per transaction coordinator, its group of replicas as ``replicas()`` gives a
-        shard's (``coordinator``: its index); [] when they are not replicated."""
-        if not self._mq.replicated:
-            return []
+        shard's (``coordinator``: its index)."""
         return [replica_view.group_doc(g, "coordinator")
                 for g in self._mq.control.call("coordinator_replicas", timeout_s=30)]
 
@@ -304,9 +289,6 @@ class Admin:
         if kind not in counts:
             raise InvalidMessageError(f"no kind of replicated group {kind!r} "
                                       f"({', '.join(replica_view.KINDS)})")
-        if not mq.replicated:
-            raise InvalidMessageError(f"{kind}s are not replicated (replication_factor 1): "
-                                      "there is no other replica to lead")
         if isinstance(shard, bool) or not isinstance(shard, int) or \
                 not 0 <= shard < counts[kind]:
             raise InvalidMessageError(f"no {kind} {shard!r} (0..{counts[kind] - 1})")
@@ -445,6 +427,5 @@ class Admin:
                             "info": i if not isinstance(i, Exception) else {"error": str(i)},
                             "disk_bytes": d if not isinstance(d, Exception) else None}
                            for s, (i, n, d) in enumerate(zip(infos, nodes, disk))],
-                **({"replicas": self.replicas(),
-                    "coordinator_replicas": self.coordinator_replicas()}
-                   if mq.replicated else {})}
+                "replicas": self.replicas(),
+                "coordinator_replicas": self.coordinator_replicas()}

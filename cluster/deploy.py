@@ -7,10 +7,15 @@ settings), ``connect(deploy=True)``, and ``connect()`` on an embedded Ray it or 
 process started.  Nothing else: an operator's ``raymq down`` stays down.
 
 Talking to Ray is ``raymq.rpc``'s part.  Actors live in namespace ``raymq``,
-detached, named, restartable (``max_restarts=-1``).  A shard is pinned so that
-a restart finds its files: by the custom resource ``raymq_shard_<i>`` when
-the cluster defines it (``ray_config.yaml`` does), else by node affinity to
-the node it was first placed on (remembered by the controller).
+detached, named, restartable (``max_restarts=-1``).  Every shard and transaction
+coordinator is a group of ``replication_factor`` replicas (``ShardActor``,
+``CoordinatorActor``: thin shells over ``raymq.actors.replication.replica``), led
+as the controller says; with a factor of 1 a group of one.  A replicated group's
+replicas are spread over distinct nodes by a placement group; a group of one is
+pinned so that a restart finds its files: a shard by the custom resource
+``raymq_shard_<i>`` when the cluster defines it (``ray_config.yaml`` does), else by
+node affinity to the node it was first placed on (remembered by the controller); a
+coordinator on the controller's node.
 """
 from __future__ import annotations
 
@@ -46,73 +51,23 @@ def shard_name(i: int) -> str:
     return f"shard-{i}"
 
 
-def _untrace_private_methods(cls: type) -> None:
-    """Drop the tracing wrappers Ray put on the shard's private methods.
-
-    Ray runs an actor as a subclass whose every method is wrapped for
-    tracing, so each internal ``self._x()`` call of a request went through a
-    wrapper too (~10% of a shard's time under load).  Private methods are
-    never called by Ray; with tracing on, Ray passes its context only to
-    the actor methods it calls, which keep their wrappers.
-    """
-    if cls is ShardActor or not hasattr(cls, "__ray_actor_class__"):
-        return
-    for name in list(vars(cls)):
-        if name.startswith("_") and not name.startswith("__") and \
-                callable(getattr(BrokerShard, name, None)):
-            delattr(cls, name)
-
-
-class _Untraced:
-    """A shard's own methods, past the tracing wrappers Ray puts on every actor method
-    (they cost ~5% of a shard's time on the data channel, where there is no trace)."""
-
-    def __init__(self, shard: BrokerShard):
-        self._shard = shard
-
-    def __getattr__(self, name: str):
-        return getattr(BrokerShard, name).__get__(self._shard)
-
-
-class ShardActor(BrokerShard):
-    """The shard as a Ray actor: routes come from the controller."""
-
-    def __init__(self, index: int, config: dict):
-        _untrace_private_methods(type(self))
-        controller = rpc.ControllerClient(get_controller())
-        super().__init__(index, config,
-                         fetch_routes=lambda i: controller.call("shard_routes", i, timeout_s=30),
-                         metrics=RayMetrics(shard=str(index)))
-        self.set_routes(controller.call("shard_routes", index, timeout_s=30))
-        node = rpc.node_id()
-        controller.call("set_shard_node", index, node, timeout_s=30)
-        # the data channel opens last: nothing is served before recovery finished
-        self._endpoint = Endpoint(_Untraced(self), host=rpc.node_ip(),
-                                  limits=ChannelLimits.from_config(self.config))
-        self._gauges = GaugeReporter(self.metrics, lambda: shard_gauges(self)).start()
-        log.info("shard-%d up on node %s, data in %s, data channel on %s:%d", index, node,
-                 self.directory, *self._endpoint.address)
-
-    def endpoint(self) -> tuple[tuple[str, int], bytes]:
-        """Address and key of this shard's data channel (``raymq.actors.channel``)."""
-        return self._endpoint.address, self._endpoint.authkey
-
-    def close(self) -> None:
-        self._gauges.stop()
-        self._endpoint.close()
-        super().close()
-
-    def node_id(self) -> str:
-        return rpc.node_id()
-
-    def disk_bytes(self) -> int | None:
-        """The bytes this shard's files take on disk, as of its last gauge report (5 s)."""
-        return _disk_bytes(self._gauges)
-
-
 def _disk_bytes(gauges: "GaugeReporter") -> int | None:
     value = gauges.last.get("disk_bytes")
     return None if value is None else int(value)
+
+
+def adopt_plain_directory(data_dir: str, kind: str, index: int) -> bool:
+    """A shard (``kind``; or a coordinator) deployed before every one was a group kept
+    its files in ``<kind>-<index>``; the one replica of its group of one takes them
+    (renamed to its own name, once).  Whether it did."""
+    old = os.path.join(data_dir, f"{kind}-{index}")
+    new = os.path.join(data_dir, replica_name(index, 0, kind))
+    if not os.path.isdir(old) or os.path.exists(new):
+        return False
+    os.rename(old, new)
+    log.warning("%s-%d: its files move to %s (every %s is a group of replicas now)",
+                kind, index, new, kind)
+    return True
 
 
 #: What a replica answers whatever its role.
@@ -153,9 +108,9 @@ class _LeaderCalls:
 
 
 class _Replica:
-    """One replica (``raymq.actors.replica``) as a Ray actor, in bundle ``k`` of its
-    group's placement group; its files under its own node's data directory.  Subclasses
-    say what a leader serves (``_kind``, ``_maker``, the channel's ``_methods``)."""
+    """One replica (``raymq.actors.replication.replica``) as a Ray actor: replica ``k``
+    of its group, its files under its own node's data directory.  Subclasses say what a
+    leader serves (``_kind``, ``_maker``, the channel's ``_methods``)."""
 
     _kind = "shard"
     _methods = REPLICA_METHODS
@@ -167,6 +122,11 @@ class _Replica:
         node = rpc.node_id()
         kind = self._kind
         name = replica_name(index, k, kind)
+        data_dir = cfg.resolved_data_dir(node)
+        if cfg.replication_factor == 1:
+            adopt_plain_directory(data_dir, kind, index)
+            if kind == "shard":  # (a group of one is pinned there: ``_placements``)
+                controller.call("set_shard_node", index, node, timeout_s=30)
         # followers fetch over the leader's data channel (a Ray call costs ~10 times as
         # much); Ray only tells where that channel is
         peers = PeerLinks(lambda other, timeout_s: rpc.call(
@@ -174,7 +134,7 @@ class _Replica:
         self._peers = peers
         call_replica = peers.call
         self._replica = ShardReplica(
-            index, name, cfg, os.path.join(cfg.resolved_data_dir(node), name),
+            index, name, cfg, os.path.join(data_dir, name),
             controller=lambda m, *a: controller.call(m, *a, timeout_s=10),
             call_replica=call_replica, make_shard=self._maker(index, cfg, controller),
             node=node)
@@ -230,8 +190,9 @@ class _Replica:
         self._peers.close()
 
 
-class ReplicaActor(_Replica):
-    """A replica of a replicated shard."""
+class ShardActor(_Replica):
+    """A shard as a Ray actor: one replica of its group (a group of one when not
+    replicated), serving ``BrokerShard`` while it leads."""
 
     def disk_bytes(self) -> int | None:
         """The bytes its shard's files take on disk while it leads (as of its last gauge
@@ -244,17 +205,16 @@ class _ShardCalls(_LeaderCalls):
     pass
 
 
-ReplicaActor._calls = _ShardCalls
-_delegate(BrokerShard, ReplicaActor, _ShardCalls)
+ShardActor._calls = _ShardCalls
+_delegate(BrokerShard, ShardActor, _ShardCalls)
 
 
 class ShardLeaders:
-    """Each shard's Ray handle, as a list of them is used: a plain shard's, or the leading
-    replica's of a replicated one (asked of the controller, cached until ``forget``)."""
+    """Each shard's (``kind="coordinator"``: coordinator's) Ray handle, as a list of them
+    is used: its leading replica's, asked of the controller, cached until ``forget``."""
 
     def __init__(self, controller, config: ClusterConfig, kind: str = "shard"):
         self._control = rpc.ControllerClient(controller)
-        self.factor = config.replication_factor
         self.kind = kind
         self._n = config.num_shards if kind == "shard" else config.num_coordinators
         self._lock = threading.Lock()
@@ -270,10 +230,7 @@ class ShardLeaders:
         handle = self._cached.get(i)
         if handle is not None:
             return handle
-        if self.factor == 1:
-            handle = rpc.get_actor(_NAMES[self.kind](i), NAMESPACE)
-        else:
-            handle = rpc.get_actor(self._leader_name(i), NAMESPACE)
+        handle = rpc.get_actor(self._leader_name(i), NAMESPACE)
         with self._lock:
             self._cached[i] = handle
         return handle
@@ -328,41 +285,16 @@ class CheckerActor(CheckerWorker):
 COORDINATOR_METHODS = frozenset({"init_producer", "add_to_transaction", "end_transaction"})
 
 
-class CoordinatorActor(TransactionCoordinator):
-    """Its calls to shards (registrations, markers) go over the shards' data channels,
-    and producers reach it over its own (``COORDINATOR_METHODS``), as clients reach
-    shards: a Ray call costs ~10 times as much."""
-
-    def __init__(self, index: int, config: dict):
-        from raymq.transport import DirectTransport, FailoverTransport
-        cfg = ClusterConfig.from_dict(config)
-        leaders = ShardLeaders(get_controller(), cfg)
-        transport = DirectTransport(leaders.__getitem__, io_threads=8)
-        if cfg.replication_factor > 1:
-            transport = FailoverTransport(transport, leaders.forget)
-
-        def begin_shard(i, method, args):
-            return transport.begin(i, method, args, timeout_s=60)
-        super().__init__(index, config, begin_shard=begin_shard)
-        self._endpoint = Endpoint(self, host=rpc.node_ip(), methods=COORDINATOR_METHODS,
-                                  limits=ChannelLimits.from_config(self.config))
-
-    def endpoint(self) -> tuple[tuple[str, int], bytes]:
-        """Address and key of this coordinator's data channel."""
-        return self._endpoint.address, self._endpoint.authkey
-
-    def close(self) -> None:
-        self._endpoint.close()
-        super().close()
-
-
 class _CoordinatorCalls(_LeaderCalls):
     pass
 
 
-class CoordinatorReplicaActor(_Replica):
-    """A replica of a replicated transaction coordinator: its leader is the coordinator
-    (its log replicated as a shard's commit log is), calling shards' leaders."""
+class CoordinatorActor(_Replica):
+    """A transaction coordinator as a Ray actor: one replica of its group (a group of one
+    when not replicated); its leader is the coordinator (its log replicated as a shard's
+    commit log is), calling shards' leaders over their data channels, and producers
+    reach it over its own (``COORDINATOR_METHODS``), as clients reach shards: a Ray call
+    costs ~10 times as much."""
 
     _kind = "coordinator"
     _methods = COORDINATOR_METHODS | {"replica_fetch"}
@@ -385,7 +317,7 @@ class CoordinatorReplicaActor(_Replica):
         raise InvalidMessageError("coordinators take no test faults")
 
 
-_delegate(TransactionCoordinator, CoordinatorReplicaActor, _CoordinatorCalls)
+_delegate(TransactionCoordinator, CoordinatorActor, _CoordinatorCalls)
 
 
 class ControllerActor(Controller):
@@ -413,29 +345,6 @@ def coordinator_name(i: int) -> str:
     return f"coordinator-{i}"
 
 
-#: The plain actor name of shard or coordinator i.
-_NAMES = {"shard": shard_name, "coordinator": coordinator_name}
-
-
-def get_coordinator(i: int):
-    """Coordinator ``i``'s Ray handle (``ValueError`` if it is not deployed); of a
-    replicated one, its leading replica's."""
-    return _handle("coordinator", i)
-
-
-def _handle(kind: str, i: int):
-    """The actor of shard or coordinator ``i``, by its plain name; of a replicated one,
-    its leading replica's, asked of the controller."""
-    try:
-        return rpc.get_actor(_NAMES[kind](i), NAMESPACE)
-    except ValueError:
-        controller = get_controller()
-        leaders = ShardLeaders(controller, _running_config(controller), kind)
-        if leaders.factor == 1:
-            raise
-        return leaders[i]
-
-
 def get_checker(i: int):
     """Checker ``i``'s Ray handle (``ValueError`` if it is not deployed)."""
     return rpc.get_actor(checker_name(i), NAMESPACE)
@@ -444,12 +353,6 @@ def get_checker(i: int):
 def get_controller():
     """The controller's Ray handle (``ValueError`` if it is not deployed)."""
     return rpc.get_actor(CONTROLLER, NAMESPACE)
-
-
-def get_shard(i: int):
-    """Shard ``i``'s Ray handle (``ValueError`` if it is not deployed); of a replicated
-    shard, its leading replica's (``ShardLeaders`` caches them)."""
-    return _handle("shard", i)
 
 
 def _running_config(controller) -> ClusterConfig:
@@ -541,10 +444,8 @@ def find_deployed() -> tuple[object, list[object]]:
 
 
 def _actor_names(cfg: ClusterConfig, kind: str) -> list[str]:
-    """The actor names of the shards or coordinators (``kind``): plain, or their replicas'."""
+    """The actor names of the shards' or coordinators' (``kind``) replicas."""
     count = cfg.num_shards if kind == "shard" else cfg.num_coordinators
-    if cfg.replication_factor == 1:
-        return [_NAMES[kind](i) for i in range(count)]
     return [replica_name(i, k, kind) for i in range(count)
             for k in range(cfg.replication_factor)]
 
@@ -618,33 +519,45 @@ SHARD_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tc
                                        ":glibc.malloc.mmap_threshold=1048576"}
 
 
-def _create_replicas(control: rpc.ControllerClient, config: ClusterConfig) -> None:
-    """Each shard's replicas, created unless they exist, one per bundle of the shard's
-    placement group (``STRICT_SPREAD``: each on its own node); waits until every group
-    has ``min_insync_replicas`` in sync."""
-    check_deployable(config, running=True)  # (checked before anything: a node gone since?)
-    _create_group(ReplicaActor, config, config.num_shards,
-                  max_concurrency=config.shard_max_concurrency)
-    _wait_in_sync(control, config, "replicas")
-
-
-def _create_group(cls: type, config: ClusterConfig, count: int, *, max_concurrency: int):
-    """``count`` groups of ``cls`` replicas (``replication_factor`` each, a placement group
-    a group), created unless they exist; waits until each answers.  Their handles."""
+def _create_group(cls: type, config: ClusterConfig, count: int, *, max_concurrency: int,
+                  control: rpc.ControllerClient):
+    """``count`` groups of ``cls`` replicas (``replication_factor`` each, placed by
+    ``_placements``), created unless they exist; waits until each answers.  Their handles."""
     factor, cfg, kind = config.replication_factor, config.to_dict(), cls._kind
     replicas = []
     for i in range(count):
-        group = rpc.spread_group(f"raymq-{kind}-{i}", factor)
-        for k in range(factor):
+        for k, where in enumerate(_placements(kind, i, factor, control)):
             replicas.append(rpc.create_actor(
                 cls, i, k, cfg, name=replica_name(i, k, kind), namespace=NAMESPACE,
                 lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
                 num_cpus=0, max_concurrency=max_concurrency,
-                runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)},
-                scheduling_strategy=rpc.in_group(group, k)))
+                runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)}, **where))
     for r in replicas:
         rpc.ShardClient(r).call("ping", timeout_s=120)
     return replicas
+
+
+def _placements(kind: str, i: int, factor: int, control: rpc.ControllerClient) -> list[dict]:
+    """Where each replica of group ``i`` goes (Ray options).  A replicated group: one
+    bundle each of its placement group (``STRICT_SPREAD``: each on its own node, the
+    bundles staying on their nodes across ``raymq down``/``up``).  A group of one: where
+    its files are -- a shard by its custom resource ``raymq_shard_<i>`` when the
+    cluster defines it, else pinned to the node the controller remembers (first: spread
+    over the alive nodes); a coordinator on the controller's node (or by its resource)."""
+    if factor > 1:
+        group = rpc.spread_group(f"raymq-{kind}-{i}", factor)
+        return [{"scheduling_strategy": rpc.in_group(group, k)} for k in range(factor)]
+    resources = rpc.cluster_resources()
+    own = f"raymq_shard_{i}" if kind == "shard" else "raymq_controller"
+    if own in resources:
+        return [{"resources": {own: 0.001}}]
+    if kind != "shard":
+        return [{"scheduling_strategy": rpc.pin_to_node(rpc.node_id())}]
+    nodes = rpc.alive_nodes()
+    node = control.call("shard_node", i, timeout_s=30)
+    if node not in nodes:
+        node = nodes[i % len(nodes)]
+    return [{"scheduling_strategy": rpc.pin_to_node(node)}]
 
 
 def _wait_in_sync(control: rpc.ControllerClient, config: ClusterConfig, what: str) -> None:
@@ -661,43 +574,20 @@ def _wait_in_sync(control: rpc.ControllerClient, config: ClusterConfig, what: st
         time.sleep(0.1)
 
 
-def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> list:
-    """The shards' handles, each created unless it exists, pinned (module doc); waits
-    until every shard answers."""
-    if config.replication_factor > 1:
-        _create_replicas(control, config)
-        return ShardLeaders(control.handle, config)
-    cfg = config.to_dict()
-    resources = rpc.cluster_resources()
-    nodes = rpc.alive_nodes()
-    shards = []
-    for i in range(config.num_shards):
-        try:
-            shards.append(get_shard(i))
-            continue
-        except ValueError:
-            pass
-        opts = dict(name=shard_name(i), namespace=NAMESPACE, lifetime="detached",
-                    get_if_exists=True, max_restarts=-1, max_task_retries=-1, num_cpus=0,
-                    max_concurrency=config.shard_max_concurrency,
-                    runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)})
-        res = f"raymq_shard_{i}"
-        if res in resources:
-            opts["resources"] = {res: 0.001}
-        else:
-            node = control.call("shard_node", i, timeout_s=30)
-            if node not in nodes:
-                node = nodes[i % len(nodes)]
-            opts["scheduling_strategy"] = rpc.pin_to_node(node)
-        shards.append(rpc.create_actor(ShardActor, i, cfg, **opts))
-    for s in shards:
-        rpc.ShardClient(s).call("ping", timeout_s=120)
-    return shards
+def _create_shards(control: rpc.ControllerClient, config: ClusterConfig) -> "ShardLeaders":
+    """Each shard's replicas, created unless they exist (``_placements``); waits until
+    every group has ``min_insync_replicas`` in sync.  The shards' leaders."""
+    check_deployable(config, running=True)  # (checked before anything: a node gone since?)
+    _create_group(ShardActor, config, config.num_shards,
+                  max_concurrency=config.shard_max_concurrency, control=control)
+    _wait_in_sync(control, config, "replicas")
+    return ShardLeaders(control.handle, config)
 
 
 def _create_helpers(config: ClusterConfig) -> None:
     """The registries, check-back workers and transaction coordinators, each created
-    unless it exists; waits until each answers."""
+    unless it exists; waits until each answers (the coordinators' groups: until each
+    has ``min_insync_replicas`` in sync)."""
     cfg = config.to_dict()
     common = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
                   max_task_retries=-1, num_cpus=0)
@@ -707,26 +597,14 @@ def _create_helpers(config: ClusterConfig) -> None:
     checkers = [rpc.create_actor(CheckerActor, i, cfg, name=checker_name(i),
                                  max_concurrency=4, **common)
                 for i in range(config.num_checkers)]
-    if config.replication_factor > 1:  # replicated as shards are, each on its own node
-        coordinators = _create_group(CoordinatorReplicaActor, config, config.num_coordinators,
-                                     max_concurrency=32)
-    else:
-        # coordinators keep their logs on the node they start on: pinned there, as the
-        # controller is (by its resource on a `ray up` cluster)
-        pinned = "raymq_controller" in rpc.cluster_resources()
-        coordinators = [rpc.create_actor(
-            CoordinatorActor, i, cfg, name=coordinator_name(i), max_concurrency=32,
-            scheduling_strategy=None if pinned else rpc.pin_to_node(rpc.node_id()),
-            resources={"raymq_controller": 0.001} if pinned else None, **common)
-            for i in range(config.num_coordinators)]
+    control = rpc.ControllerClient(get_controller())
+    _create_group(CoordinatorActor, config, config.num_coordinators, max_concurrency=32,
+                  control=control)
     for r in registries:
         rpc.RegistryClient(r).call("ping", timeout_s=120)
     for c in checkers:
         rpc.CheckerClient(c).call("ping", timeout_s=120)
-    for c in coordinators:
-        rpc.CoordinatorClient(c).call("ping", timeout_s=120)
-    if config.replication_factor > 1:
-        _wait_in_sync(rpc.ControllerClient(get_controller()), config, "coordinator_replicas")
+    _wait_in_sync(control, config, "coordinator_replicas")
 
 
 def undeploy() -> list[str]:

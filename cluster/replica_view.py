@@ -40,17 +40,6 @@ def group_doc(g: dict, kind: str = "shard") -> dict:
                           "candidacy": cand.get(r, "unknown")} for r in g["replicas"]]}
 
 
-def unreplicated_doc(shard: int, node: str | None) -> dict:
-    """A shard that is not replicated, as ``group_doc`` gives a group: its one replica,
-    leading, epoch 0."""
-    name = f"shard-{shard}"
-    return {"shard": shard, "kind": "shard", "group": name, "leader": name,
-            "leader_node": node, "epoch": 0, "in_sync": [node], "in_sync_replicas": [name],
-            "electable": [], "candidacy": {name: "leader"},
-            "replicas": [{"name": name, "node": node, "role": "leader", "alive": True,
-                          "log_end": None, "lag_bytes": 0, "candidacy": "leader"}]}
-
-
 def not_electable(doc: dict) -> dict[str, str]:
     """The replicas of a group that could not lead now, each with why."""
     return {r: why for r, why in doc["candidacy"].items() if why not in CAN_LEAD}

@@ -2,7 +2,8 @@
 
 ``shard_actor_options`` runs ``deploy._create_shards`` against a fake cluster (its
 alive nodes, its custom resources, the node the controller remembers for each
-shard) and returns the Ray options each shard actor was created with.
+shard) and returns the Ray options each shard actor (the one replica of a group of
+one) was created with.
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ def shard_actor_options(monkeypatch, num_shards: int = 2, *, alive=("node-0",),
             return {}
 
     class Control:
-        def call(self, method, shard, **kwargs):
-            assert method == "shard_node"
-            return alive[0] if remembered is None else remembered.get(shard)
+        handle = None
 
-    def no_shard(i):
-        raise ValueError(f"no shard-{i} yet")
+        def call(self, method, *args, **kwargs):
+            if method == "replicas":  # (every group of one in sync at once)
+                return [{"shard": i, "in_sync": ["node"]} for i in range(num_shards)]
+            assert method == "shard_node"
+            return alive[0] if remembered is None else remembered.get(args[0])
 
     monkeypatch.setattr(rpc, "cluster_resources", lambda: dict(resources or {}))
     monkeypatch.setattr(rpc, "alive_nodes", lambda: list(alive))
@@ -41,6 +43,5 @@ def shard_actor_options(monkeypatch, num_shards: int = 2, *, alive=("node-0",),
     monkeypatch.setattr(rpc, "create_actor",
                         lambda cls, *args, **opts: made.append((cls, opts)) or object())
     monkeypatch.setattr(rpc, "ShardClient", Pinged)
-    monkeypatch.setattr(deploy, "get_shard", no_shard)
     deploy._create_shards(Control(), ClusterConfig(num_shards=num_shards))
     return [opts for cls, opts in made if cls is deploy.ShardActor]

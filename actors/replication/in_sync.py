@@ -14,8 +14,9 @@ Rules (Kafka's ``Partition``, RocketMQ 5's SyncStateSet):
   back; readers see only up to it;
 - a write ending at ``offset`` is acknowledged once the confirmed offset reached it and
   at least ``min_insync`` replicas are in sync (``ack``: else ``NOT_ENOUGH_REPLICAS``);
-- a new leader is elected from the in-sync set only (``elect``), with the epoch bumped:
-  a deposed leader's requests carry the old epoch and are refused (``check_epoch``).
+- a new leader is elected from the in-sync set only (``choose_leader``, the controller's
+  ``ReplicaGroups._elect``), with the epoch bumped: a deposed leader's requests carry the
+  old epoch and are refused (``check_epoch``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from raymq.storage.errors import NotEnoughReplicasError, NotLeaderError
 
 
 def choose_leader(candidates, rank) -> str:
-    """The one election rule (the controller's ``ReplicaGroups`` and this module's): the
+    """The one election rule (the controller's ``ReplicaGroups._elect`` applies it): the
     candidate ranking highest -- the controller ranks by the newest epoch a log holds,
     then the most log (RocketMQ's ``electMaster``) -- and among equals the first by name."""
     return max(sorted(candidates), key=rank)
@@ -147,32 +148,3 @@ class ReplicaSet:
         self.confirmed = max(self.confirmed, min(ends))
 
     # ---------------------------------------------------------- controller side
-    def elect(self, alive: set[str], now_ms: int, *, prefer: str | None = None,
-              unclean: bool = False, ends: dict[str, int] | None = None) -> str | None:
-        """A new leader among the ``alive`` in-sync replicas: ``prefer`` if it is one, else
-        the one holding the most (``ends``: each replica's log end, when known; whole
-        64-bit offsets compared), then by name; with ``unclean``, any alive replica when
-        none is in sync.  The epoch is bumped; the in-sync set is the new leader and the
-        alive in-sync followers.  None (nothing changed) when there is no candidate."""
-        candidates = self.in_sync & alive
-        if not candidates and unclean:
-            candidates = set(self.replicas) & alive
-        if not candidates:
-            return None
-        ends = ends or {}
-        new = prefer if prefer in candidates else choose_leader(
-            candidates, lambda r: ends.get(r, -1))
-        self.epoch += 1
-        old = self.leader
-        self.leader = new
-        self.in_sync = (self.in_sync & alive) | {new}
-        self.followers.pop(new, None)
-        if old != new:
-            self.followers[old] = Follower()
-        for r in self.replicas:
-            if r != new:
-                f = self.followers.setdefault(r, Follower())
-                if r in self.in_sync:  # in sync as of the election (Kafka does the same)
-                    f.caught_up_ms = now_ms
-        self.leader_end = 0  # (the new leader reports its end with ``appended``)
-        return new

@@ -45,7 +45,6 @@ class LeaderState:
         self._acks = threading.Condition(self._cond)  # writes waiting for the confirmed offset
         self._data = threading.Condition(self._cond)  # fetches waiting for new records
         self._answered_end: dict[str, int] = {}  # the leader's end when a fetch was answered
-        self._offsets_held: dict[str, int] = {}  # the offsets version each follower holds
         self.shipper = Shipper(list(parts), clock)  # what it keeps beside the log
         self.deposed = False
 
@@ -120,10 +119,7 @@ class LeaderState:
             self.rs.appended(self.store.max_phys_offset)
             self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
                             self.clock.monotonic_ms())
-            if offsets_version > self._offsets_held.get(follower, -1):
-                self._acks.notify_all()  # (a commit waiting for its offsets here)
             self._moved(before)
-            self._offsets_held[follower] = offsets_version
             while self.store.max_phys_offset <= from_phys and not self.deposed and \
                     self.store.offsets.version == offsets_version:
                 left = deadline - self.clock.monotonic_ms()
@@ -155,22 +151,6 @@ class LeaderState:
         empty = from_phys <= SEGMENT_HEADER_BYTES  # (an empty log: its first header)
         return None if empty else self.epochs.diverging(self.store.max_phys_offset,
                                                         last_epoch, from_phys)
-
-    def wait_offsets(self) -> bool:
-        """After group offsets changed: wait until every in-sync follower holds them (a new
-        leader then carries on from them); whether they did within the timeout."""
-        version = self.store.offsets.version
-        deadline = self.clock.monotonic_ms() + self.timeout_ms
-        with self._cond:
-            self._data.notify_all()  # (a follower long-polling takes them now)
-            while not self.deposed:
-                behind = [r for r in self.rs.in_sync if r != self.name
-                          and self._offsets_held.get(r, -1) < version]
-                left = deadline - self.clock.monotonic_ms()
-                if not behind or left <= 0:
-                    return not behind
-                self._acks.wait(left / 1000.0)
-        return False
 
     def _check(self, epoch: int) -> None:
         if self.deposed or epoch != self.rs.epoch:

@@ -122,11 +122,6 @@ class ShardReplica:
         finally:
             _ACKS.leader = False
 
-    def offsets_replicated(self) -> bool:
-        """After a commit of group offsets: wait until the in-sync followers hold them."""
-        leader = self.leader
-        return leader.wait_offsets() if leader is not None else False
-
     def log_end(self) -> int:
         shard, store = self.shard, self.store
         if shard is not None:

@@ -492,15 +492,17 @@ def test_operators_list_describe_abort_and_find_hanging_transactions(mq, name, c
 
 
 def test_a_coordinator_actor_closes_its_channel_and_log_cleanly(mq, tmp_path):
-    """``close`` on a coordinator actor (one of its own, over a data directory of its own)
-    answers, and the actor stays up to answer again."""
+    """``close`` on a coordinator actor (a replica of its own, over a data directory of
+    its own, of a coordinator the cluster does not have: it never leads) answers, and
+    the actor stays up to answer again."""
     from raymq import rpc
     from raymq.deploy import CoordinatorActor
     cfg = dict(mq.config.to_dict(), data_dir=str(tmp_path))
-    handle = rpc.create_actor(CoordinatorActor, 0, cfg, num_cpus=0)
+    index = mq.config.num_coordinators
+    handle = rpc.create_actor(CoordinatorActor, index, 0, cfg, num_cpus=0)
     try:
-        assert rpc.call(handle.ping, timeout_s=60)["coordinator"] == 0
+        assert rpc.call(handle.ping, timeout_s=60)["shard"] == index
         rpc.call(handle.close, timeout_s=60)
-        assert rpc.call(handle.ping, timeout_s=60)["transactional_ids"] == 0
+        assert rpc.call(handle.ping, timeout_s=60)["role"] == "follower"
     finally:
         rpc.kill(handle)

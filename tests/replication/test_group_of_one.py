@@ -1,0 +1,54 @@
+"""A shard that is not replicated is a group of one (``replication_factor`` 1): its one
+replica leads, with no follower to wait for, under the same rules as a bigger group; and
+it takes the files a plain shard of an earlier release kept (``shard-<i>``)."""
+from __future__ import annotations
+
+from raymq.deploy import adopt_plain_directory
+from raymq.tools.nemesis import TOPIC, Sim
+from raymq.storage import RecordBatch
+from tests.helpers import open_shard
+
+
+def test_a_group_of_one_takes_a_plain_shard_s_files_and_leads_them(tmp_path):
+    old = open_shard(tmp_path, [(TOPIC, 0)])  # (its files in <data_dir>/shard-0)
+    for i in range(3):
+        assert old.send(RecordBatch(TOPIC, 0, [b"m%d" % i]), 0, 0).status == "SEND_OK"
+    old.close()
+    assert adopt_plain_directory(str(tmp_path), "shard", 0)
+    assert not adopt_plain_directory(str(tmp_path), "shard", 0)  # (once)
+    assert not (tmp_path / "shard-0").exists()
+    s = Sim(tmp_path, n=1)
+    try:
+        s.settle()
+        assert s.leader_name() == "shard-0-r0"
+        assert s.bodies("shard-0-r0") == [b"m0", b"m1", b"m2"]
+        assert s.send("shard-0-r0", b"next", pump=False) == "SEND_OK"  # (nobody to wait for)
+        s.kill("shard-0-r0")  # a restart: it leads again, nothing lost
+        s.start("shard-0-r0")
+        s.settle()
+        assert s.leader_name() == "shard-0-r0"
+        assert s.bodies("shard-0-r0") == [b"m0", b"m1", b"m2", b"next"]
+        s.check()
+    finally:
+        s.close()
+
+
+def test_a_group_of_one_whose_disk_was_replaced_does_not_lead_an_empty_log(tmp_path):
+    """Its only replica back on a new disk would serve nothing of what was acknowledged:
+    it waits for the operator (``raymq shard elect 0 --unclean``), as a bigger group's
+    wiped replica does."""
+    s = Sim(tmp_path, n=1)
+    try:
+        s.settle()
+        assert s.send("shard-0-r0", b"kept", pump=False) == "SEND_OK"
+        s.kill("shard-0-r0")
+        s.start("shard-0-r0", wipe=True)
+        s.beat()
+        assert s.controller.replicas()[0]["candidacy"]["shard-0-r0"] != "leader" or \
+            s.replicas["shard-0-r0"].shard is None
+        assert s.electable() == []
+        s.controller.replica_elect(0, unclean=True)
+        s.beat()
+        assert s.replicas["shard-0-r0"].shard is not None  # the operator's call
+    finally:
+        s.close()
