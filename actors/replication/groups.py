@@ -76,6 +76,9 @@ class ReplicaGroups:
         self._reported: dict[str, dict | None] = {}  # replica -> the assignment it keeps
         self._nodes: dict[str, str] = {}  # replica -> its Ray node
         self._floor: dict[str, int] = {}  # restarted replica -> the end it must reach
+        #: a replica an operator elected uncleanly -> that epoch: it leads although its
+        #: log lacks the epoch it joined at, until it took over (its log then holds it)
+        self._unclean: dict[str, int] = {}
 
     def to_doc(self) -> dict:
         return {i: {k: g[k] for k in ("epoch", "leader", "in_sync", "version", "joined")}
@@ -113,6 +116,16 @@ class ReplicaGroups:
         held = self._log_epochs.get(r)
         return held is None or held >= g["joined"].get(r, 0)
 
+    def _may_lead(self, g: dict, r: str) -> bool:
+        """Whether leader ``r`` may go on leading: eligible, or elected by an operator's
+        unclean election and not yet taken over (its heartbeat still tells of its log
+        before it acted on the election)."""
+        if self.eligible(g, r):
+            if self._unclean.get(r) == g["epoch"]:
+                del self._unclean[r]  # (taken over: its log holds the epoch)
+            return True
+        return self._unclean.get(r) == g["epoch"]
+
     # ------------------------------------------------------------ replicas' calls
     def heartbeat(self, shard: int, name: str, node: str, epoch: int, log_end: int,
                   in_sync: list[str] | None, fresh: bool = False, *,
@@ -139,7 +152,7 @@ class ReplicaGroups:
                 return self.doc(g)
         if g["leader"] is None and g["epoch"] == 0:
             self._changed(g, epoch=1, leader=name, in_sync=[name], joined={name: 1})
-        elif name == g["leader"] and (fresh or not self.eligible(g, name)):
+        elif name == g["leader"] and (fresh or not self._may_lead(g, name)):
             # (restarted -- or its log lacks its epoch: a new disk, its restart told to a
             # controller that had no record of the group yet)
             self._leader_restarted(g, name, int(log_end), had)
@@ -321,6 +334,8 @@ class ReplicaGroups:
         joined = {r: g["joined"].get(r, 0) for r in in_sync}
         joined[new] = epoch if new not in g["in_sync"] or unclean and \
             not self.eligible(g, new) else joined.get(new, 0)
+        if unclean and not self.eligible(g, new):
+            self._unclean[new] = epoch  # (the operator's call: see ``_may_lead``)
         self._changed(g, epoch=epoch, leader=new, in_sync=in_sync, joined=joined)
         return True
 
