@@ -292,6 +292,11 @@ class Admin:
         if isinstance(shard, bool) or not isinstance(shard, int) or \
                 not 0 <= shard < counts[kind]:
             raise InvalidMessageError(f"no {kind} {shard!r} (0..{counts[kind] - 1})")
+        if mq.config.replication_factor == 1 and not unclean:
+            raise InvalidMessageError(
+                f"{kind}s are not replicated (replication_factor 1): {kind}-{shard} is a "
+                "group of one, with no other replica to lead (--unclean makes it lead what "
+                "its disk holds, when its disk was lost)")
         groups = self.replicas if kind == "shard" else self.coordinator_replicas
         before = next(g for g in groups() if g[kind] == shard)
         to = replica_view.replica_named(before, to_node) if to_node else None

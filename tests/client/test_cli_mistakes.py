@@ -122,5 +122,6 @@ def test_replication_mistakes_are_one_line(mq, capsys):
     err = one_line_error(capsys, "CONFIG_MISMATCH")
     assert "replication_factor: running 1, asked 3" in err and "`raymq down` first" in err
     with pytest.raises(ValueError):
-        rpc.get_actor("shard-0-r0")
-    assert mq.admin.replicas()[0]["epoch"] == 0  # unreplicated: its one replica leads
+        rpc.get_actor("shard-0-r1")  # (nothing was made)
+    [one] = mq.admin.replicas()[0]["replicas"]  # unreplicated: a group of one, leading
+    assert one["name"] == "shard-0-r0" and one["role"] == "leader"
