@@ -39,8 +39,8 @@ class Scene:
         self.groups = {kind: ReplicaGroups(1, 3, LEASE, self.clock, lambda: None, kind=kind)
                        for kind in ("shard", "coordinator")}
         self.forgotten: list[tuple[str, int]] = []
-        mq = SimpleNamespace(replicated=True, num_shards=1,
-                             config=SimpleNamespace(num_coordinators=1),
+        mq = SimpleNamespace(num_shards=1,
+                             config=SimpleNamespace(num_coordinators=1, replication_factor=3),
                              control=FakeControl(self.groups),
                              forget_leader=lambda i: self.forgotten.append(("shard", i)),
                              forget_coordinator=lambda i: self.forgotten.append(

@@ -38,8 +38,8 @@ class LeaderState:
         now = clock.monotonic_ms()
         for f in self.rs.followers.values():
             f.caught_up_ms = now  # (in sync as of the election)
-        self.rs.took_over(store.max_phys_offset)
-        self.rs.confirmed = min(confirmed, store.max_phys_offset)
+        self.rs.took_over(store.max_phys_offset)  # (alone in sync: all of its log confirmed)
+        self.rs.confirmed = max(self.rs.confirmed, min(confirmed, store.max_phys_offset))
         self._wake_readers = wake_readers
         self._cond = threading.Lock()  # one lock, two conditions: who waits for what
         self._acks = threading.Condition(self._cond)  # writes waiting for the confirmed offset

@@ -378,13 +378,20 @@ def test_kill_shard_during_produce_stream_loses_nothing_stores_once(mq, name, mo
     p = mq.producer("p")
     results, errors, stop = [], [], threading.Event()
     batches = [0]
-    replaced = []  # connections the transport found broken and replaced (then sent again)
-    real_replace = mq.transport._replace
+    replaced = []  # connections the transport found broken and replaced (then sent again,
+    # to the shard's leader as the controller says: a restarted replica leads again)
+    direct = mq.transport.inner
+    real_replace, real_rerouted = direct._replace, mq.transport.rerouted
 
     def counted_replace(call, err):
         replaced.append(call.method)
         return real_replace(call, err)
-    monkeypatch.setattr(mq.transport, "_replace", counted_replace)
+
+    def counted_rerouted(shard):
+        replaced.append("send")  # (only sends go to these shards meanwhile)
+        return real_rerouted(shard)
+    monkeypatch.setattr(direct, "_replace", counted_replace)
+    monkeypatch.setattr(mq.transport, "rerouted", counted_rerouted)
 
     def stream():  # until told to stop, after the restarts were proven
         try:

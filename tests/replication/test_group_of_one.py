@@ -28,6 +28,10 @@ def test_a_group_of_one_takes_a_plain_shard_s_files_and_leads_them(tmp_path):
         s.settle()
         assert s.leader_name() == "shard-0-r0"
         assert s.bodies("shard-0-r0") == [b"m0", b"m1", b"m2", b"next"]
+        shard = s.replicas["shard-0-r0"].serving()  # and readers see all of it at once
+        [(_t, _q, batch, _next, _end)] = shard.pull([(TOPIC, 0, 0, 10)], 0, None, None,
+                                                    "read_committed")
+        assert [bytes(m.body) for m in batch.messages()] == [b"m0", b"m1", b"m2", b"next"]
         s.check()
     finally:
         s.close()
