@@ -38,6 +38,7 @@ from raymq import rpc
 from raymq.actors.config import ClusterConfig
 from raymq.actors.metrics import replication_gauges, shard_gauges
 from raymq.metrics import GaugeReporter, RayMetrics
+from raymq.storage.fileutil import disk_usage
 from raymq.storage.errors import (BrokerUnavailableError, ConfigError, ConfigMismatchError,
                                   InvalidMessageError, NotDeployedError, NotLeaderError)
 
@@ -49,11 +50,6 @@ CONTROLLER = "controller"
 
 def shard_name(i: int) -> str:
     return f"shard-{i}"
-
-
-def _disk_bytes(gauges: "GaugeReporter") -> int | None:
-    value = gauges.last.get("disk_bytes")
-    return None if value is None else int(value)
 
 
 def adopt_plain_directory(data_dir: str, kind: str, index: int) -> bool:
@@ -194,11 +190,12 @@ class ShardActor(_Replica):
     """A shard as a Ray actor: one replica of its group (a group of one when not
     replicated), serving ``BrokerShard`` while it leads."""
 
-    def disk_bytes(self) -> int | None:
-        """The bytes its shard's files take on disk while it leads (as of its last gauge
-        report), None while it follows."""
-        self._replica.serving()  # (clients ask the leader's only)
-        return _disk_bytes(self._gauges)
+    def disk_bytes(self) -> int:
+        """The bytes its shard's files take on disk while it leads, as of its last gauge
+        report (5 s; counted now before the first since it leads)."""
+        shard = self._replica.serving()  # (clients ask the leader's only)
+        value = self._gauges.last.get("disk_bytes")
+        return disk_usage(shard.directory) if value is None else int(value)
 
 
 class _ShardCalls(_LeaderCalls):
@@ -304,7 +301,7 @@ class CoordinatorActor(_Replica):
         from raymq.transport import DirectTransport, FailoverTransport
         leaders = ShardLeaders(get_controller(), cfg)
         transport = FailoverTransport(DirectTransport(leaders.__getitem__, io_threads=8),
-                                      leaders.forget)
+                                      leaders.forget, leaders.__getitem__)
 
         def make_coordinator(directory):
             return TransactionCoordinator(

@@ -374,18 +374,22 @@ _TLS_WHY = "each shard's data channel over TLS with Ray's certificates (RAY_USE_
 
 
 class FailoverTransport:
-    """A transport to replicated shards (``replication_factor`` > 1): a call answered
-    ``NotLeaderError``, or whose shard is gone or silent, asks the controller for the
-    leader again (``forget``) and is sent again -- the same request (every call on this
-    path is idempotent: a producer's sequence keeps a resent write stored once) -- until
-    ``FAILOVER_S`` have passed.  Everything else is the inner transport's."""
+    """A transport to shards as groups of replicas (of one, unreplicated): a call answered
+    ``NotLeaderError``, or whose shard is gone, asks the controller for the leader again
+    (``forget``) and is sent again -- the same request (every call on this path is
+    idempotent: a producer's sequence keeps a resent write stored once) -- until
+    ``FAILOVER_S`` have passed.  A call that timed out is sent again only when the
+    controller names another leader by then (``shard_handle``: the leader now); else its
+    ``RequestTimeoutError`` is the caller's, at the caller's time-out.  Everything else is
+    the inner transport's."""
 
     #: How long a call follows leader changes before it fails with the last error.
     FAILOVER_S = 20.0
 
-    def __init__(self, inner, forget: Callable[[int], None]):
-        self.inner, self._forget_leader = inner, forget
-        self.name, self.why = inner.name, inner.why + "; following each shard's leader"
+    def __init__(self, inner, forget: Callable[[int], None],
+                 shard_handle: Callable[[int], Any] | None = None):
+        self.inner, self._forget_leader, self._handle = inner, forget, shard_handle
+        self.name, self.why = inner.name, inner.why  # (every transport follows leaders)
 
     def call(self, shard: int, method: str, *args, timeout_s: float) -> Any:
         return self.begin(shard, method, args, timeout_s=timeout_s).result()
@@ -400,14 +404,26 @@ class FailoverTransport:
         first = self.inner.submit(shard, method, args, timeout_s=timeout_s)
 
         def done(f: Outcome) -> None:
-            if not isinstance(f._error, _REROUTE):
+            if not isinstance(f._error, _REROUTE) or not self.moved(shard, f._error):
                 out.settle(f.result)
                 return
-            self.rerouted(shard)
             threading.Thread(target=out.settle, daemon=True, name="raymq-failover", args=(
                 lambda: self.call(shard, method, *args, timeout_s=timeout_s),)).start()
         first.add_done_callback(done)
         return out
+
+    def moved(self, shard: int, err: BaseException) -> bool:
+        """After ``err``: whether shard ``shard``'s call should go again (to the leader
+        the controller names now)."""
+        if not isinstance(err, RequestTimeoutError) or self._handle is None:
+            self.rerouted(shard)
+            return True
+        before = _actor_id(self._handle(shard))
+        self.rerouted(shard)
+        try:
+            return _actor_id(self._handle(shard)) != before
+        except _REROUTE:
+            return True
 
     def rerouted(self, shard: int) -> None:
         self._forget_leader(shard)
@@ -420,6 +436,10 @@ class FailoverTransport:
 
 
 _REROUTE = (NotLeaderError, BrokerUnavailableError, RequestTimeoutError)
+
+
+def _actor_id(handle: Any) -> Any:
+    return getattr(handle, "_actor_id", handle)
 
 
 class _FailoverCall:
@@ -445,11 +465,11 @@ class _FailoverCall:
             try:
                 return self.call.result()
             except _REROUTE as err:
-                if time.monotonic() + pause >= self.deadline:
+                if time.monotonic() + pause >= self.deadline or not self.t.moved(self.shard,
+                                                                                 err):
                     raise
                 log.debug("shard-%d %s: %s; asking for the leader again", self.shard,
                           self.method, err)
-                self.t.rerouted(self.shard)
                 time.sleep(pause)  # (back-off while the controller elects)
                 pause = min(pause * 2, 0.5)
                 self.call = self._begin()
@@ -477,7 +497,7 @@ def make_transport(kind: str, shard_handle: Callable[[int], Any],
     With ``forget`` (replicated shards: drop shard i's cached leader) calls follow leader
     changes (``FailoverTransport``)."""
     inner = _make_transport(kind, shard_handle)
-    return inner if forget is None else FailoverTransport(inner, forget)
+    return inner if forget is None else FailoverTransport(inner, forget, shard_handle)
 
 
 def _make_transport(kind: str, shard_handle: Callable[[int], Any]):

@@ -159,8 +159,13 @@ class LeaderState:
                                  f"not epoch {epoch}")
 
     def wake(self) -> None:
-        """New records (the store's written hook): long-polling fetches answer."""
+        """New records (the store's written hook): long-polling fetches answer; alone in
+        sync (a group of one), the leader confirms them at once -- also a write that
+        does not wait (a Kafka-style transactional write's, made durable by its commit)."""
         with self._cond:
+            before = self.rs.confirmed
+            self.rs.appended(self.store.max_phys_offset)
+            self._moved(before)
             self._data.notify_all()
 
     # ------------------------------------------------------------ in-sync set

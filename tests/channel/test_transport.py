@@ -158,7 +158,7 @@ def test_pooled_connection_to_a_restarted_shard_is_replaced_transparently(mq, na
     p = mq.producer("p")
     first = p.send(Message(name, b"before"))
     before = rpc.call(mq.shard_handle(shard).endpoint, timeout_s=30)
-    assert mq.transport._idle.get(shard), "the connection should be pooled"
+    assert mq.transport.inner._idle.get(shard), "the connection should be pooled"
     pid = rpc.call(mq.shard_handle(shard).ping, timeout_s=30)["pid"]
     ray.kill(mq.shard_handle(shard), no_restart=False)
 
@@ -168,7 +168,13 @@ def test_pooled_connection_to_a_restarted_shard_is_replaced_transparently(mq, na
         except rpc.RayMQError:
             return False
     wait_for(restarted, 60, "the shard restarted")
-    after = rpc.call(mq.shard_handle(shard).endpoint, timeout_s=60)
+
+    def endpoint():  # (once it leads again: its one replica, re-elected)
+        try:
+            return rpc.call(mq.shard_handle(shard).endpoint, timeout_s=60)
+        except rpc.RayMQError:
+            return None
+    after = wait_for(endpoint, 60, "the restarted shard's data channel")
     assert after[1] != before[1]  # a new key (and port)
     # the pooled connection is dead; the call replaces it and goes through
     offsets = mq.transport.call(shard, "get_offsets", "nobody", [(name, 0)], timeout_s=30)

@@ -100,6 +100,6 @@ def test_an_embedded_console_over_a_settings_file_starts_its_own_cluster(tmp_pat
         with urllib.request.urlopen(url + "api/overview", timeout=60) as r:
             overview = json.load(r)
         assert [s["shard"] for s in overview["shards"]] == [0]
-        assert (tmp_path / "broker" / "shard-0").is_dir()
+        assert (tmp_path / "broker" / "shard-0-r0").is_dir()  # (its group of one's replica)
     finally:
         _stop(proc)

@@ -59,3 +59,20 @@ def test_a_group_of_one_whose_disk_was_replaced_leads_again_only_by_the_operator
         assert s.bodies("shard-0-r0") == [b"after"]
     finally:
         s.close()
+
+
+def test_a_group_of_one_confirms_a_write_that_does_not_wait(tmp_path):
+    """A Kafka-style transactional write answered once written (``durable=False``, made
+    durable by its commit) is read uncommitted at once: nobody's fetch moves a group of
+    one's confirmed offset, its own write does."""
+    s = Sim(tmp_path, n=1)
+    try:
+        s.settle()
+        shard = s.replicas["shard-0-r0"].serving(write=True)
+        shard.ktx_register(7, 0, [(TOPIC, 0)])
+        shard.ktx_send(RecordBatch(TOPIC, 0, [b"tx"]), 7, 0, 1, 0, durable=False)
+        [(_t, _q, batch, _next, end)] = shard.pull([(TOPIC, 0, 0, 10)], 0, None, None,
+                                                   "read_uncommitted")
+        assert [bytes(m.body) for m in batch.messages()] == [b"tx"] and end == 1
+    finally:
+        s.close()
