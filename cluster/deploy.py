@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from raymq.actors.rocketmq_tx.checker import CheckerWorker
 from raymq.actors.channel import DATA_METHODS, ChannelLimits, Endpoint
 from raymq.actors.controller import Controller
+from raymq.actors.faults import faults_named
 from raymq.actors.kafka_tx.coordinator import TransactionCoordinator
 from raymq.actors.rocketmq_tx.registry import ProducerGroupRegistry
 from raymq.actors.replication.peers import PeerLinks
@@ -40,7 +41,7 @@ from raymq.actors.metrics import replication_gauges, shard_gauges
 from raymq.metrics import GaugeReporter, RayMetrics
 from raymq.storage.fileutil import disk_usage
 from raymq.storage.errors import (BrokerUnavailableError, ConfigError, ConfigMismatchError,
-                                  InvalidMessageError, NotDeployedError, NotLeaderError)
+                                  NotDeployedError, NotLeaderError)
 
 log = logging.getLogger("raymq.deploy")
 
@@ -161,7 +162,11 @@ class _Replica:
         return make_shard
 
     def ping(self) -> dict:
-        return self._replica.status()
+        """The replica's status; while it leads, what the served object's ``ping`` says
+        too (a coordinator's transactions, a shard's directory)."""
+        status = self._replica.status()
+        shard = self._replica.shard
+        return {**shard.ping(), **status} if shard is not None else status
 
     def replica_status(self) -> dict:
         return self._replica.status()
@@ -311,7 +316,9 @@ class CoordinatorActor(_Replica):
         return make_coordinator
 
     def set_fault(self, fault: str | None) -> None:
-        raise InvalidMessageError("coordinators take no test faults")
+        """Test hook: a crash point of its log (``TransactionCoordinator.set_fault``),
+        armed in this replica's process whatever its role."""
+        faults_named(fault)
 
 
 _delegate(TransactionCoordinator, CoordinatorActor, _CoordinatorCalls)
@@ -526,7 +533,10 @@ def _create_group(cls: type, config: ClusterConfig, count: int, *, max_concurren
         for k, where in enumerate(_placements(kind, i, factor, control)):
             replicas.append(rpc.create_actor(
                 cls, i, k, cfg, name=replica_name(i, k, kind), namespace=NAMESPACE,
-                lifetime="detached", get_if_exists=True, max_restarts=-1, max_task_retries=0,
+                lifetime="detached", get_if_exists=True, max_restarts=-1,
+                # a call to a restarting replica: to the new leader (the client asks the
+                # controller) -- a group of one has none: Ray sends it again once it is up
+                max_task_retries=-1 if factor == 1 else 0,
                 num_cpus=0, max_concurrency=max_concurrency,
                 runtime_env={"env_vars": dict(SHARD_PROCESS_ENV)}, **where))
     for r in replicas:

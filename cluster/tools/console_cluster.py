@@ -11,13 +11,14 @@ from raymq.storage.errors import RayMQError
 READY_TIMEOUT_S = 2.0
 
 
-def kind_of(name: str) -> str:
+def kind_of(name: str, replicated: bool = True) -> str:
     """An actor's kind from its name: ``shard-3`` -> shard, ``shard-3-r1`` -> shard
-    replica, ``controller`` -> controller."""
+    replica (``replicated=False``: shard, the one replica of a group of one is the
+    shard), ``controller`` -> controller."""
     head = name.split("-", 1)[0]
     kind = head if head in ("shard", "coordinator", "checker", "registry", "controller") \
         else "other"
-    return f"{kind} replica" if re.search(r"-r\d+$", name) else kind
+    return f"{kind} replica" if replicated and re.search(r"-r\d+$", name) else kind
 
 
 def actors_alive(mq) -> list[dict]:
@@ -39,8 +40,8 @@ def actors_alive(mq) -> list[dict]:
                 call.result(READY_TIMEOUT_S)
             except (RayMQError, Exception) as err:  # noqa: BLE001 -- shown, not raised
                 error = f"{type(err).__name__}: {err}"
-        out.append({"name": name, "kind": kind_of(name), "alive": error is None,
-                    "error": error})
+        out.append({"name": name, "kind": kind_of(name, mq.config.replication_factor > 1),
+                    "alive": error is None, "error": error})
     return out
 
 
