@@ -163,9 +163,10 @@ class LeaderState:
         sync (a group of one), the leader confirms them at once -- also a write that
         does not wait (a Kafka-style transactional write's, made durable by its commit)."""
         with self._cond:
-            before = self.rs.confirmed
-            self.rs.appended(self.store.max_phys_offset)
-            self._moved(before)
+            if len(self.rs.in_sync) == 1:  # (alone in sync: nobody's fetch moves it)
+                before = self.rs.confirmed
+                self.rs.appended(self.store.max_phys_offset)
+                self._moved(before)
             self._data.notify_all()
 
     # ------------------------------------------------------------ in-sync set
