@@ -165,6 +165,22 @@ def _drop_entries_past_end(queues: QueueIndex, end: int) -> None:
                         cq.path, dropped, end)
 
 
+def _queues_of(h: np.ndarray) -> list[tuple[tuple[int, int, int], np.ndarray]]:
+    """The queues of a frame's records, in the order their first record comes: each
+    ``(meta_off, topic_len, queue_id)`` with the indexes of its records.  A frame of one
+    queue (a batch to one queue: the common case) is told at once, without sorting."""
+    mo, tl, qi = h["meta_off"], h["topic_len"], h["queue_id"]
+    if not len(mo):
+        return []
+    if (mo == mo[0]).all() and (tl == tl[0]).all() and (qi == qi[0]).all():
+        return [((int(mo[0]), int(tl[0]), int(qi[0])), np.arange(len(mo)))]
+    keys = np.stack([mo.astype(np.int64), tl.astype(np.int64), qi.astype(np.int64)], axis=1)
+    uniq, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(tuple(int(x) for x in uniq[u]), np.flatnonzero(inverse == u))
+            for u in np.argsort(first)]
+
+
 class Replay:
     """Re-indexes the frames found past the checkpoint, one put at a time.
 
@@ -197,15 +213,10 @@ class Replay:
                       sizes: np.ndarray) -> None:
         """Queue the index entries of the frame's records the consume queues miss (a queue
         at a time: the records of one topic and queue in a frame share its name's bytes)."""
-        keys = np.stack([h["meta_off"].astype(np.int64), h["topic_len"].astype(np.int64),
-                         h["queue_id"].astype(np.int64)], axis=1)
-        uniq, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         pending = self._open_entries
-        for u in np.argsort(first):  # (queues in the order their first record comes)
-            meta_off, topic_len, qid = (int(x) for x in uniq[u])
+        for (meta_off, topic_len, qid), idx in _queues_of(h):
             topic = bytes(buf[pos + meta_off:pos + meta_off + topic_len]).decode()
             cq = self.queues.get_or_create(topic, qid)
-            idx = np.flatnonzero(inverse.reshape(-1) == u)
             idx = idx[phys[idx] > cq.last_phys]
             if not len(idx):
                 continue

@@ -81,6 +81,22 @@ def test_a_follower_holds_the_leaders_records_at_the_same_offsets(pair, tmp_path
         reopened.close()
 
 
+def test_a_put_over_several_queues_is_indexed_on_the_follower_as_on_the_leader(pair):
+    """A frame of one queue is indexed without sorting its records by queue; one whose
+    records go to several (interleaved, of two topics) is indexed queue by queue, each in
+    its records' order."""
+    leader, follower = pair
+    rng = random.Random(11)
+    for k in range(30):
+        picks = [rng.choice(QUEUES) for _ in range(rng.choice([1, 5, 60]))]
+        leader.put(RecordBatch([t for t, _q in picks], [q for _t, q in picks],
+                               [b"%d-%d" % (k, i) for i in range(len(picks))]))
+    copy(leader, follower, chunk=4_000)
+    want = view(leader)
+    assert view(follower) == want
+    assert sum(len(want[q]) for q in QUEUES) > 500 and all(want[q] for q in QUEUES)
+
+
 def test_copying_goes_on_from_where_it_stopped(pair):
     leader, follower = pair
     rng = random.Random(5)
