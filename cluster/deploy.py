@@ -141,6 +141,17 @@ class _Replica:
                                      self._leader_gauges).start()
         log.info("%s up on node %s, data channel on %s:%d", name, node,
                  *self._endpoint.address)
+        if cfg.replication_factor == 1:
+            self._await_leading(60.0)
+
+    def _await_leading(self, timeout_s: float) -> None:
+        """(a group of one) Ready once its one replica leads -- as a plain shard was ready
+        once recovered: a call Ray sends again after a restart finds it serving.  One the
+        controller does not elect (its disk was lost) is ready after ``timeout_s``, for the
+        operator's ``--unclean`` election."""
+        deadline = time.monotonic() + timeout_s
+        while self._replica.shard is None and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _leader_gauges(self) -> list:
         """While this replica leads: its group's replication, and a shard's own gauges."""
