@@ -497,7 +497,8 @@ def test_a_coordinator_actor_closes_its_channel_and_log_cleanly(mq, tmp_path):
     the actor stays up to answer again."""
     from raymq import rpc
     from raymq.deploy import CoordinatorActor
-    cfg = dict(mq.config.to_dict(), data_dir=str(tmp_path))
+    # (as a replica of a replicated one: a group of one's actor would wait to lead first)
+    cfg = dict(mq.config.to_dict(), data_dir=str(tmp_path), replication_factor=2)
     index = mq.config.num_coordinators
     handle = rpc.create_actor(CoordinatorActor, index, 0, cfg, num_cpus=0)
     try:
