@@ -110,17 +110,26 @@ class ConsumeQueue:
         return 0
 
     def truncate_past(self, log_end: int) -> int:
-        """Drop entries whose record does not end within ``log_end``; return how many."""
+        """Drop entries whose record does not end within ``log_end``; return how many.
+        (Entries are in log order: a binary search, one entry read a step.)"""
         if not self.count or self.last_phys < 0:
             return 0
-        tail = self.read(max(0, self.count - 4096), 4096)
-        ends = tail["phys"] + tail["size"]
-        if ends[-1] <= log_end:
+
+        def ends_within(k: int) -> bool:
+            e = self.read(k, 1)
+            return int(e["phys"][0]) + int(e["size"][0]) <= log_end
+
+        if ends_within(self.count - 1):
             return 0
-        allp = self.read(0, self.count)
-        keep = int(np.searchsorted(allp["phys"] + allp["size"], log_end, side="right"))
-        dropped = self.count - keep
-        self.truncate_to(keep)
+        lo, hi = 0, self.count - 1  # entries below lo end within; the one at hi does not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ends_within(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        dropped = self.count - lo
+        self.truncate_to(lo)
         return dropped
 
     def truncate_to(self, count: int) -> None:

@@ -32,6 +32,8 @@ CRASH_POINTS = {
     "checkpoint.queues_synced": "consume queues fsynced, the checkpoint file not written yet",
     "checkpoint.before_rename": "the new checkpoint is in its fsynced temp file, not renamed",
     "checkpoint.renamed": "the new checkpoint is renamed in place, its directory not fsynced",
+    "cut.queues": "a replica's cut dropped its queues' entries past the cut, its "
+                  "checkpoint not moved yet",
     "rebuild.marked": "a consume-queue rebuild is marked in the checkpoint, nothing deleted",
     "rebuild.deleting": "a rebuild deleted one consume-queue file of several",
     "rebuild.deleted": "a rebuild deleted every consume-queue file, none written again",

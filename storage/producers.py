@@ -105,6 +105,18 @@ class ProducerTable:
             del self._states[pid]
         return len(old)
 
+    def cut_back(self, firsts: dict[int, int]) -> None:
+        """The log was cut where each producer of ``firsts`` had its put of sequence
+        ``firsts[id]`` (its first one cut): its last sequence goes back to the one before
+        (sequences only grow along the log), and its cut results go."""
+        for producer_id, first in firsts.items():
+            state = self._states.get(producer_id)
+            if state is None or state.last_sequence < first:
+                continue
+            state.last_sequence = first - 1
+            for seq in [s for s in state.recent if s >= first]:
+                del state.recent[seq]
+
     def snapshot(self) -> dict[str, list[int]]:
         return {str(pid): [s.last_sequence, s.last_seen_ms] for pid, s in self._states.items()}
 

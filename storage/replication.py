@@ -3,8 +3,9 @@ hands out whole frames of its commit log from a physical offset (``read_frames``
 follower's store writes them at the same physical offsets and indexes them as recovery
 does (``append_replicated``), so that every queue, offset and producer sequence of the
 follower is the leader's, byte for byte (RocketMQ HA's shape).  A returning replica
-cuts its log where it diverged (``truncate_log``, the point from
-``raymq.storage.epochs``) and is reopened: recovery rebuilds what the cut removed.
+cuts its store where it diverged (``cut_store``, the point from
+``raymq.storage.epochs``): the commit log, its consume queues and its checkpoint go back
+together, so the store reopens without re-indexing anything below the cut.
 
 Segment boundaries need no message: a commit log starts a new segment exactly when the
 next frame does not fit, so the same frames in the same order land at the same offsets
@@ -13,13 +14,22 @@ error, nothing written).  Pure Python, no Ray.
 """
 from __future__ import annotations
 
+import logging
+import os
+import struct
 from dataclasses import dataclass
 
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
+from raymq.storage.durability import write_checkpoint
 from raymq.storage.errors import StorageError
-import struct
+from raymq.storage.faults import crash_point
+from raymq.storage.producers import ProducerTable
+from raymq.storage.queueindex import QueueIndex
+from raymq.storage.records import (FRAME_HEADER_BYTES, FRAME_MAGIC, FrameError, check_frame,
+                                   frame_producer)
+from raymq.storage.recovery import read_checkpoint
 
-from raymq.storage.records import FRAME_HEADER_BYTES, FRAME_MAGIC, FrameError, check_frame
+log = logging.getLogger(__name__)
 
 _MAGIC_LEN = struct.Struct("<II")  # a frame header's first fields: magic, length
 
@@ -101,14 +111,64 @@ def place_frames(log: CommitLog, phys: int, data: bytes,
             for pos, length, _count in frames]
 
 
-def truncate_log(directory: str, segment_size_bytes: int, phys: int) -> None:
-    """Cut the commit log of a closed store at ``phys`` (a returning replica, where its
-    epochs diverge from the leader's); the store reopened then rebuilds its queues and
-    producer table from what is left (its checkpoint is past the cut)."""
-    log = CommitLog(directory, segment_size_bytes)
-    log.open(0, lambda *_a: None)  # (every frame checked: a torn tail is cut first)
+def cut_store(directory: str, segment_size_bytes: int, phys: int) -> None:
+    """Cut the closed store in ``directory`` at ``phys`` (a put boundary: a returning
+    replica, where its epochs diverge from the leader's).
+
+    What a checkpoint past the cut vouches for is cut back with the log, so the store
+    reopens from the cut instead of re-indexing its whole log: every consume queue
+    loses the entries of records at or past ``phys``, every producer whose puts were cut
+    goes back to the sequence before its first cut one (sequences only grow along the
+    log), and the checkpoint moves to ``phys`` -- then the log is cut.  A crash between
+    the steps leaves a checkpoint at or past the log's end and queues that agree with it,
+    or (queues cut, checkpoint not yet moved) queues that disagree: recovery rebuilds
+    them then, as it did before this shortcut.
+    """
+    commit_log = CommitLog(os.path.join(directory, "commitlog"), segment_size_bytes)
+    firsts: dict[int, int] = {}  # producer id -> its first sequence at or past the cut
+
+    def note(_frame_phys, buf, pos, _frame_len, _count) -> None:
+        producer_id, sequence, _ms, _attrs = frame_producer(buf, pos)
+        if producer_id and producer_id not in firsts:
+            firsts[producer_id] = sequence
+
+    commit_log.open(phys, note)  # (the frames past the cut checked: a torn tail is cut)
     try:
-        if phys < log.max_offset:
-            log.truncate_to(phys)
+        if phys >= commit_log.max_offset:
+            return
+        checkpoint_path = os.path.join(directory, "checkpoint")
+        checkpoint = read_checkpoint(checkpoint_path)
+        if checkpoint.offset > phys and not checkpoint.rebuilding:
+            _cut_queues(directory, checkpoint_path, checkpoint.producers, firsts, phys)
+        commit_log.truncate_to(phys)
     finally:
-        log.close()
+        commit_log.close()
+
+
+def _cut_queues(directory: str, checkpoint_path: str, producers: ProducerTable,
+                firsts: dict[int, int], phys: int) -> None:
+    queues = QueueIndex(os.path.join(directory, "consumequeue"), 64)
+    queues.load()
+    try:
+        dropped = sum(cq.truncate_past(phys) for cq in queues.queues.values())
+        crash_point("cut.queues")
+        producers.cut_back(firsts)
+        write_checkpoint(checkpoint_path, phys, queues.queues.values(), producers.snapshot())
+    finally:
+        for cq in queues.queues.values():
+            cq.close()
+    log.info("store %s: cut at %d: %d consume-queue entries and the sequences of %d "
+             "producers went with it", directory, phys, dropped, len(firsts))
+
+
+def truncate_log(directory: str, segment_size_bytes: int, phys: int) -> None:
+    """Cut only the commit log of a closed store at ``phys``; the store reopened then
+    rebuilds its queues and producer table from the start of its log (its checkpoint is
+    past the cut).  ``cut_store`` is the shortcut."""
+    log_ = CommitLog(directory, segment_size_bytes)
+    log_.open(0, lambda *_a: None)  # (every frame checked: a torn tail is cut first)
+    try:
+        if phys < log_.max_offset:
+            log_.truncate_to(phys)
+    finally:
+        log_.close()

@@ -98,6 +98,12 @@ def open_store(directory: str) -> None:
     sys.stdout.write("OPENED\n")
 
 
+def cut(directory: str, phys: int) -> None:
+    from raymq.storage.replication import cut_store
+    cut_store(directory, POINTS_CONFIG.segment_size_bytes, phys)
+    sys.stdout.write("CUT\n")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "store":
         write_store(sys.argv[2], int(sys.argv[3]))
@@ -105,5 +111,7 @@ if __name__ == "__main__":
         write_points(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "open":
         open_store(sys.argv[2])
+    elif sys.argv[1] == "cut":
+        cut(sys.argv[2], int(sys.argv[3]))
     else:
         write_offsets(sys.argv[2])

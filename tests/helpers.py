@@ -70,6 +70,25 @@ def store_whose_queues_must_be_rebuilt(directory: str, config: StoreConfig = SMA
     return {("A", 0): [b"a0", b"a1", b"a2"], ("B", 0): [b"b%d" % i for i in range(5)]}
 
 
+def put_starts(store: MessageStore) -> list[tuple[int, dict[int, int]]]:
+    """Where each put starts in ``store``'s log, with the last sequence of each producer
+    before it."""
+    from raymq.storage.records import FRAME_ATTR_LAST, frame_producer
+    from raymq.storage.replication import split_frames
+    out, last, phys, pending = [], {}, 0, True
+    while True:
+        start, data = store.read_frames(phys, 1 << 30)
+        if not data:
+            return out
+        for pos, _length, _count in split_frames(data):
+            if pending:
+                out.append((start + pos, dict(last)))
+            producer_id, sequence, _ms, attrs = frame_producer(data, pos)
+            last[producer_id] = sequence
+            pending = bool(attrs & FRAME_ATTR_LAST)
+        phys = start + len(data)
+
+
 def forget_checkpoint(path) -> None:
     """As if the process died before checkpointing anything (scan from the start)."""
     (path / "checkpoint").write_text('{"format": "raymq-checkpoint", "version": 1, '

@@ -42,7 +42,7 @@ from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.epochs import EpochCache
 from raymq.storage.errors import NotLeaderError
 from raymq.storage.fileutil import atomic_write
-from raymq.storage.replication import truncate_log
+from raymq.storage.replication import cut_store
 
 log = logging.getLogger("raymq.replica")
 
@@ -291,8 +291,7 @@ class ShardReplica:
         """Cut this follower's log at ``cut`` (a put boundary of the leader's log) and its
         epochs with it; its parts go (they may cover records cut away)."""
         self.store.close()
-        truncate_log(os.path.join(self.directory, "commitlog"),
-                     self.config.segment_size_bytes, cut)
+        cut_store(self.directory, self.config.segment_size_bytes, cut)
         self.epochs.truncate_from_end(cut)
         parts.forget(self.directory)
         self.store = self.open_store()

@@ -18,7 +18,7 @@ import pytest
 from raymq.storage import MessageStore
 from raymq.storage.faults import CRASH_ENV, CRASH_EXIT_CODE, CRASH_MARKER, CRASH_POINTS
 from tests.crash_writer import CHECKPOINT_EVERY, POINTS_CONFIG, plan_puts, put_body
-from tests.helpers import ROOT, store_whose_queues_must_be_rebuilt
+from tests.helpers import ROOT, put_starts, store_whose_queues_must_be_rebuilt
 
 SEED, PUTS = 7, 60
 
@@ -129,6 +129,42 @@ def test_a_kill_at_any_step_of_a_consume_queue_rebuild_keeps_every_acknowledged_
         assert {q: [m.body for m in store.read_queue(*q, 0, 100)] for q in expected} == expected
 
 
+#: Points of a replica's cut below its checkpoint (``cut_store``): queues cut, then the
+#: checkpoint moved (its three steps), then the log cut.
+CUT_KILLS = [("cut.queues", 1), ("checkpoint.queues_synced", 1),
+             ("checkpoint.before_rename", 1), ("checkpoint.renamed", 1)]
+
+
+@pytest.mark.parametrize("point,hit", CUT_KILLS, ids=[f"{p}:{h}" for p, h in CUT_KILLS])
+def test_a_kill_at_any_step_of_a_replicas_cut_keeps_the_puts_before_it(tmp_path, point, hit):
+    """Killed while it cuts its store below the checkpoint, a replica opens with every put
+    before the cut whole and each queue without a gap; the cut done again ends with
+    exactly those puts, and the store takes writes."""
+    directory = str(tmp_path / "store")
+    written = run_child(["points", directory, str(SEED), str(PUTS)], None)
+    plan = plan_puts(SEED, PUTS)
+    acks = acknowledged(written)
+    with MessageStore(directory, POINTS_CONFIG, background=False) as store:
+        starts = put_starts(store)
+        cut, _producers = starts[len(starts) // 2]
+        before = {p for p in acks if any(m.phys_offset < cut for (t, q), o in
+                                          zip(plan[p], acks[p])
+                                          for m in store.read_queue(t, q, o, 1))}
+    assert 5 < len(before) < len(acks)
+    killed = run_child(["cut", directory, str(cut)], point, hit)
+    assert_killed_at(killed, point, hit)
+    check_store(directory, {p: acks[p] for p in before}, plan)
+    done = run_child(["cut", directory, str(cut)], None)
+    assert done.returncode == 0 and "CUT" in done.stdout, done.stderr[-2000:]
+    with MessageStore(directory, POINTS_CONFIG, background=False) as store:
+        assert store.max_phys_offset == cut
+    check_store(directory, {p: acks[p] for p in before}, plan)
+    with MessageStore(directory, POINTS_CONFIG, background=False) as store:
+        visible = {int(m.body.split(b"|")[0][1:].decode().split("-")[0])
+                   for t, q in store.queues() for m in store.read_queue(t, q, 0, 100_000)}
+    assert visible >= before and all(p in before or p == len(plan) for p in visible)
+
+
 def test_an_unkilled_rebuild_and_writer_run_to_their_end(tmp_path):
     """Without a crash point the same runs end normally (so the kills above are the cause)."""
     directory = str(tmp_path / "store")
@@ -190,7 +226,7 @@ def test_a_kill_at_a_timer_checkpoint_delivers_each_due_message_once(tmp_path, p
 
 def test_every_crash_point_is_killed_at_by_a_test():
     """The tests above cover every point, and every point the code names is listed."""
-    covered = {p for p, _ in WRITER_KILLS + REBUILD_KILLS + TIMER_KILLS} | {"recovery.put_cut"}
+    covered = {p for p, _ in WRITER_KILLS + REBUILD_KILLS + TIMER_KILLS + CUT_KILLS} | {"recovery.put_cut"}
     # tests/kafka_tx/test_ktx_forever.py, test_kafka_transactions.py and test_fast_commit.py kill there
     covered |= {"ktx.markers_durable", "coordinator.add_logged"}
     covered |= {"coordinator.one_phase_decided"}  # tests/kafka_tx/test_fast_commit.py

@@ -5,6 +5,7 @@ reopen, and again after it is cut back where it diverged.  Out-of-step and damag
 frames are refused with nothing written.  In-process stores, no Ray."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from raymq.storage import MessageStore, RecordBatch, StoreConfig
 from raymq.storage.errors import StorageError
 from raymq.storage.records import frame_producer
-from raymq.storage.replication import split_frames, truncate_log
+from raymq.storage.replication import cut_store, split_frames, truncate_log
+from tests.helpers import put_starts
 
 CONFIG = StoreConfig(segment_size_bytes=256 * 1024, max_message_bytes=4096,
                      max_frame_bytes=4096 + 128 * 1024, flush_interval_ms=50)
@@ -139,6 +141,44 @@ def test_a_replica_cut_back_where_it_diverged_copies_again_to_the_same(tmp_path,
         kept = view(follower)
         for q in QUEUES:  # every queue holds exactly the leader's records before the cut
             assert kept[q] == [r for r in view(leader)[q] if r[0] < follower.max_phys_offset]
+        copy(leader, follower, chunk=7_000)
+        assert view(follower) == view(leader)
+    finally:
+        follower.close()
+
+
+
+def test_a_replica_cut_below_its_checkpoint_reopens_from_the_cut_not_from_the_start(
+        tmp_path, pair):
+    """Issue 34: a cut below the checkpoint moves the checkpoint, the queues and the
+    producer sequences back with the log, so nothing is re-indexed (it rebuilt every
+    queue from offset 0); the store then holds, and copies again, what the leader has."""
+    leader, follower = pair
+    fill(leader, random.Random(5), 40)
+    copy(leader, follower, chunk=50_000)
+    follower.checkpoint()
+    starts = put_starts(leader)
+    cut, producers_before = starts[len(starts) // 2]
+    queue_file = tmp_path / "follower" / "consumequeue" / "a" / "0"
+    inode = os.stat(queue_file).st_ino
+    follower.close()
+    cut_store(str(tmp_path / "follower"), CONFIG.segment_size_bytes, cut)
+    follower = MessageStore(str(tmp_path / "follower"), CONFIG, background=False)
+    try:
+        assert follower.max_phys_offset == cut
+        assert follower.recovered_records == 0 and os.stat(queue_file).st_ino == inode
+        kept = view(follower)
+        for q in QUEUES:  # every queue holds exactly the leader's records before the cut
+            assert kept[q] == [r for r in view(leader)[q] if r[0] < cut]
+        assert kept["producers"] == {p: producers_before.get(p) for p in (7, 8)}
+        # a put that was cut is a new put again, one before the cut a duplicate
+        assert follower.put(RecordBatch("a", 0, [b"x"]), producer_id=7,
+                            sequence=producers_before[7]).duplicate
+        assert not follower.put(RecordBatch("a", 0, [b"x"]), producer_id=8,
+                                sequence=producers_before[8] + 1).duplicate
+        follower.close()
+        cut_store(str(tmp_path / "follower"), CONFIG.segment_size_bytes, cut)
+        follower = MessageStore(str(tmp_path / "follower"), CONFIG, background=False)
         copy(leader, follower, chunk=7_000)
         assert view(follower) == view(leader)
     finally:
