@@ -39,6 +39,14 @@ class SegmentSealError(OSError):
     """The fsync (or the next segment's creation) that seals a full segment failed."""
 
 
+def fsync_dir_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def segment_name(base: int) -> str:
     return f"{base:020d}.log"
 
@@ -396,6 +404,53 @@ class CommitLog:
             del self._bases[i + 1:]
             self._open_sealed.pop(seg.base, None)  # the last segment now: always open
         self.flushed_offset = min(self.flushed_offset, self.max_offset)
+
+    # ------------------------------------------------------------ retention
+    def sealed(self) -> list[tuple[int, int]]:
+        """``(base, end)`` of each sealed segment (every one but the last), oldest first."""
+        with self._fd_lock:
+            return [(s.base, s.end) for s in self._segments[:-1]]
+
+    def frames_of(self, base: int):
+        """``(buf, pos, count)`` of each whole frame of the sealed segment at ``base``, read
+        through a map of it (what a retention summary reads; a bad frame ends it)."""
+        with self._fd_lock:
+            seg = self._segments[bisect.bisect_left(self._bases, base)]
+            fd = os.dup(self._fd(seg))
+        try:
+            with mmap.mmap(fd, seg.size, prot=mmap.PROT_READ) as mm:
+                pos = SEGMENT_HEADER_BYTES
+                while pos < seg.size:
+                    try:
+                        frame_len, count = check_frame(mm, pos, seg.size)
+                    except FrameError:
+                        return
+                    yield mm, pos, count
+                    pos += frame_len
+        finally:
+            os.close(fd)
+
+    def delete_oldest(self, count: int) -> int:
+        """Delete the ``count`` oldest segments (never the last one); the bytes freed.  Each
+        file goes at once (an unlink); a crash between two leaves the log starting at the
+        next: the log's start is its first segment's."""
+        freed = 0
+        for _ in range(count):
+            with self._fd_lock:
+                if len(self._segments) < 2:
+                    break
+                seg = self._segments[0]
+                if seg.pins:
+                    break
+                self._forget(seg)
+                os.unlink(seg.path)
+                del self._segments[0]
+                del self._bases[0]
+            freed += seg.size
+            crash_point("retention.deleted_one")
+        if freed:
+            fsync_dir_path(self.directory)
+        return freed
 
     def segment_end(self, offset: int) -> int:
         return self._segment_for(offset).end

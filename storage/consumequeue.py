@@ -31,6 +31,25 @@ CQ_ENTRY_BYTES = CQ_ENTRY.itemsize  # 20
 _MIN_RECORD_PHYS = SEGMENT_HEADER_BYTES + FRAME_HEADER_BYTES  # the first record of a segment
 
 
+_PAGE = 4096
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = None
+
+
+def punch_hole(fd: int, offset: int, length: int) -> int:
+    """Give back the disk blocks of ``[offset, offset + length)`` of ``fd``'s file, its size
+    kept (Linux ``fallocate`` PUNCH_HOLE; those bytes then read as zeros).  The bytes
+    freed, or 0 where the filesystem cannot."""
+    global _libc
+    import ctypes
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length):
+        return 0
+    return length
+
+
 class ConsumeQueue:
     """One queue file.  One writer (``append``, ``truncate_*``: the store serialises them);
     ``read`` and ``sync`` from any thread."""
@@ -86,6 +105,48 @@ class ConsumeQueue:
         with files.lock:
             data = os.pread(files.fd(self), n * CQ_ENTRY_BYTES, start * CQ_ENTRY_BYTES)
         return np.frombuffer(data, CQ_ENTRY, len(data) // CQ_ENTRY_BYTES)
+
+    def first_from(self, phys: int) -> int:
+        """The first entry whose record is at or after physical offset ``phys`` (entries
+        are in log order; entries whose disk blocks were given back read as zeros, below
+        any record): a binary search, one entry read a step; ``count`` when none is."""
+        lo, hi = 0, self.count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if int(self.read(mid, 1)["phys"][0]) >= phys:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def give_back(self, below: int) -> int:
+        """Free the disk blocks of entries below ``below`` (aged out: the queue's log start),
+        keeping the file's size so that offsets stay positions; the block of the last
+        entry stays (what a checkpoint's check of the queue reads).  Bytes freed (0 where
+        the filesystem cannot punch holes: the entries then just stay)."""
+        end = min(below, self.count - 1) * CQ_ENTRY_BYTES // _PAGE * _PAGE
+        begin = getattr(self, "_given_back", 0)
+        if end <= begin:
+            return 0
+        with self.files.lock:
+            freed = punch_hole(self.files.fd(self), begin, end - begin)
+        self._given_back = end
+        return freed
+
+    def pad_to(self, count: int) -> None:
+        """An empty queue whose first records aged out before a rebuild re-indexed the log:
+        offsets below ``count`` are kept as a hole, its last entry a placeholder below
+        every record (so that the queue's log start, and a checkpoint, see it)."""
+        assert self.count == 0 and count > 0
+        placeholder = np.zeros(1, CQ_ENTRY)
+        placeholder["phys"], placeholder["size"] = _MIN_RECORD_PHYS, REC_HEADER_BYTES
+        with self.files.lock:
+            fd = self.files.fd(self)
+            os.ftruncate(fd, (count - 1) * CQ_ENTRY_BYTES)
+            os.pwrite(fd, placeholder.tobytes(), (count - 1) * CQ_ENTRY_BYTES)
+        self.count = count
+        self.last_phys = _MIN_RECORD_PHYS
+        self._changes += 1
 
     def checkpointed_count(self, checkpoint: int) -> int:
         """How many leading entries a checkpoint at offset ``checkpoint`` vouches for.

@@ -34,6 +34,8 @@ CRASH_POINTS = {
     "checkpoint.renamed": "the new checkpoint is renamed in place, its directory not fsynced",
     "cut.queues": "a replica's cut dropped its queues' entries past the cut, its "
                   "checkpoint not moved yet",
+    "retention.deleted_one": "retention deleted one segment file of those it chose, the "
+                             "log's directory not fsynced yet",
     "rebuild.marked": "a consume-queue rebuild is marked in the checkpoint, nothing deleted",
     "rebuild.deleting": "a rebuild deleted one consume-queue file of several",
     "rebuild.deleted": "a rebuild deleted every consume-queue file, none written again",

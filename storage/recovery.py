@@ -89,7 +89,7 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
     checkpoint = read_checkpoint(checkpoint_path)
     ckpt = checkpoint.offset
     queues.load()
-    replay = Replay(queues, checkpoint.producers)
+    replay = Replay(queues, checkpoint.producers, late_start=_starts_late(commit_log.directory))
     try:
         if checkpoint.rebuilding:
             raise RebuildNeeded("a rebuild of the consume queues was interrupted")
@@ -136,11 +136,18 @@ def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: Reb
     queues = QueueIndex(queues.root, queues.files.configured_limit)
     commit_log = CommitLog(commit_log.directory, segment_size_bytes,
                            commit_log.max_open_segments)
-    replay = Replay(queues, ProducerTable())
+    replay = Replay(queues, ProducerTable(), late_start=_starts_late(commit_log.directory))
     commit_log.open(0, replay.frame)
     replay.cut_open_put(commit_log, directory)
     crash_point("rebuild.reindexed")
     return commit_log, replay
+
+
+def _starts_late(log_dir: str) -> bool:
+    """The log's first segment is not the one at 0: older ones were deleted (retention)."""
+    names = sorted(n for n in os.listdir(log_dir) if n.endswith(".log")) \
+        if os.path.isdir(log_dir) else []
+    return bool(names) and names[0] != f"{0:020d}.log"
 
 
 def _delete_queue_files(root: str) -> None:
@@ -189,9 +196,13 @@ class Replay:
     the scan (``cut_open_put``), so a put is all or nothing.
     """
 
-    def __init__(self, queues: QueueIndex, producers: ProducerTable):
+    def __init__(self, queues: QueueIndex, producers: ProducerTable, *,
+                 late_start: bool = False):
         self.queues = queues
         self.producers = producers
+        #: the log's first segments were deleted (retention): a queue first seen in it
+        #: starts at the queue offset its first record has, the offsets below aged out
+        self.late_start = late_start
         self.recovered_records = 0
         self._open_entries: dict[ConsumeQueue, list] = {}
         self._open_frames: list = []
@@ -223,6 +234,9 @@ class Replay:
             waiting = pending.setdefault(cq, [])
             expected = cq.count + sum(len(w) for w in waiting)
             qoffs = h["queue_offset"][idx].astype(np.int64)
+            if not expected and qoffs[0] > 0 and self.late_start:
+                cq.pad_to(int(qoffs[0]))
+                expected = cq.count
             wrong = np.flatnonzero(qoffs != expected + np.arange(len(idx)))
             if len(wrong):
                 k = int(wrong[0])

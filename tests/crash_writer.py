@@ -104,6 +104,19 @@ def cut(directory: str, phys: int) -> None:
     sys.stdout.write("CUT\n")
 
 
+def retain(directory: str) -> None:
+    """Ten days later, retention of a day deletes every segment but the last."""
+    import time
+    from raymq.storage.clock import ManualClock
+    from raymq.storage.retention import RetentionPolicy, TopicRetention
+    clock = ManualClock(int(time.time() * 1000) + 10 * 24 * 3600_000)
+    with MessageStore(directory, POINTS_CONFIG, clock, background=False) as store:
+        store.checkpoint()
+        verdict = store.apply_retention(RetentionPolicy(TopicRetention(24 * 3600_000)),
+                                        clock.now_ms())
+    sys.stdout.write(f"RETAINED {verdict.count}\n")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "store":
         write_store(sys.argv[2], int(sys.argv[3]))
@@ -111,6 +124,8 @@ if __name__ == "__main__":
         write_points(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "open":
         open_store(sys.argv[2])
+    elif sys.argv[1] == "retain":
+        retain(sys.argv[2])
     elif sys.argv[1] == "cut":
         cut(sys.argv[2], int(sys.argv[3]))
     else:

@@ -165,6 +165,37 @@ def test_a_kill_at_any_step_of_a_replicas_cut_keeps_the_puts_before_it(tmp_path,
     assert visible >= before and all(p in before or p == len(plan) for p in visible)
 
 
+def test_a_kill_while_retention_deletes_segments_leaves_a_consistent_log_start(tmp_path):
+    """Killed after the first of the segments it chose is deleted, a store opens with a
+    log start in every queue and each queue readable, without a gap, from it to its end;
+    retention run again finishes, and the store takes writes."""
+    directory = str(tmp_path / "store")
+    written = run_child(["points", directory, str(SEED), str(PUTS)], None)
+    assert written.returncode == 0, written.stderr[-2000:]
+    killed = run_child(["retain", directory], "retention.deleted_one", 1)
+    assert_killed_at(killed, "retention.deleted_one", 1)
+
+    def consistent() -> dict:
+        with MessageStore(directory, POINTS_CONFIG, background=False) as store:
+            starts = {}
+            for topic, qid in store.queues():
+                start, end = store.log_start(topic, qid), store.max_queue_offset(topic, qid)
+                msgs = store.read_queue(topic, qid, start, end - start + 1)
+                assert [m.queue_offset for m in msgs] == list(range(start, end))
+                starts[(topic, qid)] = start
+            return starts
+
+    half = consistent()
+    assert any(half.values())
+    done = run_child(["retain", directory], None)
+    assert done.returncode == 0 and "RETAINED" in done.stdout, done.stderr[-2000:]
+    full = consistent()
+    assert all(full[q] >= half[q] for q in half) and full != half
+    with MessageStore(directory, POINTS_CONFIG, background=False) as store:
+        assert len(store.segments()) == 1
+        store.put(put_batch(len(plan_puts(SEED, PUTS)), [("A", 0)]))
+
+
 def test_an_unkilled_rebuild_and_writer_run_to_their_end(tmp_path):
     """Without a crash point the same runs end normally (so the kills above are the cause)."""
     directory = str(tmp_path / "store")
@@ -226,7 +257,8 @@ def test_a_kill_at_a_timer_checkpoint_delivers_each_due_message_once(tmp_path, p
 
 def test_every_crash_point_is_killed_at_by_a_test():
     """The tests above cover every point, and every point the code names is listed."""
-    covered = {p for p, _ in WRITER_KILLS + REBUILD_KILLS + TIMER_KILLS + CUT_KILLS} | {"recovery.put_cut"}
+    covered = {p for p, _ in WRITER_KILLS + REBUILD_KILLS + TIMER_KILLS + CUT_KILLS}
+    covered |= {"retention.deleted_one"} | {"recovery.put_cut"}
     # tests/kafka_tx/test_ktx_forever.py, test_kafka_transactions.py and test_fast_commit.py kill there
     covered |= {"ktx.markers_durable", "coordinator.add_logged"}
     covered |= {"coordinator.one_phase_decided"}  # tests/kafka_tx/test_fast_commit.py
