@@ -37,6 +37,7 @@ RULES = (
     "retry_first_level <= the number of delay levels",
     "session_timeout_ms > heartbeat_interval_ms",
     "min_insync_replicas <= replication_factor",
+    "disk_clean_ratio <= disk_full_ratio",
     "segment_size_bytes holds one largest frame: max(8 MiB, max_message_bytes + 128 KiB) + 64",
 )
 
@@ -136,6 +137,24 @@ class ClusterConfig(BaseModel):
     timer_bucket_ms: StrictInt = Field(
         60_000, ge=1000, description="Due-time span of one timer-wheel bucket file: a shard "
         "holds one bucket of scheduled messages in memory at a time.")
+    retention_ms: StrictInt = Field(
+        3 * 24 * 3600 * 1000, ge=1, description="How long a topic's messages are kept (3 "
+        "days; a topic may set its own): a commit-log segment is deleted once every message "
+        "in it is older than its topic's retention, and each queue's log start moves past it.")
+    retention_bytes: StrictInt = Field(
+        -1, ge=-1, description="Most bytes a queue keeps (-1: no limit; a topic may set its "
+        "own): older segments go once the queue holds this much after them.")
+    retention_check_ms: StrictInt = Field(
+        10_000, ge=100, description="How often a shard looks for segments to delete and "
+        "measures its disk.")
+    disk_clean_ratio: float = Field(
+        0.75, gt=0, le=1, description="Above this used fraction of the data directory's "
+        "filesystem the oldest segments are deleted even before their retention (never what "
+        "a pending half message, timer or open transaction still needs).")
+    disk_full_ratio: float = Field(
+        0.90, gt=0, le=1, description="Above this used fraction writes are refused with a "
+        "retriable DISK_FULL (reads, consumption, offset commits and the ends of prepared "
+        "transactions go on); they resume by themselves when space comes back.")
     max_open_queue_files: StrictInt = Field(
         1024, ge=1, description="Most consume-queue files a shard keeps open (least recently "
         "used closed and reopened on demand; at most half of ulimit -n).")
@@ -279,6 +298,9 @@ class ClusterConfig(BaseModel):
         if self.session_timeout_ms <= self.heartbeat_interval_ms:
             raise ConfigError(f"session_timeout_ms ({self.session_timeout_ms}) must be longer "
                               f"than heartbeat_interval_ms ({self.heartbeat_interval_ms})")
+        if self.disk_clean_ratio > self.disk_full_ratio:
+            raise ConfigError(f"disk_clean_ratio ({self.disk_clean_ratio}) must not be over "
+                              f"disk_full_ratio ({self.disk_full_ratio})")
         if self.min_insync_replicas > self.replication_factor:
             raise ConfigError(f"min_insync_replicas ({self.min_insync_replicas}) is over "
                               f"replication_factor ({self.replication_factor})")

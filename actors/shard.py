@@ -41,10 +41,12 @@ from raymq.actors.front.diversion import check_transactional, divert_to_system_t
 from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
 from raymq.actors.rocketmq_tx.records import ops_record
-from raymq.actors.groups.offsets import GroupOffsets
-from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
+from raymq.actors.groups.offsets import APPLIED_KEY as OFFSETS_APPLIED_KEY, GroupOffsets
+from raymq.actors.retention import Janitor
+from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS, HalfIndex, carries_halves
 from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
-from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
+from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, OFFSETS_TOPIC, OP_TOPIC,
+                                   RETRY_PREFIX, SCHEDULE_TOPIC,
                                    SYSTEM_PROPERTIES, TIMER_TOPIC, CheckRequest, EndOutcome,
                                    EndRequest, EndResult, SendReply, check_group, retry_topic)
 from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
@@ -61,12 +63,16 @@ from raymq.storage.store import PutStatus
 
 log = logging.getLogger("raymq.shard")
 
+#: Where a read below a queue's log start goes on (Kafka's ``auto.offset.reset``).
+RESETS = ("earliest", "latest", "error")
+
 
 class BrokerShard:
     def __init__(self, index: int, config: dict | ClusterConfig, *,
                  fetch_routes: Callable[[int], list] | None = None,
                  clock: Clock | None = None, metrics=None, background: bool = True,
-                 faults: Faults = NO_FAULTS, directory: str | None = None):
+                 faults: Faults = NO_FAULTS, directory: str | None = None,
+                 fetch_settings: Callable[[], dict] | None = None):
         self.index = index
         self.config = config if isinstance(config, ClusterConfig) else ClusterConfig.from_dict(config)
         self.clock = clock or SystemClock()
@@ -98,8 +104,11 @@ class BrokerShard:
         self.checks.confirmed = self.reads.confirmed_offset
         self.offsets.cut_back()
         self.halves.load()
+        self.janitor = Janitor(index, self.store, self.config, self.clock, self.metrics,
+                               pins=self.retention_pins, settings=fetch_settings)
+        self._parts = (self.delays, self.timers, self.ktx, self.janitor)
         if background:
-            for part in (self.delays, self.timers, self.ktx):
+            for part in self._parts:
                 part.start()
 
     # ------------------------------------------------------------- routes
@@ -117,6 +126,8 @@ class BrokerShard:
         returned in ``ends``.  The reply waits for one fsync covering both.
         """
         ends = check_send(batch, producer_id, sequence, ends, acks)
+        if batch is not None and len(batch):
+            self.janitor.refuse_if_full()  # (a request of ends alone goes on)
         if producer_id >= INTERNAL_PRODUCER_BASE:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
@@ -299,15 +310,20 @@ class BrokerShard:
     # ------------------------------------------------- reads and offsets
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int = 0,
              tags: dict[str, list[str]] | None = None, group: str | None = None,
-             isolation: str = "read_committed", form: str = "messages") -> list[tuple]:
+             isolation: str = "read_committed", form: str = "messages",
+             reset: str = "earliest") -> list[tuple]:
         """Read several queues, long-polling up to ``wait_ms`` (``QueueReads.pull``): user
         topics this shard serves, and the retry topic of the consumer's own ``group``
         (RayMQ's other topics have operator calls).  ``isolation`` ``read_committed``
         reads up to each queue's last stable offset and leaves out aborted Kafka-style
         transactions; ``read_uncommitted`` reads everything written.  ``form``
         ``messages`` answers ``MessageBatch`` es, ``spans`` the records undecoded
-        (``RecordSpans``: for columnar readers, without a tag filter)."""
+        (``RecordSpans``: for columnar readers, without a tag filter).  ``reset``: where a
+        read below a queue's log start (what aged out) goes on -- ``earliest`` (the log
+        start), ``latest`` (the end) or ``error`` (``OffsetOutOfRangeError``)."""
         check_pull(requests, wait_ms, tags)
+        if reset not in RESETS:
+            raise InvalidMessageError(f"reset must be one of {RESETS}, got {reset!r}")
         if group is not None:
             check_group(group)
         if isolation not in ISOLATIONS:
@@ -318,7 +334,7 @@ class BrokerShard:
                                       f"got {form!r}")
         self._check_readable({(t, q) for t, q, _o, _n in requests}, group)
         return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed",
-                               form == "spans")
+                               form == "spans", reset, group)
 
     def _check_readable(self, queues: set, group: str | None) -> None:
         for topic, qid in queues:
@@ -422,6 +438,7 @@ class BrokerShard:
         ``durable=False``: answered once written (its commit makes it durable)."""
         check_send(batch, producer_id, sequence, None)
         check_transactional(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
+        self.janitor.refuse_if_full()
         queues = batch.queues()
         self.routes.check(queues)
         t0 = self.clock.monotonic_ms()
@@ -459,9 +476,31 @@ class BrokerShard:
         return {"shard": self.index, "directory": self.directory, "pid": os.getpid()}
 
     def close(self) -> None:
-        for part in (self.delays, self.timers, self.ktx):
+        for part in self._parts:
             part.stop()
         self.store.close()
+
+    # ------------------------------------------------------------ retention
+    def retention_pins(self) -> tuple[list[tuple[str, int, int]], list[int]]:
+        """From where on each part of the shard still needs the log (``Janitor``): queue
+        offsets, and physical offsets (a pending half's first copy, which its end reads)."""
+        offsets = self.store.offsets
+        queue_pins = [(OFFSETS_TOPIC, 0, offsets.get(OFFSETS_APPLIED_KEY, 0)),
+                      (HALF_TOPIC, 0, offsets.get(HALF_PROGRESS, 0)),
+                      (OP_TOPIC, 0, offsets.get(OP_PROGRESS, 0))]
+        queue_pins += [(SCHEDULE_TOPIC, lvl, self.delays.progress(lvl + 1))
+                       for lvl in range(len(self._levels_ms))]
+        queue_pins += self.timers.retention_pins() + self.ktx.retention_pins()
+        with self._tx_lock:
+            phys_pins = [min(self.halves.pending)] if self.halves.pending else []
+        return queue_pins, phys_pins
+
+    def retention_status(self) -> dict:
+        """Log start and end of each queue served here, what was deleted, the disk."""
+        self.routes.refresh()
+        queues = {f"{t}/{q}": [self.store.log_start(t, q), self.store.max_queue_offset(t, q)]
+                  for t, q in self.routes.sorted()}
+        return {"shard": self.index, "queues": queues, **self.janitor.status()}
 
 
 

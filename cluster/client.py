@@ -203,12 +203,14 @@ class RayMQ:
 
     def consumer(self, group: str, topics: list[str] | str, *, isolation: str = "read_committed",
                  tags=None, ordered: bool = False, start_from: str = "earliest",
-                 read_only: bool = False, auto_commit: bool = True) -> Consumer:
+                 read_only: bool = False, auto_commit: bool = True,
+                 auto_offset_reset: str = "earliest") -> Consumer:
         """A consumer of ``group`` (``read_only``: a peek that never commits;
-        ``auto_commit=False``: commits only when asked; see ``Consumer``)."""
+        ``auto_commit=False``: commits only when asked; ``auto_offset_reset``: where a queue
+        whose offset aged out goes on; see ``Consumer``)."""
         c = Consumer(self, group, topics, isolation=isolation, tags=tags, ordered=ordered,
                      start_from=start_from, clock=self.clock, read_only=read_only,
-                     auto_commit=auto_commit)
+                     auto_commit=auto_commit, auto_offset_reset=auto_offset_reset)
         self._clients.append(c)
         return c
 

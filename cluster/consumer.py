@@ -28,7 +28,7 @@ from raymq import rpc
 from raymq.clock import client_clock
 from raymq.message import ISOLATIONS, MessageExt, check_group, messages_ext, retry_topic
 from raymq.storage.clock import Clock
-from raymq.storage.errors import InvalidMessageError, RayMQError
+from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, RayMQError
 
 log = logging.getLogger("raymq.consumer")
 
@@ -47,7 +47,7 @@ class Consumer:
                  tags: dict[str, list[str]] | list[str] | str | None = None,
                  ordered: bool = False, start_from: str = "earliest",
                  clock: Clock | None = None, read_only: bool = False,
-                 auto_commit: bool = True):
+                 auto_commit: bool = True, auto_offset_reset: str = "earliest"):
         """``isolation``: ``read_committed`` (the default) reads each queue up to its last
         stable offset and never an aborted Kafka-style transaction's message;
         ``read_uncommitted`` reads all that is written (RocketMQ-style transactional
@@ -57,8 +57,17 @@ class Consumer:
         ``auto_commit=False`` (Kafka's ``enable.auto.commit=false``): the consumer never
         commits by itself -- not on ``close``, not when a queue moves to another member,
         not after ``run``'s handlers; offsets move only by ``commit()`` or by a
-        transactional producer's ``send_offsets``."""
+        transactional producer's ``send_offsets``.
+        ``auto_offset_reset``: where a queue goes on when the group's offset fell below its
+        log start (the messages there aged out): ``earliest`` (the log start; the default),
+        ``latest`` (its end), or ``error`` (``poll`` raises ``OffsetOutOfRangeError`` naming
+        queue, offset and log start)."""
         check_group(group)
+        if auto_offset_reset not in ("earliest", "latest", "error"):
+            raise InvalidMessageError("auto_offset_reset must be 'earliest', 'latest' or "
+                                      f"'error', got {auto_offset_reset!r}")
+        self.auto_offset_reset = auto_offset_reset
+        self._failure: RayMQError | None = None  # (an ``error`` reset, raised by poll)
         if isolation not in ISOLATIONS:
             raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
         if start_from not in ("earliest", "latest"):
@@ -239,6 +248,9 @@ class Consumer:
         deadline_s = self._monotonic_s() + timeout_s
         while True:
             self._fence_if_lease_lost()
+            failure, self._failure = self._failure, None
+            if failure is not None:
+                raise failure
             with self._lock:
                 if self._buffer:
                     out = []
@@ -280,7 +292,7 @@ class Consumer:
                 if shard not in self._inflight:
                     call = self._mq.transport.submit(
                         shard, "pull", (reqs, int(wait_ms), self._tags, self.group,
-                                        self.isolation),
+                                        self.isolation, "messages", self.auto_offset_reset),
                         timeout_s=wait_ms / 1000 + self.config.send_timeout_ms / 1000)
                     self._inflight[shard] = call
                     self._inflight_req[shard] = reqs
@@ -301,6 +313,9 @@ class Consumer:
                 reqs = self._inflight_req.pop(shard, [])
             try:
                 results = call.result()
+            except OffsetOutOfRangeError as err:
+                self._failure = err  # (auto_offset_reset 'error': poll says so)
+                continue
             except RayMQError as err:
                 log.warning("consumer %s: pull from shard-%d failed: %s", self.member_id, shard, err)
                 self._stop.wait(0.1)

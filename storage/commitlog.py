@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from raymq.storage.errors import CorruptLogError, StorageError
+from raymq.storage.errors import CorruptLogError, DiskFullError, StorageError
 from raymq.storage.faults import crash_point
 from raymq.storage.records import FRAME_MAGIC, EncodedFrame, FrameError, check_frame
 
@@ -33,6 +33,7 @@ SEGMENT_HEADER = struct.Struct("<8sHHIq")
 SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size  # 24
 _FRAME_MAGIC_BYTES = struct.pack("<I", FRAME_MAGIC)
 _MAX_RESYNC_CANDIDATES = 256
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SegmentSealError(OSError):
@@ -292,15 +293,18 @@ class CommitLog:
             with self._fd_lock:
                 self._make_room(1)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        crash_point("segment.created")
-        os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.segment_size, base))
-        os.fsync(fd)
-        crash_point("segment.header_synced")
-        fd_dir = os.open(self.directory, os.O_RDONLY)
         try:
-            os.fsync(fd_dir)
-        finally:
-            os.close(fd_dir)
+            crash_point("segment.created")
+            header = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.segment_size,
+                                         base)
+            if os.write(fd, header) != len(header):
+                raise OSError(errno.ENOSPC, "short write of a segment header")
+            os.fsync(fd)
+            crash_point("segment.header_synced")
+            fsync_dir_path(self.directory)
+        except BaseException:
+            os.close(fd)
+            raise
         seg = Segment(base, path, fd, SEGMENT_HEADER_BYTES)
         with self._fd_lock:
             if self._segments:  # the one before is sealed now: into the pool
@@ -308,6 +312,20 @@ class CommitLog:
             self._segments.append(seg)
             self._bases.append(base)
         return seg
+
+    def _drop_unborn(self, base: int) -> None:
+        """A new segment whose creation failed (no space for its header): its file goes,
+        the one before stays the last."""
+        with self._fd_lock:
+            if self._segments and self._segments[-1].base == base:
+                seg = self._segments.pop()
+                self._bases.pop()
+                self._forget(seg)
+                self._open_sealed.pop(self._segments[-1].base, None)
+                self._fd(self._segments[-1])  # the last one again: always open
+        path = os.path.join(self.directory, segment_name(base))
+        if os.path.exists(path):
+            os.unlink(path)
 
     def next_frame_offset(self, size: int) -> int:
         """Where the next frame of ``size`` bytes goes: the end of the last segment, or the
@@ -328,15 +346,33 @@ class CommitLog:
             try:
                 os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
                 crash_point("segment.sealed")
-                seg = self._new_segment(seg.base + self.segment_size)
             except OSError as err:  # what was written before may be lost: not retriable
                 raise SegmentSealError(err.errno, f"sealing segment {seg.path} failed: "
                                                   f"{err.strerror}") from err
-        written = os.writev(seg.fd, frame.parts)
+            try:
+                seg = self._new_segment(seg.base + self.segment_size)
+            except OSError as err:
+                self._drop_unborn(seg.base + self.segment_size)
+                if err.errno in _NO_SPACE:
+                    raise DiskFullError(f"commit log {self.directory}: no space for a new "
+                                        f"segment ({err.strerror}); nothing written") from None
+                raise SegmentSealError(err.errno, f"creating the segment after {seg.path} "
+                                                  f"failed: {err.strerror}") from err
+        try:
+            written = os.writev(seg.fd, frame.parts)
+        except OSError as err:
+            written, failure = -1, err
+        else:
+            failure = None
         if written != size:
-            # a short write leaves a torn frame; cut it so the log stays parseable
+            # a short (or failed) write leaves a torn frame: cut it, the log stays parseable
             os.ftruncate(seg.fd, seg.size)
-            raise StorageError(f"short write to {seg.path}: {written} of {size} bytes")
+            if failure is None or failure.errno in _NO_SPACE:
+                why = failure.strerror if failure is not None else "short write"
+                raise DiskFullError(f"commit log {seg.path}: no space for a frame of {size} "
+                                    f"bytes ({why}; {max(written, 0)} written, cut back); "
+                                    f"nothing written")
+            raise failure
         pos = seg.base + seg.size
         seg.size += size
         return pos

@@ -64,6 +64,15 @@ class OffsetOutOfRangeError(RayMQError, ValueError):
     code = "OFFSET_OUT_OF_RANGE"
 
 
+class DiskFullError(RayMQError, OSError):
+    """A shard refuses writes: its data directory's filesystem is fuller than
+    ``disk_full_ratio``.  Retriable: writes resume by themselves once retention (or the
+    operator) frees space; reads, consumption and offset commits go on meanwhile."""
+
+    code = "DISK_FULL"
+    retriable = True
+
+
 class BrokerUnavailableError(RayMQError):
     """The actor serving a request is gone or restarting; retrying later can succeed."""
 

@@ -41,6 +41,9 @@ class RetentionPolicy:
     default: TopicRetention
     topics: dict[str, TopicRetention] = field(default_factory=dict)
     deleted: dict[str, int] = field(default_factory=dict)
+    #: topics whose records are kept by pins alone (a broker's own queues: what is still
+    #: needed of them is pinned, the rest may go whatever its age)
+    pinned_topics: frozenset = frozenset()
 
     def of(self, topic: str) -> TopicRetention:
         return self.topics.get(topic, self.default)
@@ -120,7 +123,7 @@ def _holder(s: SegmentSummary, after: dict, policy: RetentionPolicy, now_ms: int
     """The first topic that still keeps segment ``s``; "" when none does."""
     for (topic, qid), _b in s.queue_bytes.items():
         gone = policy.deleted.get(topic)
-        if gone is not None and s.end <= gone:
+        if (gone is not None and s.end <= gone) or topic in policy.pinned_topics:
             continue
         r = policy.of(topic)
         if now_ms - s.newest_ms > r.ms:

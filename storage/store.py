@@ -21,8 +21,8 @@ from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog, SegmentSeal
 from raymq.storage.config import StoreConfig
 from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.durability import Durability, FlushLoop, write_checkpoint
-from raymq.storage.errors import (CorruptLogError, InvalidMessageError, OffsetOutOfRangeError,
-                                  StorageError)
+from raymq.storage.errors import (CorruptLogError, DiskFullError, InvalidMessageError,
+                                  OffsetOutOfRangeError, StorageError)
 from raymq.storage.faults import crash_point
 from raymq.storage.offsets import OffsetStore
 from raymq.storage.putframes import PutFramer
@@ -199,6 +199,10 @@ class MessageStore:
                 if positions:
                     crash_point("put.partly_appended")
                 positions.append(self._log.append(frame))
+        except DiskFullError:
+            if positions:  # its first frames went in, none indexed: cut back, no harm done
+                self._log.truncate_to(positions[0])
+            raise
         except BaseException as err:
             if positions:  # part of a put is on disk: stop; recovery cuts the partial put
                 self._durable.fail(err, f"write failed after {len(positions)} of "

@@ -46,6 +46,7 @@ class TimerWheel:
         self._checkpoint_path = os.path.join(directory, "checkpoint.json")
         #: entries per bucket key as written (a pair written twice counts twice)
         self.counts: dict[int, int] = {}
+        self._mins: dict[int, int] = {}  # bucket key -> its lowest timer-log index (as read)
         self._dirty: set[int] = set()
         self._new_dirs: set[str] = set()
         self._scan()
@@ -73,6 +74,8 @@ class TimerWheel:
                     f.seek(0, os.SEEK_END)
                 f.write(pairs.tobytes())
             self.counts[key] = self.counts.get(key, 0) + int(hi - lo)
+            if key in self._mins:
+                self._mins[key] = min(self._mins[key], int(indexes[lo:hi].min()))
             self._dirty.add(key)
 
     def sync(self) -> None:
@@ -98,6 +101,7 @@ class TimerWheel:
         if os.path.exists(path):
             os.unlink(path)
         self.counts.pop(key, None)
+        self._mins.pop(key, None)
         self._dirty.discard(key)
         d = os.path.dirname(path)
         if os.path.isdir(d) and not os.listdir(d):
@@ -114,6 +118,15 @@ class TimerWheel:
         raw = raw[:len(raw) - len(raw) % WHEEL_ENTRY.itemsize]
         pairs = np.unique(np.frombuffer(raw, WHEEL_ENTRY))  # sorts by (index, due)
         return pairs[np.lexsort((pairs["index"], pairs["due"]))]
+
+    def oldest_index(self) -> int | None:
+        """The lowest timer-log index any bucket holds (None: no bucket): what retention
+        must keep (each bucket file read once, then kept up by ``add``)."""
+        for key in self.counts:
+            if key not in self._mins:
+                pairs = self.load(key)
+                self._mins[key] = int(pairs["index"].min()) if len(pairs) else 1 << 62
+        return min(self._mins.values()) if self._mins else None
 
     def keys(self) -> list[int]:
         """Keys of the buckets on disk, in time order."""

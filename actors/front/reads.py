@@ -4,6 +4,7 @@ Sends bump a data version (``wake``); a pull that found nothing waits for it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
@@ -22,6 +23,8 @@ PULL_MAX_BYTES = 32 << 20
 MAX_PULL_WAIT_MS = 60_000
 MAX_PULL_MESSAGES = 100_000
 
+log = logging.getLogger("raymq.shard")
+
 
 class QueueReads:
     """Pulls and lookups over a shard's store."""
@@ -37,6 +40,8 @@ class QueueReads:
         #: a replicated shard's confirmed offset (``raymq.actors.replication.replica``): records at or
         #: past it are not read yet (a failover may take them back)
         self.confirmed: Callable[[], int] | None = None
+        #: (topic, queue, group) -> the log start last told of (a read below it, once)
+        self._told_expired: dict[tuple, int] = {}
 
     def confirmed_offset(self) -> int | None:
         """The confirmed offset (None: not replicated, every record is)."""
@@ -59,7 +64,8 @@ class QueueReads:
 
     def pull(self, requests: list[tuple[str, int, int, int]], wait_ms: int,
              tags: dict[str, list[str]] | None, committed: bool = True,
-             spans: bool = False) -> list[tuple]:
+             spans: bool = False, reset: str = "earliest",
+             group: str | None = None) -> list[tuple]:
         """Read several queues: [(topic, qid, offset, max)] -> [(topic, qid, batch, next, end)].
 
         Waits up to ``wait_ms`` for new data when every queue is empty (long
@@ -78,16 +84,37 @@ class QueueReads:
         while True:
             with self._new_data:
                 version = self._data_version
-            out, total = self._pull_once(requests, tags, committed, spans)
+            out, total = self._pull_once(requests, tags, committed, spans, reset, group)
             remaining_ms = deadline_ms - self.clock.monotonic_ms()
-            moved = any(r[3] > req[2] for r, req in zip(out, requests))  # past markers
+            moved = any(r[3] > req[2] for r, req in zip(out, requests))  # markers, a reset
             if total or moved or remaining_ms <= 0:
                 return out
             with self._new_data:
                 if self._data_version == version:
                     self._new_data.wait(remaining_ms / 1000.0)
 
-    def _pull_once(self, requests, tags, committed: bool = True, spans: bool = False):
+    def _reset(self, topic: str, qid: int, offset: int, start: int, end: int, reset: str,
+               group: str | None) -> int:
+        """A read below the queue's log start: ``earliest`` goes on from the log start,
+        ``latest`` from the end, ``error`` raises ``OffsetOutOfRangeError``.  The messages
+        skipped are counted (per group) and told once per queue and group."""
+        if reset == "error":
+            raise OffsetOutOfRangeError(f"{topic}/{qid}: offset {offset} is below the queue's "
+                                        f"log start {start} (aged out); auto_offset_reset is "
+                                        f"'error'")
+        to = start if reset == "earliest" else end
+        self.metrics.inc("messages_expired_unread", to - offset if reset == "earliest"
+                         else start - offset, group=group or "")
+        key = (topic, qid, group)
+        if self._told_expired.get(key, -1) < start:
+            self._told_expired[key] = start
+            log.warning("%s/%d: group %s read from offset %d, below the log start %d: %d "
+                        "messages aged out unread; going on from %s (%d)", topic, qid,
+                        group or "-", offset, start, start - offset, reset, to)
+        return to
+
+    def _pull_once(self, requests, tags, committed: bool = True, spans: bool = False,
+                   reset: str = "earliest", group: str | None = None):
         out, total = [], 0
         codes_of = {t: np.array([tags_hash(x) for x in wanted], np.int64)
                     for t, wanted in (tags or {}).items() if wanted}
@@ -96,6 +123,9 @@ class QueueReads:
             if offset < 0:
                 raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
             real_end = self.store.max_queue_offset(topic, qid)
+            start = self.store.log_start(topic, qid)
+            if offset < start:  # aged out: where the reader's reset policy says
+                offset = self._reset(topic, qid, offset, start, real_end, reset, group)
             touched = txns is not None and txns.touched((topic, qid))
             end = txns.lso((topic, qid), real_end) if touched and committed else real_end
             if offset >= end:

@@ -686,6 +686,15 @@ class KafkaTxnQueues:
             return self.state.visible(queue, headers, committed)
 
     # ------------------------------------------------------------- views
+    def retention_pins(self) -> list[tuple[str, int, int]]:
+        """What retention must keep: the index from its snapshot on, and every open
+        transaction's records from its first on each queue."""
+        with self.lock:
+            pins = [(KTX_INDEX_TOPIC, 0, self._snapshot_offset)]
+            pins += [(t, q, first) for (t, q), held in self.state._holding.items()
+                     for first in held.values()]
+        return pins
+
     def status(self, now_ms: int) -> list[dict]:
         with self.lock:
             out = []

@@ -302,6 +302,17 @@ class TimerScheduler:
             self._load()
         return not bool(np.isin(index, self._loaded["index"][self._pos:]))
 
+    def retention_pins(self) -> list[tuple[str, int, int]]:
+        """What retention must keep of the timer topics: every timer not delivered yet
+        (the lowest index a bucket holds, and what is not indexed into the wheel yet),
+        and the done records past the checkpoint's."""
+        with self._lock:
+            oldest = self.wheel.oldest_index()
+            indexed = self._indexed
+            done = int(self.wheel.read_checkpoint().get("done_offset", 0))
+        first = indexed if oldest is None else min(oldest, indexed)
+        return [(TIMER_TOPIC, 0, first), (TIMER_DONE_TOPIC, 0, done)]
+
     def status(self) -> dict:
         """Scheduled counts by when they are due, and the delivery lag now."""
         now = self.clock.now_ms()

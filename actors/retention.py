@@ -1,0 +1,159 @@
+"""A shard's retention: which of its segments may go, and a disk that never fills.
+Owns the shard's ``Janitor``: the policy (cluster defaults, each topic's own), the pins
+(what the shard's parts still need), the disk watermarks and the refusal of writes.
+
+Every ``retention_check_ms`` the janitor checkpoints the store (a segment goes only once
+a checkpoint covers it), asks each part of the shard from where on it still needs the
+log (``pins``: a half message not yet checked back, a timer not yet due, a delay level's
+next message, an open Kafka-style transaction, the group-offset commits not yet in the
+offsets table), and lets the store delete the oldest segments its policy gives up
+(``raymq.storage.retention``).  Above ``disk_clean_ratio`` of the data directory's
+filesystem it deletes the oldest segments even before their retention; above
+``disk_full_ratio`` writes are refused with a retriable ``DiskFullError`` until space
+comes back (measured again at most every ``_FULL_RECHECK_MS`` while refusing).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from raymq.actors.kafka_tx.shard_side import KTX_INDEX_TOPIC
+from raymq.actors.protocol import (HALF_TOPIC, OFFSETS_TOPIC, OP_TOPIC, SCHEDULE_TOPIC,
+                                   TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC, TIMER_TOPIC)
+from raymq.storage.errors import DiskFullError
+from raymq.storage.retention import RetentionPolicy, TopicRetention, Verdict
+
+log = logging.getLogger("raymq.shard")
+
+#: The broker's own queues: what of them is still needed is pinned, the rest goes.
+PINNED_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, OFFSETS_TOPIC, TIMER_TOPIC,
+                           TIMER_DONE_TOPIC, TIMER_CANCEL_TOPIC, KTX_INDEX_TOPIC})
+_FULL_RECHECK_MS = 200
+_NOT_PINNED = 1 << 62
+
+
+class Janitor:
+    def __init__(self, index: int, store, config, clock, metrics, *,
+                 pins: Callable[[], tuple[list, list]],
+                 settings: Callable[[], dict] | None = None):
+        self.index = index
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics
+        self._pins = pins  # -> ([(topic, queue, offset)], [phys])
+        self._settings = settings  # -> {topic: {"retention_ms": .., "retention_bytes": ..}}
+        self.topic_settings: dict[str, dict] = {}
+        self.deleted_topics: dict[str, int] = {}
+        self.full = False
+        self.used_ratio, self.free_bytes = 0.0, 0
+        self._measured_ms = -_FULL_RECHECK_MS
+        self.last: Verdict | None = None
+        self._lock = threading.Lock()  # one round at a time
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ policy
+    def policy(self) -> RetentionPolicy:
+        c = self.config
+        topics = {}
+        for topic, v in self.topic_settings.items():
+            ms, size = v.get("retention_ms"), v.get("retention_bytes")
+            topics[topic] = TopicRetention(c.retention_ms if ms is None else int(ms),
+                                           c.retention_bytes if size is None else int(size))
+        return RetentionPolicy(TopicRetention(c.retention_ms, c.retention_bytes), topics,
+                               dict(self.deleted_topics), PINNED_TOPICS)
+
+    def pinned(self) -> int:
+        """The lowest log offset a part of the shard still needs."""
+        queue_pins, phys_pins = self._pins()
+        low = min(phys_pins, default=_NOT_PINNED)
+        for topic, qid, offset in queue_pins:
+            entry = self.store.read_cq(topic, qid, max(offset, self.store.log_start(topic, qid)), 1)
+            if len(entry):
+                low = min(low, int(entry["phys"][0]))
+        return low
+
+    # ------------------------------------------------------------- disk
+    def measure(self) -> None:
+        self.used_ratio, self.free_bytes = self.store.disk_usage()
+        self._measured_ms = self.clock.monotonic_ms()
+        was, self.full = self.full, self.used_ratio > self.config.disk_full_ratio
+        if self.full and not was:
+            log.error("shard-%d: disk %.0f%% used (%d bytes free) is over disk_full_ratio "
+                      "%.2f: writes are refused until space comes back", self.index,
+                      100 * self.used_ratio, self.free_bytes, self.config.disk_full_ratio)
+        elif was and not self.full:
+            log.warning("shard-%d: disk %.0f%% used: writes resume", self.index,
+                        100 * self.used_ratio)
+
+    def refuse_if_full(self) -> None:
+        """``DiskFullError`` while the disk is over ``disk_full_ratio`` (measured again at
+        most every ``_FULL_RECHECK_MS`` while it is, so writes resume soon after)."""
+        if not self.full:
+            return
+        if self.clock.monotonic_ms() - self._measured_ms >= _FULL_RECHECK_MS:
+            self.measure()
+            if not self.full:
+                return
+        raise DiskFullError(f"shard-{self.index}: disk full ({self.free_bytes} bytes free, "
+                            f"{100 * self.used_ratio:.0f}% used, over disk_full_ratio "
+                            f"{self.config.disk_full_ratio}); retry later")
+
+    # ------------------------------------------------------------ rounds
+    def run_once(self) -> Verdict:
+        with self._lock:
+            if self._settings is not None:
+                try:
+                    got = self._settings() or {}
+                    self.topic_settings = got.get("topics", {})
+                    self.deleted_topics = got.get("deleted", {})
+                except Exception as err:  # (the controller away: the last settings hold)
+                    log.info("shard-%d: topic settings not refreshed: %s", self.index, err)
+            self.measure()
+            self.store.checkpoint()
+            force = 0
+            if self.used_ratio > self.config.disk_clean_ratio:
+                total = self.free_bytes / max(1e-9, 1 - self.used_ratio)
+                force = int((self.used_ratio - self.config.disk_clean_ratio) * total) + 1
+            verdict = self.store.apply_retention(self.policy(), self.clock.now_ms(),
+                                                 pinned=self.pinned(), force_bytes=force)
+            if verdict.count:
+                log.info("shard-%d: deleted %d segments (%d for disk space); the log starts "
+                         "at %d", self.index, verdict.count, verdict.forced,
+                         self.store.min_phys_offset)
+                self.metrics.inc("segments_deleted", verdict.count)
+                self.measure()
+            elif force:
+                log.warning("shard-%d: disk %.0f%% used is over disk_clean_ratio %.2f, and no "
+                            "segment can go (kept by %s)", self.index, 100 * self.used_ratio,
+                            self.config.disk_clean_ratio, verdict.held_by or "nothing sealed")
+            self.last = verdict
+            return verdict
+
+    def status(self) -> dict:
+        v = self.last
+        return {"log_start_phys": self.store.min_phys_offset,
+                "deleted_segments": self.store.deleted_segments,
+                "deleted_bytes": self.store.deleted_bytes,
+                "disk_used_ratio": round(self.used_ratio, 4), "disk_free_bytes": self.free_bytes,
+                "disk_full": self.full, "oldest_held_by": v.held_by if v else ""}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"raymq-shard-{self.index}-retention")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        self.measure()
+        while not self._stop.wait(self.config.retention_check_ms / 1000.0):
+            try:
+                self.run_once()
+            except Exception:  # the loop must not die; the next round retries
+                log.exception("shard-%d: retention round failed", self.index)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
