@@ -10,12 +10,13 @@ offsets table), and lets the store delete the oldest segments its policy gives u
 (``raymq.storage.retention``).  Above ``disk_clean_ratio`` of the data directory's
 filesystem it deletes the oldest segments even before their retention; above
 ``disk_full_ratio`` writes are refused with a retriable ``DiskFullError`` until space
-comes back (measured again at most every ``_FULL_RECHECK_MS`` while refusing).
+comes back (``refuse_if_full`` measures the disk every 0.2 s or MiB written).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from raymq.actors.kafka_tx.shard_side import KTX_INDEX_TOPIC
@@ -29,7 +30,8 @@ log = logging.getLogger("raymq.shard")
 #: The broker's own queues: what of them is still needed is pinned, the rest goes.
 PINNED_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, OFFSETS_TOPIC, TIMER_TOPIC,
                            TIMER_DONE_TOPIC, TIMER_CANCEL_TOPIC, KTX_INDEX_TOPIC})
-_FULL_RECHECK_MS = 200
+_RECHECK_S = 0.2
+_RECHECK_BYTES = 1 << 20
 _NOT_PINNED = 1 << 62
 
 
@@ -48,7 +50,7 @@ class Janitor:
         self.deleted_topics: dict[str, int] = {}
         self.full = False
         self.used_ratio, self.free_bytes = 0.0, 0
-        self._measured_ms = -_FULL_RECHECK_MS
+        self._measured_s, self._measured_end = 0.0, 0
         self.last: Verdict | None = None
         self._lock = threading.Lock()  # one round at a time
         self._stop = threading.Event()
@@ -78,7 +80,7 @@ class Janitor:
     # ------------------------------------------------------------- disk
     def measure(self) -> None:
         self.used_ratio, self.free_bytes = self.store.disk_usage()
-        self._measured_ms = self.clock.monotonic_ms()
+        self._measured_s, self._measured_end = time.monotonic(), self.store.max_phys_offset
         was, self.full = self.full, self.used_ratio > self.config.disk_full_ratio
         if self.full and not was:
             log.error("shard-%d: disk %.0f%% used (%d bytes free) is over disk_full_ratio "
@@ -89,17 +91,18 @@ class Janitor:
                         100 * self.used_ratio)
 
     def refuse_if_full(self) -> None:
-        """``DiskFullError`` while the disk is over ``disk_full_ratio`` (measured again at
-        most every ``_FULL_RECHECK_MS`` while it is, so writes resume soon after)."""
-        if not self.full:
-            return
-        if self.clock.monotonic_ms() - self._measured_ms >= _FULL_RECHECK_MS:
+        """``DiskFullError`` while the disk is over ``disk_full_ratio``.  The disk is measured
+        again (a ``statvfs``: microseconds) every ``_RECHECK_S`` or every ``_RECHECK_BYTES``
+        written, whichever comes first, so a disk filling fast is seen before it is full
+        and a disk given space back takes writes again soon."""
+        end = self.store.max_phys_offset
+        if time.monotonic() - self._measured_s >= _RECHECK_S or \
+                end - self._measured_end >= _RECHECK_BYTES:
             self.measure()
-            if not self.full:
-                return
-        raise DiskFullError(f"shard-{self.index}: disk full ({self.free_bytes} bytes free, "
-                            f"{100 * self.used_ratio:.0f}% used, over disk_full_ratio "
-                            f"{self.config.disk_full_ratio}); retry later")
+        if self.full:
+            raise DiskFullError(f"shard-{self.index}: disk full ({self.free_bytes} bytes free, "
+                                f"{100 * self.used_ratio:.0f}% used, over disk_full_ratio "
+                                f"{self.config.disk_full_ratio}); retry later")
 
     # ------------------------------------------------------------ rounds
     def run_once(self) -> Verdict:

@@ -484,6 +484,7 @@ class BrokerShard:
     def retention_pins(self) -> tuple[list[tuple[str, int, int]], list[int]]:
         """From where on each part of the shard still needs the log (``Janitor``): queue
         offsets, and physical offsets (a pending half's first copy, which its end reads)."""
+        self.ktx.compact(force=True)  # (its index before the snapshot is not needed then)
         offsets = self.store.offsets
         queue_pins = [(OFFSETS_TOPIC, 0, offsets.get(OFFSETS_APPLIED_KEY, 0)),
                       (HALF_TOPIC, 0, offsets.get(HALF_PROGRESS, 0)),

@@ -119,14 +119,15 @@ class TimerWheel:
         pairs = np.unique(np.frombuffer(raw, WHEEL_ENTRY))  # sorts by (index, due)
         return pairs[np.lexsort((pairs["index"], pairs["due"]))]
 
-    def oldest_index(self) -> int | None:
-        """The lowest timer-log index any bucket holds (None: no bucket): what retention
-        must keep (each bucket file read once, then kept up by ``add``)."""
+    def oldest_index(self, *, besides: int | None = None) -> int | None:
+        """The lowest timer-log index a bucket other than ``besides`` holds (None: none):
+        what retention must keep (each bucket file read once, then kept up by ``add``)."""
         for key in self.counts:
             if key not in self._mins:
                 pairs = self.load(key)
                 self._mins[key] = int(pairs["index"].min()) if len(pairs) else 1 << 62
-        return min(self._mins.values()) if self._mins else None
+        mins = [m for k, m in self._mins.items() if k != besides]
+        return min(mins) if mins else None
 
     def keys(self) -> list[int]:
         """Keys of the buckets on disk, in time order."""

@@ -393,15 +393,16 @@ class KafkaTxnQueues:
                      "after the snapshot (%d commits' offsets applied again)",
                      len(self.state.open), self.state.aborted_count(), n, len(redo))
 
-    def compact(self) -> bool:
+    def compact(self, *, force: bool = False) -> bool:
         """Fold the index into its snapshot once ``compact_records`` records follow the last
         one, up to the first end whose offsets may not be applied yet; forget producer ids
         idle past ``expiry_ms``, and the applied keys no restart needs any more.  Whether
-        it did."""
+        it did.  ``force``: whatever the number of records (retention: the index's
+        records before its snapshot may then go)."""
         with self.lock:
             end = min([self.store.max_queue_offset(KTX_INDEX_TOPIC, 0),
                        *self._ending.values()])
-        if end - self._snapshot_offset < self.compact_records:
+        if end - self._snapshot_offset < (1 if force else self.compact_records):
             return False
         self.store.make_durable()
         snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND)

@@ -307,7 +307,14 @@ class TimerScheduler:
         (the lowest index a bucket holds, and what is not indexed into the wheel yet),
         and the done records past the checkpoint's."""
         with self._lock:
-            oldest = self.wheel.oldest_index()
+            loaded = self._loaded
+            if loaded is None:  # (the bucket being delivered: what it has not delivered)
+                oldest = self.wheel.oldest_index()
+            else:
+                rest = loaded["index"][self._pos:]
+                oldest = min([x for x in (self.wheel.oldest_index(besides=self._current),
+                                          int(rest.min()) if len(rest) else None)
+                              if x is not None], default=None)
             indexed = self._indexed
             done = int(self.wheel.read_checkpoint().get("done_offset", 0))
         first = indexed if oldest is None else min(oldest, indexed)

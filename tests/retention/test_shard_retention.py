@@ -1,0 +1,98 @@
+"""Retention on a shard (issue 35), in-process on a manual clock: what a part of the shard
+still waits on -- a half message not checked back, a delay-level message, an open
+Kafka-style transaction, a timer due in 40 days -- keeps its segment and everything
+after it, and is ended or delivered on time afterwards; what nothing waits on goes with
+its topic's retention.  A reader below a queue's log start goes on as its
+``auto_offset_reset`` says.  No Ray."""
+from __future__ import annotations
+
+import pytest
+
+from raymq.message import Prop
+from raymq.storage import RecordBatch
+from raymq.storage.clock import ManualClock
+from raymq.storage.errors import OffsetOutOfRangeError
+from tests.helpers import open_shard
+
+HOUR, DAY = 3600_000, 86_400_000
+MB = 1 << 20
+SEG = 9 * MB  # the smallest segment a cluster allows: one 8 MiB frame and a bit
+
+
+def bulk(sh, topic: str, mb: int, start: int = 0) -> None:
+    for i in range(mb * 4):
+        sh.send(RecordBatch(topic, 0, [b"%08d" % (start + i) + bytes(256 * 1024 - 8)]))
+
+
+@pytest.fixture
+def shard(tmp_path):
+    clock = ManualClock(1_700_000_000_000)
+    sh = open_shard(tmp_path, [("bulk", 0), ("orders", 0), ("t", 0)], clock=clock,
+                    segment_size_bytes=SEG, retention_ms=HOUR)
+    yield sh, clock
+    sh.close()
+
+
+def test_what_the_shard_still_waits_on_keeps_its_segments_and_is_delivered_on_time(shard):
+    sh, clock = shard
+    bulk(sh, "bulk", 20)                              # ~2 segments nothing waits on
+    half = sh.send(RecordBatch("orders", 0, [b"half"], properties=[{
+        Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g", Prop.TRANSACTION_ID: "tx1"}]), 7, 1)
+    sh.send(RecordBatch("t", 0, [b"delayed"], properties=[{Prop.DELAY: "18"}]))  # 2 h
+    sh.ktx_register(5, 0, [("t", 0)])
+    sh.ktx_send(RecordBatch("t", 0, [b"in a transaction"]), 5, 0, 1)
+    bulk(sh, "bulk", 20, 80)
+    due = clock.now_ms() + 40 * DAY
+    sh.send(RecordBatch("t", 0, [b"in 40 days"], properties=[{Prop.DELIVER_AT: str(due)}]))
+    bulk(sh, "bulk", 20, 160)
+    clock.advance(3 * HOUR)                            # everything is past its retention
+    first = sh.janitor.run_once()
+    assert first.count >= 1 and first.held_by == "pinned"
+    assert 0 < sh.store.log_start("bulk", 0) <= 80
+    # the half is still there to end; the delayed message, the transaction's record too
+    ends = sh.send(None, 0, 0, [("g", "tx1", [half.phys[0]], "COMMIT_MESSAGE")])
+    assert [r.outcome.value for r in ends.ends] == ["COMMITTED"]
+    sh.ktx_end(5, 1, "COMMIT")
+    sh.deliver_due()
+    assert [m.body for m in sh.store.read_queue("t", 0, 0, 100)] == \
+        [b"in a transaction", b"COMMIT", b"delayed"]  # (COMMIT: the transaction's marker)
+    [(_t, _q, got, _n, _e)] = sh.pull([("orders", 0, 0, 100)])
+    assert [m.body for m in got.messages()] == [b"half"]
+    sh.check_round(["g"])  # (what the checkers do every few seconds: the half progress moves)
+    # nothing waits before the timer now: the segments up to it go, not the timer's
+    second = sh.janitor.run_once()
+    assert second.count >= 1 and second.held_by == "pinned"
+    assert 80 < sh.store.log_start("bulk", 0) <= 160
+    clock.advance(40 * DAY - 3 * HOUR - 1000)
+    sh.deliver_due()
+    assert sh.store.max_queue_offset("t", 0) == 3
+    clock.advance(1000)
+    sh.deliver_due()                                   # on time, not early, not lost
+    assert [m.body for m in sh.store.read_queue("t", 0, 3, 100)] == [b"in 40 days"]
+    bulk(sh, "bulk", 10, 240)
+    clock.advance(2 * HOUR)
+    sh.janitor.run_once()
+    assert sh.store.log_start("bulk", 0) > 160
+
+
+@pytest.mark.parametrize("reset", ["earliest", "latest", "error"])
+def test_a_reader_below_the_log_start_goes_on_as_its_reset_says(shard, reset):
+    sh, clock = shard
+    bulk(sh, "bulk", 30)
+    clock.advance(2 * HOUR)
+    bulk(sh, "bulk", 2, 120)
+    assert sh.janitor.run_once().count >= 2
+    start, end = sh.store.log_start("bulk", 0), sh.store.max_queue_offset("bulk", 0)
+    assert 0 < start < end
+    if reset == "error":
+        with pytest.raises(OffsetOutOfRangeError, match=f"bulk/0: offset 3 is below .* {start}"):
+            sh.pull([("bulk", 0, 3, 10)], group="g", reset=reset)
+        return
+    [(_t, _q, got, nxt, _e)] = sh.pull([("bulk", 0, 3, 10)], group="g", reset=reset)
+    if reset == "earliest":
+        assert got.messages()[0].queue_offset == start and nxt == start + len(got)
+    else:
+        assert len(got) == 0 and nxt == end
+    # reads at or above the log start are as ever
+    [(_t, _q, got, _n, _e)] = sh.pull([("bulk", 0, end - 1, 10)], group="g", reset=reset)
+    assert [m.queue_offset for m in got.messages()] == [end - 1]
