@@ -115,7 +115,11 @@ class Janitor:
                 except Exception as err:  # (the controller away: the last settings hold)
                     log.info("shard-%d: topic settings not refreshed: %s", self.index, err)
             self.measure()
-            self.store.checkpoint()
+            try:
+                self.store.checkpoint()
+            except OSError as err:  # (a disk with no room even for that: what an earlier
+                # checkpoint covers may still go, and make room)
+                log.warning("shard-%d: checkpoint before retention failed: %s", self.index, err)
             force = 0
             if self.used_ratio > self.config.disk_clean_ratio:
                 total = self.free_bytes / max(1e-9, 1 - self.used_ratio)
