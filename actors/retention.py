@@ -19,9 +19,11 @@ import threading
 import time
 from typing import Callable
 
+from raymq.actors.groups.offsets import APPLIED_KEY as OFFSETS_APPLIED_KEY
 from raymq.actors.kafka_tx.shard_side import KTX_INDEX_TOPIC
 from raymq.actors.protocol import (HALF_TOPIC, OFFSETS_TOPIC, OP_TOPIC, SCHEDULE_TOPIC,
                                    TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC, TIMER_TOPIC)
+from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.storage.errors import DiskFullError
 from raymq.storage.retention import RetentionPolicy, TopicRetention, Verdict
 
@@ -79,7 +81,7 @@ class Janitor:
 
     # ------------------------------------------------------------- disk
     def measure(self) -> None:
-        self.used_ratio, self.free_bytes = self.store.disk_usage()
+        self.used_ratio, self.free_bytes = self.store.retention.disk_usage()
         self._measured_s, self._measured_end = time.monotonic(), self.store.max_phys_offset
         was, self.full = self.full, self.used_ratio > self.config.disk_full_ratio
         if self.full and not was:
@@ -90,11 +92,14 @@ class Janitor:
             log.warning("shard-%d: disk %.0f%% used: writes resume", self.index,
                         100 * self.used_ratio)
 
-    def refuse_if_full(self) -> None:
+    def refuse_if_full(self, batch=None) -> None:
         """``DiskFullError`` while the disk is over ``disk_full_ratio``.  The disk is measured
         again (a ``statvfs``: microseconds) every ``_RECHECK_S`` or every ``_RECHECK_BYTES``
         written, whichever comes first, so a disk filling fast is seen before it is full
-        and a disk given space back takes writes again soon."""
+        and a disk given space back takes writes again soon.  Nothing to write
+        (no ``batch``, or an empty one): nothing refused."""
+        if batch is None or not len(batch):
+            return
         end = self.store.max_phys_offset
         if time.monotonic() - self._measured_s >= _RECHECK_S or \
                 end - self._measured_end >= _RECHECK_BYTES:
@@ -124,7 +129,7 @@ class Janitor:
             if self.used_ratio > self.config.disk_clean_ratio:
                 total = self.free_bytes / max(1e-9, 1 - self.used_ratio)
                 force = int((self.used_ratio - self.config.disk_clean_ratio) * total) + 1
-            verdict = self.store.apply_retention(self.policy(), self.clock.now_ms(),
+            verdict = self.store.retention.apply(self.policy(), self.clock.now_ms(),
                                                  pinned=self.pinned(), force_bytes=force)
             if verdict.count:
                 log.info("shard-%d: deleted %d segments (%d for disk space); the log starts "
@@ -140,10 +145,13 @@ class Janitor:
             return verdict
 
     def status(self) -> dict:
-        v = self.last
-        return {"log_start_phys": self.store.min_phys_offset,
-                "deleted_segments": self.store.deleted_segments,
-                "deleted_bytes": self.store.deleted_bytes,
+        """The log start of each queue that lost messages, what was deleted, the disk."""
+        store, v = self.store, self.last
+        starts = {f"{t}/{q}": s for t, q in store.queues()
+                  if (s := store.log_start(t, q))}
+        return {"log_starts": starts, "log_start_phys": store.min_phys_offset,
+                "deleted_segments": self.store.retention.deleted_segments,
+                "deleted_bytes": self.store.retention.deleted_bytes,
                 "disk_used_ratio": round(self.used_ratio, 4), "disk_free_bytes": self.free_bytes,
                 "disk_full": self.full, "oldest_held_by": v.held_by if v else ""}
 
@@ -164,3 +172,20 @@ class Janitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def shard_pins(shard) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """From where on each part of ``shard`` still needs the log: queue offsets of its own
+    queues (and of an open Kafka-style transaction's), and physical offsets (a pending
+    half's first copy, which its end reads)."""
+    shard.ktx.compact(force=True)  # (its index before the snapshot is not needed then)
+    offsets = shard.store.offsets
+    queue_pins = [(OFFSETS_TOPIC, 0, offsets.get(OFFSETS_APPLIED_KEY, 0)),
+                  (HALF_TOPIC, 0, offsets.get(HALF_PROGRESS, 0)),
+                  (OP_TOPIC, 0, offsets.get(OP_PROGRESS, 0))]
+    queue_pins += [(SCHEDULE_TOPIC, lvl, shard.delays.progress(lvl + 1))
+                   for lvl in range(len(shard.delays.levels_ms))]
+    queue_pins += shard.timers.retention_pins() + shard.ktx.retention_pins()
+    with shard._tx_lock:
+        phys_pins = [min(shard.halves.pending)] if shard.halves.pending else []
+    return queue_pins, phys_pins

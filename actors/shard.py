@@ -41,16 +41,15 @@ from raymq.actors.front.diversion import check_transactional, divert_to_system_t
 from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
 from raymq.actors.rocketmq_tx.records import ops_record
-from raymq.actors.groups.offsets import APPLIED_KEY as OFFSETS_APPLIED_KEY, GroupOffsets
-from raymq.actors.retention import Janitor
-from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS, HalfIndex, carries_halves
+from raymq.actors.groups.offsets import GroupOffsets
+from raymq.actors.retention import Janitor, shard_pins
+from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
 from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
-from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, OFFSETS_TOPIC, OP_TOPIC,
-                                   RETRY_PREFIX, SCHEDULE_TOPIC,
+from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
                                    SYSTEM_PROPERTIES, TIMER_TOPIC, CheckRequest, EndOutcome,
                                    EndRequest, EndResult, SendReply, check_group, retry_topic)
 from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
-                                   check_queues, check_send)
+                                   check_pull_options, check_queues, check_send)
 from raymq.actors.front.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.front.routes import RouteTable
 from raymq.actors.timing.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
@@ -62,9 +61,6 @@ from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
 
 log = logging.getLogger("raymq.shard")
-
-#: Where a read below a queue's log start goes on (Kafka's ``auto.offset.reset``).
-RESETS = ("earliest", "latest", "error")
 
 
 class BrokerShard:
@@ -105,10 +101,9 @@ class BrokerShard:
         self.offsets.cut_back()
         self.halves.load()
         self.janitor = Janitor(index, self.store, self.config, self.clock, self.metrics,
-                               pins=self.retention_pins, settings=fetch_settings)
-        self._parts = (self.delays, self.timers, self.ktx, self.janitor)
+                               pins=lambda: shard_pins(self), settings=fetch_settings)
         if background:
-            for part in self._parts:
+            for part in (self.delays, self.timers, self.ktx, self.janitor):
                 part.start()
 
     # ------------------------------------------------------------- routes
@@ -126,8 +121,7 @@ class BrokerShard:
         returned in ``ends``.  The reply waits for one fsync covering both.
         """
         ends = check_send(batch, producer_id, sequence, ends, acks)
-        if batch is not None and len(batch):
-            self.janitor.refuse_if_full()  # (a request of ends alone goes on)
+        self.janitor.refuse_if_full(batch)  # (a request of ends alone goes on)
         if producer_id >= INTERNAL_PRODUCER_BASE:
             # the shard's own writers keep their progress as such producers' sequences
             raise InvalidMessageError(f"producer id {producer_id} is reserved for the broker "
@@ -318,20 +312,10 @@ class BrokerShard:
         reads up to each queue's last stable offset and leaves out aborted Kafka-style
         transactions; ``read_uncommitted`` reads everything written.  ``form``
         ``messages`` answers ``MessageBatch`` es, ``spans`` the records undecoded
-        (``RecordSpans``: for columnar readers, without a tag filter).  ``reset``: where a
-        read below a queue's log start (what aged out) goes on -- ``earliest`` (the log
-        start), ``latest`` (the end) or ``error`` (``OffsetOutOfRangeError``)."""
+        (``RecordSpans``: for columnar readers, without a tag filter).  ``reset``: below a
+        queue's log start, ``earliest``, ``latest`` or ``error`` (``QueueReads._reset``)."""
         check_pull(requests, wait_ms, tags)
-        if reset not in RESETS:
-            raise InvalidMessageError(f"reset must be one of {RESETS}, got {reset!r}")
-        if group is not None:
-            check_group(group)
-        if isolation not in ISOLATIONS:
-            raise InvalidMessageError(f"isolation must be one of {ISOLATIONS}, "
-                                      f"got {isolation!r}")
-        if form not in ("messages", "spans") or (form == "spans" and tags):
-            raise InvalidMessageError(f"form must be 'messages' or 'spans' (without tags), "
-                                      f"got {form!r}")
+        check_pull_options(group, isolation, form, tags, reset)
         self._check_readable({(t, q) for t, q, _o, _n in requests}, group)
         return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed",
                                form == "spans", reset, group)
@@ -382,7 +366,7 @@ class BrokerShard:
                 "schedule_pending": self.delays.pending(),
                 "max_delay_lateness_ms": self.delays.max_lateness_ms,
                 "timers": self.timers.status(),
-                "log_bytes": self.store.max_phys_offset}
+                "log_bytes": self.store.max_phys_offset, "retention": self.janitor.status()}
 
     # -------------------------------------------------- delays and retries
     def deliver_due(self) -> int:
@@ -438,7 +422,7 @@ class BrokerShard:
         ``durable=False``: answered once written (its commit makes it durable)."""
         check_send(batch, producer_id, sequence, None)
         check_transactional(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
-        self.janitor.refuse_if_full()
+        self.janitor.refuse_if_full(batch)
         queues = batch.queues()
         self.routes.check(queues)
         t0 = self.clock.monotonic_ms()
@@ -476,32 +460,10 @@ class BrokerShard:
         return {"shard": self.index, "directory": self.directory, "pid": os.getpid()}
 
     def close(self) -> None:
-        for part in self._parts:
+        for part in (self.delays, self.timers, self.ktx, self.janitor):
             part.stop()
         self.store.close()
 
-    # ------------------------------------------------------------ retention
-    def retention_pins(self) -> tuple[list[tuple[str, int, int]], list[int]]:
-        """From where on each part of the shard still needs the log (``Janitor``): queue
-        offsets, and physical offsets (a pending half's first copy, which its end reads)."""
-        self.ktx.compact(force=True)  # (its index before the snapshot is not needed then)
-        offsets = self.store.offsets
-        queue_pins = [(OFFSETS_TOPIC, 0, offsets.get(OFFSETS_APPLIED_KEY, 0)),
-                      (HALF_TOPIC, 0, offsets.get(HALF_PROGRESS, 0)),
-                      (OP_TOPIC, 0, offsets.get(OP_PROGRESS, 0))]
-        queue_pins += [(SCHEDULE_TOPIC, lvl, self.delays.progress(lvl + 1))
-                       for lvl in range(len(self._levels_ms))]
-        queue_pins += self.timers.retention_pins() + self.ktx.retention_pins()
-        with self._tx_lock:
-            phys_pins = [min(self.halves.pending)] if self.halves.pending else []
-        return queue_pins, phys_pins
-
-    def retention_status(self) -> dict:
-        """Log start and end of each queue served here, what was deleted, the disk."""
-        self.routes.refresh()
-        queues = {f"{t}/{q}": [self.store.log_start(t, q), self.store.max_queue_offset(t, q)]
-                  for t, q in self.routes.sorted()}
-        return {"shard": self.index, "queues": queues, **self.janitor.status()}
 
 
 

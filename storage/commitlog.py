@@ -241,13 +241,14 @@ class CommitLog:
         where = f"{seg.path} at file offset {pos} (physical offset {seg.base + pos})"
         if later_data:
             raise CorruptLogError(f"{where}: {err.reason}; later segments hold data, "
-                                  f"refusing to cut the log.{self._cut_hint(seg.base + pos)}")
-        valid_after = self._find_valid_frame(mm, pos, seg.size, err.frame_len)
+                                  f"refusing to cut the log."
+                                  f"{_cut_hint(self.directory, seg.base + pos)}")
+        valid_after = _find_valid_frame(mm, pos, seg.size, err.frame_len)
         if valid_after is not None:
             raise CorruptLogError(
                 f"{where}: {err.reason}; a valid frame follows at file offset "
                 f"{valid_after}, so this is not a torn tail and nothing is skipped."
-                f"{self._cut_hint(seg.base + pos)}")
+                f"{_cut_hint(self.directory, seg.base + pos)}")
         cut = seg.size - pos
         log.warning("commit log %s: %s; truncating torn tail of %d bytes", where, err.reason, cut)
         os.ftruncate(self._fd(seg), pos)
@@ -260,31 +261,6 @@ class CommitLog:
         del self._segments[index + 1:]
         del self._bases[index + 1:]
         self._open_sealed.pop(seg.base, None)  # the last segment now: always open
-
-    def _cut_hint(self, offset: int) -> str:
-        store_dir = os.path.dirname(os.path.abspath(self.directory))
-        return (f" To give up what follows (it is moved to {store_dir}/quarantine/, after a "
-                f"summary and a confirmation), stop the shard and run: "
-                f"raymq storage cut {store_dir} --at {offset}")
-
-    @staticmethod
-    def _find_valid_frame(mm, pos: int, end: int, frame_len: int | None) -> int | None:
-        candidates = []
-        if frame_len and pos + frame_len < end:
-            candidates.append(pos + frame_len)
-        found = pos
-        for _ in range(_MAX_RESYNC_CANDIDATES):
-            found = mm.find(_FRAME_MAGIC_BYTES, found + 1, end)
-            if found < 0:
-                break
-            candidates.append(found)
-        for cand in candidates:
-            try:
-                check_frame(mm, cand, end)
-                return cand
-            except FrameError:
-                continue
-        return None
 
     # --------------------------------------------------------------- write
     def _new_segment(self, base: int) -> Segment:
@@ -442,30 +418,6 @@ class CommitLog:
         self.flushed_offset = min(self.flushed_offset, self.max_offset)
 
     # ------------------------------------------------------------ retention
-    def sealed(self) -> list[tuple[int, int]]:
-        """``(base, end)`` of each sealed segment (every one but the last), oldest first."""
-        with self._fd_lock:
-            return [(s.base, s.end) for s in self._segments[:-1]]
-
-    def frames_of(self, base: int):
-        """``(buf, pos, count)`` of each whole frame of the sealed segment at ``base``, read
-        through a map of it (what a retention summary reads; a bad frame ends it)."""
-        with self._fd_lock:
-            seg = self._segments[bisect.bisect_left(self._bases, base)]
-            fd = os.dup(self._fd(seg))
-        try:
-            with mmap.mmap(fd, seg.size, prot=mmap.PROT_READ) as mm:
-                pos = SEGMENT_HEADER_BYTES
-                while pos < seg.size:
-                    try:
-                        frame_len, count = check_frame(mm, pos, seg.size)
-                    except FrameError:
-                        return
-                    yield mm, pos, count
-                    pos += frame_len
-        finally:
-            os.close(fd)
-
     def delete_oldest(self, count: int) -> int:
         """Delete the ``count`` oldest segments (never the last one); the bytes freed.  Each
         file goes at once (an unlink); a crash between two leaves the log starting at the
@@ -513,3 +465,29 @@ class CommitLog:
             self._bases.clear()
         if first_error is not None:
             raise first_error
+
+
+def _find_valid_frame(mm, pos: int, end: int, frame_len: int | None) -> int | None:
+    candidates = []
+    if frame_len and pos + frame_len < end:
+        candidates.append(pos + frame_len)
+    found = pos
+    for _ in range(_MAX_RESYNC_CANDIDATES):
+        found = mm.find(_FRAME_MAGIC_BYTES, found + 1, end)
+        if found < 0:
+            break
+        candidates.append(found)
+    for cand in candidates:
+        try:
+            check_frame(mm, cand, end)
+            return cand
+        except FrameError:
+            continue
+    return None
+
+
+def _cut_hint(directory: str, offset: int) -> str:
+    store_dir = os.path.dirname(os.path.abspath(directory))
+    return (f" To give up what follows (it is moved to {store_dir}/quarantine/, after a "
+            f"summary and a confirmation), stop the shard and run: "
+            f"raymq storage cut {store_dir} --at {offset}")

@@ -17,12 +17,12 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog, SegmentSealError
+from raymq.storage.commitlog import CommitLog, SegmentSealError
 from raymq.storage.config import StoreConfig
 from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.durability import Durability, FlushLoop, write_checkpoint
 from raymq.storage.errors import (CorruptLogError, DiskFullError, InvalidMessageError,
-                                  OffsetOutOfRangeError, StorageError)
+                                  StorageError)
 from raymq.storage.faults import crash_point
 from raymq.storage.offsets import OffsetStore
 from raymq.storage.putframes import PutFramer
@@ -30,13 +30,12 @@ from raymq.storage.putframes import TOPIC_RE, check_topic_name  # noqa: F401  (w
 from raymq.storage.queueindex import QueueIndex
 from raymq.storage import replication
 from raymq.storage.recovery import RebuildNeeded, Replay, recover
-from raymq.storage.retention import RetentionPolicy, SegmentSummary, Verdict, expired_prefix, summarize
+from raymq.storage.cleaner import StoreRetention
 from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                                    RecordSpans, StoredMessage, decode_records,
                                    record_sizes)
 
 _SPAN_READ_SLACK_BYTES = 256 * 1024
-_FIRST_RECORD = SEGMENT_HEADER_BYTES  # a log whose first segment is at 0 has lost nothing
 
 
 class PutStatus(enum.Enum):
@@ -118,11 +117,9 @@ class MessageStore:
         self._producers = recovered.producers
         self.recovered_records = recovered.recovered_records
         self._dispatched_end = self._log.max_offset
-        self._checkpointed_end = self._log.max_offset  # (recovery ends with a checkpoint)
-        self._starts: dict = {}  # queue -> (the log's start then, the queue's log start)
-        self._summaries: dict[int, SegmentSummary] = {}
-        self._retention_lock = threading.Lock()
-        self.deleted_bytes = self.deleted_segments = 0
+        #: deleting aged-out segments, the queues' log starts (recovery ends with a
+        #: checkpoint: it covers the whole log)
+        self.retention = StoreRetention(directory, self._log, self._cq, self._log.max_offset)
         self._replica: Replay | None = None  # a follower's indexing of replicated frames
         self._closed_end: int | None = None  # where the log ended when the store closed
         #: a leader's wait for its in-sync replicas (``raymq.actors.replication.replica``): called with a
@@ -311,7 +308,7 @@ class MessageStore:
             producers = self._producers.snapshot()
             queues = list(self._cq.queues.values())
         write_checkpoint(self._checkpoint_path, end, queues, producers)
-        self._checkpointed_end = max(self._checkpointed_end, end)
+        self.retention.covered_end = max(self.retention.covered_end, end)
         self.offsets.flush()
         return end
 
@@ -406,68 +403,15 @@ class MessageStore:
     def log_start(self, topic: str, queue_id: int) -> int:
         """The queue's log start: the first offset still readable (what lies below aged out
         with its segments).  It only moves up."""
-        cq = self._cq.queues.get((topic, queue_id))
-        return 0 if cq is None else self._start_of(cq)
-
-    def _start_of(self, cq) -> int:
-        first = self._log.min_offset
-        cached = self._starts.get(cq)
-        if cached is not None and cached[0] == first:
-            return cached[1]
-        start = cq.first_from(first) if first > _FIRST_RECORD else 0
-        self._starts[cq] = (first, start)
-        return start
+        return self.retention.log_start(topic, queue_id)
 
     def check_readable(self, topic: str, queue_id: int, offset: int) -> None:
-        """``OffsetOutOfRangeError`` (naming queue, offset and log start) when ``offset`` of
-        the queue aged out."""
-        start = self.log_start(topic, queue_id)
-        if offset < start:
-            raise OffsetOutOfRangeError(
-                f"{topic}/{queue_id}: offset {offset} is below the queue's log start {start} "
-                f"(aged out)")
+        self.retention.check_readable(topic, queue_id, offset)
 
     @property
     def min_phys_offset(self) -> int:
         """Where the log starts (its oldest segment's first frame)."""
         return self._log.min_offset
-
-    def summaries(self) -> list[SegmentSummary]:
-        """The sealed segments' summaries (``raymq.storage.retention``), oldest first; each
-        read once, when first asked for."""
-        out = []
-        for base, end in self._log.sealed():
-            s = self._summaries.get(base)
-            if s is None or s.end != end:
-                s = self._summaries[base] = summarize(base, end, self._log.frames_of(base))
-            out.append(s)
-        return out
-
-    def apply_retention(self, policy: RetentionPolicy, now_ms: int, *,
-                        pinned: int = 1 << 62, force_bytes: int = 0) -> Verdict:
-        """Delete the oldest segments ``policy`` lets go (``retention.expired_prefix``),
-        then give back the blocks of consume-queue entries below each queue's log start;
-        the verdict (how many went)."""
-        with self._retention_lock:
-            verdict = expired_prefix(self.summaries(), policy, now_ms,
-                                     covered_end=self._checkpointed_end, pinned=pinned,
-                                     force=force_bytes)
-            if verdict.count:
-                freed = self._log.delete_oldest(verdict.count)
-                self.deleted_bytes += freed
-                self.deleted_segments += verdict.count
-                for base in [b for b in self._summaries if b < self._log.min_offset]:
-                    del self._summaries[base]
-                for cq in list(self._cq.queues.values()):
-                    cq.give_back(self._start_of(cq))
-            return verdict
-
-    def disk_usage(self) -> tuple[float, int]:
-        """(the used fraction of the data directory's filesystem, bytes free there)."""
-        st = os.statvfs(self.directory)
-        total = st.f_blocks * st.f_frsize
-        free = st.f_bavail * st.f_frsize
-        return (1.0 - free / total if total else 0.0), free
 
     # -------------------------------------------------------- replication
     def read_frames(self, from_phys: int, max_bytes: int) -> tuple[int, bytes]:

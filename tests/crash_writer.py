@@ -112,7 +112,7 @@ def retain(directory: str) -> None:
     clock = ManualClock(int(time.time() * 1000) + 10 * 24 * 3600_000)
     with MessageStore(directory, POINTS_CONFIG, clock, background=False) as store:
         store.checkpoint()
-        verdict = store.apply_retention(RetentionPolicy(TopicRetention(24 * 3600_000)),
+        verdict = store.retention.apply(RetentionPolicy(TopicRetention(24 * 3600_000)),
                                         clock.now_ms())
     sys.stdout.write(f"RETAINED {verdict.count}\n")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from raymq.actors.protocol import EndRequest, check_group
+from raymq.actors.protocol import ISOLATIONS, EndRequest, check_group
 from raymq.storage.errors import InvalidMessageError, RayMQError
 from raymq.storage.records import RecordBatch
 
@@ -64,6 +64,21 @@ def check_queues(queues, what: str = "queue") -> None:
     for q in queues:
         need(isinstance(q, tuple) and len(q) == 2 and isinstance(q[0], str)
              and is_int(q[1], 0, 2**31 - 1), f"a {what} is (topic, queue id)")
+
+
+#: Where a read below a queue's log start goes on (Kafka's ``auto.offset.reset``).
+RESETS = ("earliest", "latest", "error")
+
+
+def check_pull_options(group, isolation, form, tags, reset) -> None:
+    """A pull's options: a group name (or None), an isolation, a form, a reset policy."""
+
+    if group is not None:
+        check_group(group)
+    need(isolation in ISOLATIONS, f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    need(form in ("messages", "spans") and not (form == "spans" and tags),
+         f"form must be 'messages' or 'spans' (without tags), got {form!r}")
+    need(reset in RESETS, f"reset must be one of {RESETS}, got {reset!r}")
 
 
 def check_pull(requests, wait_ms, tags) -> None:

@@ -81,10 +81,10 @@ def test_segments_go_when_their_records_pass_retention_and_the_log_start_moves_u
         store.checkpoint()
         n_before = len(store.segments())
         assert n_before >= 5
-        v = store.apply_retention(policy(ms=20 * HOUR), clock.now_ms())
+        v = store.retention.apply(policy(ms=20 * HOUR), clock.now_ms())
         assert v.count == 0 and store.log_start("a", 0) == 0
         clock.advance(15 * HOUR)  # the first ~5 h of records are 20 h old now
-        v = store.apply_retention(policy(ms=20 * HOUR), clock.now_ms())
+        v = store.retention.apply(policy(ms=20 * HOUR), clock.now_ms())
         assert 0 < v.count < n_before - 1 and len(store.segments()) == n_before - v.count
         start = store.log_start("a", 0)
         first_kept = store.read_queue("a", 0, start, 1)[0]
@@ -95,7 +95,7 @@ def test_segments_go_when_their_records_pass_retention_and_the_log_start_moves_u
             store.check_readable("a", 0, 3)
         assert [m.queue_offset for m in store.read_queue("a", 0, start, 5)] == \
             list(range(start, start + 5))
-        assert store.deleted_segments == v.count and store.deleted_bytes > 0
+        assert store.retention.deleted_segments == v.count and store.retention.deleted_bytes > 0
     finally:
         store.close()
     reopened = open_at(tmp_path / "s", clock)
@@ -116,7 +116,7 @@ def test_a_topic_with_a_longer_retention_keeps_the_segments_its_records_are_in(
         fill(store, clock, "short", 400)
         store.checkpoint()
         clock.advance(2 * DAY)
-        held = store.apply_retention(policy(ms=DAY, long=(7 * DAY,)), clock.now_ms())
+        held = store.retention.apply(policy(ms=DAY, long=(7 * DAY,)), clock.now_ms())
         assert held.held_by == "long" and store.log_start("long", 0) == 0
         assert [m.body for m in store.read_queue("long", 0, 0, 1)] == batch("long", 0, 0, 1).bodies
         assert store.min_phys_offset <= store.read_queue("long", 0, 0, 1)[0].phys_offset
@@ -132,7 +132,7 @@ def test_queue_entries_that_aged_out_give_their_disk_blocks_back(tmp_path, clock
         path = os.path.join(store.directory, "consumequeue", "a", "0")
         before = os.stat(path).st_blocks
         clock.advance(2 * DAY)
-        store.apply_retention(policy(ms=DAY), clock.now_ms())
+        store.retention.apply(policy(ms=DAY), clock.now_ms())
         assert store.log_start("a", 0) > 2000
         after = os.stat(path).st_blocks
         if after == before:
@@ -151,7 +151,7 @@ def test_a_rebuild_of_the_queues_from_a_log_that_starts_late_keeps_every_offset(
     clock.advance(2 * DAY)
     fill(store, clock, "a", 100)
     store.checkpoint()
-    store.apply_retention(policy(ms=DAY), clock.now_ms())
+    store.retention.apply(policy(ms=DAY), clock.now_ms())
     starts = {q: store.log_start(*q) for q in (("a", 0), ("b", 0))}
     want = {q: [m.body for m in store.read_queue(*q, starts[q], 1000)] for q in starts}
     assert starts[("a", 0)] > 0 and starts[("b", 0)] > 0
@@ -174,11 +174,11 @@ def test_the_segment_written_to_and_what_no_checkpoint_covers_never_go(tmp_path,
     try:
         fill(store, clock, "a", 400)
         clock.advance(2 * DAY)
-        v = store.apply_retention(policy(ms=DAY), clock.now_ms())
+        v = store.retention.apply(policy(ms=DAY), clock.now_ms())
         assert v.count <= len(store.segments()) and store.log_start("a", 0) == 0 or \
             v.held_by == "checkpoint"
         store.checkpoint()
-        v = store.apply_retention(policy(ms=1), clock.now_ms())
+        v = store.retention.apply(policy(ms=1), clock.now_ms())
         assert len(store.segments()) == 1 and store.log_start("a", 0) > 0
         assert store.put(batch("a", 0, 400, 1)).queue_offsets == [400]
     finally:

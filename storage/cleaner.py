@@ -1,0 +1,108 @@
+"""A store's retention at work: deleting the segments ``raymq.storage.retention`` gives up.
+Owns the sealed segments' summaries, each queue's log start, giving back the disk blocks
+of aged-out queue entries, and the disk's use.
+
+A queue's *log start* is its first entry whose record is still in the log: entries are
+in log order, so it is a binary search from the log's first segment.  It only moves up
+(segments go oldest first).  The entries below it stay as positions (offsets do not
+change) but their blocks are given back (``ConsumeQueue.give_back``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
+from raymq.storage.errors import OffsetOutOfRangeError
+from raymq.storage.queueindex import QueueIndex
+from raymq.storage.records import FrameError, check_frame
+from raymq.storage.retention import (RetentionPolicy, SegmentSummary, Verdict, expired_prefix,
+                                     summarize)
+
+
+class StoreRetention:
+    def __init__(self, directory: str, log: CommitLog, queues: QueueIndex, covered_end: int):
+        self.directory = directory
+        self._log = log
+        self._cq = queues
+        #: what the last checkpoint covers (the store moves it): no segment past it goes
+        self.covered_end = covered_end
+        self._starts: dict = {}  # queue -> (the log's start then, the queue's log start)
+        self._summaries: dict[int, SegmentSummary] = {}
+        self._lock = threading.Lock()
+        self.deleted_bytes = self.deleted_segments = 0
+
+    # ---------------------------------------------------------- log starts
+    def log_start(self, topic: str, queue_id: int) -> int:
+        """The queue's first offset still readable (what lies below aged out)."""
+        cq = self._cq.queues.get((topic, queue_id))
+        return 0 if cq is None else self._start_of(cq)
+
+    def _start_of(self, cq) -> int:
+        first = self._log.min_offset
+        cached = self._starts.get(cq)
+        if cached is not None and cached[0] == first:
+            return cached[1]
+        start = cq.first_from(first) if first > SEGMENT_HEADER_BYTES else 0
+        self._starts[cq] = (first, start)
+        return start
+
+    def check_readable(self, topic: str, queue_id: int, offset: int) -> None:
+        """``OffsetOutOfRangeError`` (naming queue, offset and log start) when ``offset`` of
+        the queue aged out."""
+        start = self.log_start(topic, queue_id)
+        if offset < start:
+            raise OffsetOutOfRangeError(f"{topic}/{queue_id}: offset {offset} is below the "
+                                        f"queue's log start {start} (aged out)")
+
+    # ------------------------------------------------------------ deleting
+    def summaries(self) -> list[SegmentSummary]:
+        """The sealed segments' summaries, oldest first; each read once, when first asked."""
+        out = []
+        for _path, base, size in self._log.segments()[:-1]:  # (the sealed ones)
+            end = base + size
+            s = self._summaries.get(base)
+            if s is None or s.end != end:
+                s = self._summaries[base] = summarize(base, end, _frames(self._log, base, end))
+            out.append(s)
+        return out
+
+    def apply(self, policy: RetentionPolicy, now_ms: int, *, pinned: int = 1 << 62,
+              force_bytes: int = 0) -> Verdict:
+        """Delete the oldest segments ``policy`` gives up (``retention.expired_prefix``),
+        then give back the blocks of queue entries below each queue's log start."""
+        with self._lock:
+            verdict = expired_prefix(self.summaries(), policy, now_ms,
+                                     covered_end=self.covered_end, pinned=pinned,
+                                     force=force_bytes)
+            if verdict.count:
+                self.deleted_bytes += self._log.delete_oldest(verdict.count)
+                self.deleted_segments += verdict.count
+                for base in [b for b in self._summaries if b < self._log.min_offset]:
+                    del self._summaries[base]
+                for cq in list(self._cq.queues.values()):
+                    cq.give_back(self._start_of(cq))
+            return verdict
+
+    def disk_usage(self) -> tuple[float, int]:
+        """(the used fraction of the store's filesystem, the bytes free there)."""
+        st = os.statvfs(self.directory)
+        total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        return (1.0 - free / total if total else 0.0), free
+
+
+def _frames(log: CommitLog, base: int, end: int):
+    """``(buf, pos, count)`` of each whole frame of the sealed segment ``[base, end)`` (read
+    whole, once in its life: what its summary needs; a bad frame ends it)."""
+    start = base + SEGMENT_HEADER_BYTES
+    if end <= start:
+        return
+    data = log.read(start, end - start)
+    pos = 0
+    while pos < len(data):
+        try:
+            frame_len, count = check_frame(data, pos, len(data))
+        except FrameError:
+            return
+        yield data, pos, count
+        pos += frame_len
