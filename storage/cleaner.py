@@ -84,6 +84,19 @@ class StoreRetention:
                     cq.give_back(self._start_of(cq))
             return verdict
 
+    def drop_below(self, phys: int) -> int:
+        """(a follower) Delete the segments that end at or below ``phys``, the leader's log
+        start (never past what a checkpoint covers here); how many."""
+        with self._lock:
+            n = sum(1 for _p, base, size in self._log.segments()[:-1]
+                    if base + size <= min(phys, self.covered_end))
+            if n:
+                self.deleted_bytes += self._log.delete_oldest(n)
+                self.deleted_segments += n
+                for cq in list(self._cq.queues.values()):
+                    cq.give_back(self._start_of(cq))
+            return n
+
     def disk_usage(self) -> tuple[float, int]:
         """(the used fraction of the store's filesystem, the bytes free there)."""
         st = os.statvfs(self.directory)

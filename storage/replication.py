@@ -172,3 +172,23 @@ def truncate_log(directory: str, segment_size_bytes: int, phys: int) -> None:
             log_.truncate_to(phys)
     finally:
         log_.close()
+
+
+def restart_store_at(directory: str, segment_size_bytes: int, base: int) -> None:
+    """Empty the closed store in ``directory``: its commit log then starts, with no record,
+    at segment ``base`` (a follower behind its leader's log start: what it would copy next
+    aged out there).  Its queues are rebuilt from what it copies next, each starting at the
+    offset its first record has (``Replay.late_start``); its group offsets stay."""
+    from raymq.storage.commitlog import SEGMENT_HEADER, SEGMENT_MAGIC, SEGMENT_VERSION, \
+        fsync_dir_path, segment_name
+    from raymq.storage.durability import write_checkpoint
+    log_dir = os.path.join(directory, "commitlog")
+    write_checkpoint(os.path.join(directory, "checkpoint"), 0, [], {}, rebuilding=True)
+    for name in sorted(os.listdir(log_dir)):
+        os.unlink(os.path.join(log_dir, name))
+    path = os.path.join(log_dir, segment_name(base))
+    with open(path, "wb") as f:
+        f.write(SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, segment_size_bytes, base))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir_path(log_dir)

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.commitlog import CommitLog, SegmentSealError
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog, SegmentSealError
 from raymq.storage.config import StoreConfig
 from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.durability import Durability, FlushLoop, write_checkpoint
@@ -431,7 +431,8 @@ class MessageStore:
                 raise self._durable.stopped()
             positions = self._append_frames_at(phys, data, frames)
             if self._replica is None:
-                self._replica = Replay(self._cq, self._producers)
+                self._replica = Replay(self._cq, self._producers,
+                                       late_start=self._log.min_offset > SEGMENT_HEADER_BYTES)
             try:
                 for (pos, length, count), at in zip(frames, positions):
                     self._replica.frame(at, data, pos, length, count)

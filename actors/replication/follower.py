@@ -79,6 +79,9 @@ class Follower:
             if "diverging" in reply:
                 self._truncate(*reply["diverging"])
                 return True
+            if "restart_at" in reply:
+                self._restart_at(reply["restart_at"], reply["epochs"])
+                return True
             self._take(reply)
             return True
 
@@ -97,9 +100,24 @@ class Follower:
                     "%s, epoch %d)", r.index, r.name, log_end, cut, self.a.leader, e)
         r.truncate(cut)
 
+    def _restart_at(self, base: int, epochs: list) -> None:
+        """What this follower would copy next aged out on the leader: its log starts again,
+        empty, at the leader's first segment (``base``), in the leader's epoch there."""
+        r = self.replica
+        start = base + SEGMENT_HEADER_BYTES
+        log.warning("shard-%d: %s is behind leader %s's log start (%d): its log starts again "
+                    "there", r.index, r.name, self.a.leader, start)
+        r.restart_at(base)
+        r.epochs.truncate_from_end(0)
+        for e, s in epochs:
+            if s <= start:
+                r.epochs.assign(e, s)
+
     def _take(self, reply: dict) -> None:
         r = self.replica
         store = r.store
+        if reply.get("log_start", 0) > store.min_phys_offset:  # the leader's retention
+            store.retention.drop_below(reply["log_start"])
         if reply["data"]:
             store.append_replicated(reply["start"], reply["data"])
         end = store.max_phys_offset

@@ -115,6 +115,12 @@ class LeaderState:
             diverging = self._diverging(from_phys, last_epoch)
             if diverging is not None:
                 return {"diverging": diverging, "epochs": self.epochs.entries()}
+            log_start = self.store.min_phys_offset
+            if from_phys < log_start and from_phys < self.store.max_phys_offset:
+                # what the follower would copy next aged out here: it starts again from
+                # this log's first segment (Kafka: a fetch below the log start offset)
+                return {"restart_at": log_start - SEGMENT_HEADER_BYTES,
+                        "epochs": self.epochs.entries()}
             before = self.rs.confirmed
             self.rs.appended(self.store.max_phys_offset)
             self.rs.fetched(follower, from_phys, self._answered_end.get(follower, 1 << 62),
@@ -141,6 +147,7 @@ class LeaderState:
         if caught_up and parts:
             self.shipper.sent(follower, parts)
         return {"start": start, "data": data, "leader_end": end_then, "confirmed": confirmed,
+                "log_start": self.store.min_phys_offset,
                 "epochs": self.epochs.entries(), "offsets_version": version,
                 "offsets": table if caught_up and version != offsets_version else None,
                 "parts": parts if caught_up else {}}

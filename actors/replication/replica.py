@@ -42,7 +42,7 @@ from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.epochs import EpochCache
 from raymq.storage.errors import NotLeaderError
 from raymq.storage.fileutil import atomic_write
-from raymq.storage.replication import cut_store
+from raymq.storage.replication import cut_store, restart_store_at
 
 log = logging.getLogger("raymq.replica")
 
@@ -293,6 +293,14 @@ class ShardReplica:
         self.store.close()
         cut_store(self.directory, self.config.segment_size_bytes, cut)
         self.epochs.truncate_from_end(cut)
+        parts.forget(self.directory)
+        self.store = self.open_store()
+
+    def restart_at(self, base: int) -> None:
+        """Empty this follower's store and start its log at ``base`` (the leader's first
+        segment: what came before aged out there); its parts go."""
+        self.store.close()
+        restart_store_at(self.directory, self.config.segment_size_bytes, base)
         parts.forget(self.directory)
         self.store = self.open_store()
 
