@@ -15,7 +15,8 @@ import time
 from raymq.actors.config import ClusterConfig
 from raymq.actors.groups.membership import Membership
 from raymq.actors.replication.groups import ReplicaGroups
-from raymq.actors.protocol import check_group, check_user_topic, dlq_topic, retry_topic
+from raymq.actors.protocol import (check_group, check_retention, check_user_topic, dlq_topic,
+                                   retry_topic)
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import (BrokerUnavailableError, ControllerRecoveringError,
                                   InvalidMessageError,
@@ -93,10 +94,13 @@ class Controller:
         atomic_write(self._path, json.dumps(doc, sort_keys=True, indent=1).encode())
 
     # ------------------------------------------------------------ topics
-    def create_topic(self, name: str, queues: int | None = None, *, system: bool = False) -> dict:
-        """Create a topic (idempotent for the same queue count); return its route."""
+    def create_topic(self, name: str, queues: int | None = None, *, system: bool = False,
+                     retention_ms: int | None = None, retention_bytes: int | None = None) -> dict:
+        """Create a topic (idempotent for the same queue count); return its route.  Its own
+        ``retention_ms`` / ``retention_bytes`` (None: the cluster's)."""
         if not system:
             check_user_topic(name)
+        retention = check_retention(retention_ms, retention_bytes)
         queues = self.config.default_queues if queues is None else queues
         if isinstance(queues, bool) or not isinstance(queues, int) or not 1 <= queues <= MAX_QUEUES:
             raise InvalidMessageError(f"queues must be 1..{MAX_QUEUES}, got {queues!r}")
@@ -108,12 +112,12 @@ class Controller:
                     raise TopicExistsError(f"topic {name!r} exists with "
                                            f"{len(existing['routes'])} queues, not {queues}")
             else:
-                self._add_topic(name, queues, system)
+                self._add_topic(name, queues, system, retention)
             version = self._meta_version  # (asked again: it may not be kept yet)
         self._wait_kept(version, f"topic {name!r}")
         return self.describe_topic(name)
 
-    def _add_topic(self, name: str, queues: int, system: bool) -> None:
+    def _add_topic(self, name: str, queues: int, system: bool, retention: dict) -> None:
         """(under the lock) A new topic's routes, saved."""
         if not system:
             user = sum(1 for t in self._topics.values() if not t.get("system"))
@@ -127,7 +131,7 @@ class Controller:
             first = len(self._topics) % n  # spread the first queues of topics
             routes = [(first + i) % n for i in range(queues)]
         self._topics[name] = {"routes": routes, "created_ms": self.clock.now_ms(),
-                              "system": system}
+                              "system": system, **retention}
         self._meta_version += 1
         self._save()
         log.info("controller: created topic %s with %d queues", name, queues)
@@ -163,8 +167,38 @@ class Controller:
             t = self._topics.get(name)
             if t is None:
                 raise UnknownTopicError(f"topic {name!r} does not exist")
+            c = self.config
             return {"topic": name, "queues": len(t["routes"]), "routes": list(t["routes"]),
-                    "system": t.get("system", False), "created_ms": t["created_ms"]}
+                    "system": t.get("system", False), "created_ms": t["created_ms"],
+                    "retention_ms": t.get("retention_ms") or c.retention_ms,
+                    "retention_bytes": t.get("retention_bytes", c.retention_bytes)
+                    if t.get("retention_bytes") is not None else c.retention_bytes}
+
+    def alter_topic(self, name: str, *, retention_ms: int | None = None,
+                    retention_bytes: int | None = None) -> dict:
+        """Set a topic's own retention (a setting left None stays as it is)."""
+        retention = check_retention(retention_ms, retention_bytes)
+        with self._lock:
+            self._check_meta_known()
+            t = self._topics.get(name)
+            if t is None:
+                raise UnknownTopicError(f"topic {name!r} does not exist")
+            t.update(retention)
+            self._meta_version += 1
+            self._save()
+            version = self._meta_version
+        self._wait_kept(version, f"topic {name!r}")
+        log.info("controller: topic %s retention now %s", name, retention)
+        return self.describe_topic(name)
+
+    def topic_settings(self) -> dict:
+        """What shards need of the topics beyond their routes: each topic's own retention."""
+        with self._lock:
+            return {"topics": {n: {k: t[k] for k in ("retention_ms", "retention_bytes")
+                                   if t.get(k) is not None}
+                               for n, t in self._topics.items()
+                               if t.get("retention_ms") is not None
+                               or t.get("retention_bytes") is not None}}
 
     def topics(self, *, include_system: bool = False) -> dict[str, dict]:
         with self._lock:

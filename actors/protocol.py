@@ -95,6 +95,23 @@ def check_user_topic(topic: Any) -> str:
     return topic
 
 
+def check_retention(retention_ms: Any, retention_bytes: Any) -> dict:
+    """A topic's own retention settings (None: not set) as stored: ``retention_ms`` an int
+    >= 1, ``retention_bytes`` an int >= 1 or -1 (no limit)."""
+    out = {}
+    if retention_ms is not None:
+        if isinstance(retention_ms, bool) or not isinstance(retention_ms, int) or retention_ms < 1:
+            raise InvalidMessageError(f"retention_ms must be an integer >= 1, got {retention_ms!r}")
+        out["retention_ms"] = retention_ms
+    if retention_bytes is not None:
+        if isinstance(retention_bytes, bool) or not isinstance(retention_bytes, int) or \
+                not (retention_bytes >= 1 or retention_bytes == -1):
+            raise InvalidMessageError(f"retention_bytes must be an integer >= 1 or -1 (no "
+                                      f"limit), got {retention_bytes!r}")
+        out["retention_bytes"] = retention_bytes
+    return out
+
+
 def check_group(group: Any, what: str = "group") -> str:
     if not isinstance(group, str) or not TOPIC_NAME_RE.fullmatch(group):
         raise InvalidMessageError(f"invalid {what} name {group!r}: use 1-127 letters, digits, "

@@ -37,10 +37,10 @@ from raymq.actors.rocketmq_tx.checkback import CheckRounds
 from raymq.actors.config import ClusterConfig
 from raymq.actors.groups.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
 from raymq.actors.timing.delay import SCHEDULER_PID_BASE, DelayScheduler  # noqa: F401 (tests)
-from raymq.actors.front.diversion import check_transactional, divert_to_system_topics, diverts
+from raymq.actors.front.diversion import check_transactional, divert_to_system_topics
 from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
-from raymq.actors.rocketmq_tx.records import ops_record
+from raymq.actors.rocketmq_tx.records import ops_record, resolution_batch
 from raymq.actors.groups.offsets import GroupOffsets
 from raymq.actors.retention import Janitor, shard_pins
 from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
@@ -255,16 +255,7 @@ class BrokerShard:
         """
         if not records and ahead is None:
             return None
-        # one put (all or nothing, also across frames): the batch ahead, real messages
-        # (delayed now if they asked for a delay) and their op records
-        if not records:
-            batch = ahead
-        elif diverts(r.properties for r in records):
-            tail = self._divert(RecordBatch.from_records(records))
-            batch = tail if ahead is None else RecordBatch.concat([ahead, tail])
-        else:  # nothing to divert: the records go straight after the batch
-            batch = RecordBatch.from_records(records) if ahead is None \
-                else ahead.with_records(records)
+        batch = resolution_batch(records, ahead, self._divert)  # (one put: all or nothing)
         written = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
         if not written.duplicate:  # a resend: its resolutions went with the first copy
             self.halves.apply(done)
@@ -344,6 +335,13 @@ class BrokerShard:
         check_group(group)
         check_queues(queues)
         return self.offsets.get(group, queues)
+
+    def queue_bounds(self, queues: list[tuple[str, int]], times: list | None = None) -> dict:
+        """Each queue's (log start, end, first offset stored at or after its time in
+        ``times``, else -1): ``offsets_for_times`` and ``reset-offsets``."""
+        check_queues(queues)
+        self.routes.check(set(queues))
+        return self.reads.bounds(queues, times)
 
     def get_message(self, phys_offset: int) -> StoredMessage:
         """The message a client's id names, as its consumers get it (a delayed or
@@ -470,7 +468,7 @@ class BrokerShard:
 #: The calls clients and operators make: a malformed one is answered in one line.
 _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
                  "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",
-                 "get_message", "find_by_key", "send_back", "dlq_list", "dlq_resend",
+                 "get_message", "find_by_key", "queue_bounds", "send_back", "dlq_list", "dlq_resend",
                  "ktx_register", "ktx_send", "ktx_offsets", "ktx_verify", "ktx_end",
                  "cancel_scheduled",
                  "timer_list")

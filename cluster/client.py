@@ -131,11 +131,23 @@ class RayMQ:
             return {t: self._routes[t] for t in topics}
 
     # ------------------------------------------------------------- topics
-    def create_topic(self, name: str, queues: int | None = None) -> dict:
-        info = self.control.call("create_topic", name, queues, timeout_s=30)
+    def create_topic(self, name: str, queues: int | None = None, *,
+                     retention_ms: int | None = None,
+                     retention_bytes: int | None = None) -> dict:
+        """Create a topic of ``queues`` queues (the cluster's ``default_queues``), keeping its
+        messages ``retention_ms`` and at most ``retention_bytes`` per queue (None: the
+        cluster's ``retention_ms`` / ``retention_bytes``)."""
+        info = self.control.call("create_topic", name, queues, retention_ms=retention_ms,
+                                 retention_bytes=retention_bytes, timeout_s=30)
         with self._lock:
             self._routes[name] = info["routes"]
         return info
+
+    def alter_topic(self, name: str, *, retention_ms: int | None = None,
+                    retention_bytes: int | None = None) -> dict:
+        """Change a topic's own retention (a setting left None stays as it is)."""
+        return self.control.call("alter_topic", name, retention_ms=retention_ms,
+                                 retention_bytes=retention_bytes, timeout_s=30)
 
     def topics(self) -> dict[str, dict]:
         return self.control.call("topics", timeout_s=30)

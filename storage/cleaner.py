@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
+
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
 from raymq.storage.errors import OffsetOutOfRangeError
 from raymq.storage.queueindex import QueueIndex
-from raymq.storage.records import FrameError, check_frame
+from raymq.storage.records import (FRAME_HEADER_BYTES, REC_DTYPE, REC_HEADER_BYTES, FrameError,
+                                   check_frame, frame_producer)
 from raymq.storage.retention import (RetentionPolicy, SegmentSummary, Verdict, expired_prefix,
                                      summarize)
 
@@ -54,6 +57,28 @@ class StoreRetention:
         if offset < start:
             raise OffsetOutOfRangeError(f"{topic}/{queue_id}: offset {offset} is below the "
                                         f"queue's log start {start} (aged out)")
+
+    def offset_for_time(self, topic: str, queue_id: int, ts_ms: int) -> int:
+        """The first offset of the queue whose message was stored at or after ``ts_ms``
+        (Kafka's ``offsetsForTimes``), from its log start; its end when none was.  Store
+        times follow the log, so it is a binary search: a record header and its frame's
+        header read per step (~30 steps for a billion messages)."""
+        cq = self._cq.queues.get((topic, queue_id))
+        if cq is None:
+            return 0
+        lo, hi = self._start_of(cq), cq.count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._stored_ms(int(cq.read(mid, 1)["phys"][0])) >= ts_ms:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _stored_ms(self, phys: int) -> int:
+        head = np.frombuffer(self._log.read(phys, REC_HEADER_BYTES), REC_DTYPE)
+        frame = phys - int(head["frame_delta"][0])
+        return frame_producer(self._log.read(frame, FRAME_HEADER_BYTES), 0)[2]
 
     # ------------------------------------------------------------ deleting
     def summaries(self) -> list[SegmentSummary]:

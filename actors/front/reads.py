@@ -171,6 +171,15 @@ class QueueReads:
                                                     for _t, _q, batch, _n, _e in out)))
         return out, total
 
+    def bounds(self, queues: list[tuple[str, int]], times: list | None) -> dict:
+        """Each queue's (log start, end, first offset stored at or after its time in
+        ``times`` -- the log start when that aged out, the end when none --, else -1)."""
+        store = self.store
+        return {(t, q): (store.log_start(t, q), store.max_queue_offset(t, q),
+                         store.retention.offset_for_time(t, q, int(times[i]))
+                         if times is not None and times[i] is not None else -1)
+                for i, (t, q) in enumerate(queues)}
+
     def find_by_key(self, topic: str, key: str, max_scan: int) -> list[StoredMessage]:
         """Messages of ``topic`` with ``key``, scanning the newest ``max_scan`` of each queue
         (of a replicated shard: the confirmed ones)."""

@@ -5,9 +5,10 @@ Pure functions over stored messages and records: no Ray, no I/O.
 from __future__ import annotations
 
 from raymq.actors.rocketmq_tx.logic import HalfState
+from raymq.actors.front.diversion import diverts
 from raymq.actors.protocol import OP_TOPIC, Prop, make_msg_id
 from raymq.storage.errors import CorruptLogError
-from raymq.storage.records import Record, StoredMessage, SysFlag
+from raymq.storage.records import Record, RecordBatch, StoredMessage, SysFlag
 
 #: Transaction properties a committed message no longer carries.
 TX_PROPS = (Prop.TRAN_MSG, Prop.REAL_TOPIC, Prop.REAL_QID, Prop.REAL_FLAGS, Prop.CHECK_TIMES,
@@ -87,3 +88,16 @@ def listener_view(m: StoredMessage, shard: int, origin: int) -> StoredMessage:
     return StoredMessage(topic, qid, -1, m.phys_offset, m.size, m.flags, m.born_ms, m.store_ms,
                          m.prepared_offset, m.tag_code, m.reconsume_count, m.key, m.tags, p,
                          m.body)
+
+
+def resolution_batch(records: list, ahead, divert):
+    """One put of transaction ends: the producer batch ``ahead`` (if any), then the real
+    messages (through ``divert``: delayed now if they asked for a delay) and their op
+    records."""
+    if not records:
+        return ahead
+    if diverts(r.properties for r in records):
+        tail = divert(RecordBatch.from_records(records))
+        return tail if ahead is None else RecordBatch.concat([ahead, tail])
+    # nothing to divert: the records go straight after the batch
+    return RecordBatch.from_records(records) if ahead is None else ahead.with_records(records)

@@ -3,6 +3,7 @@ to Ray goes through ``raymq.rpc.init``, everything else through the SDK."""
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import logging
 import sys
@@ -21,7 +22,7 @@ deploys RayMQ there, the others say so when it is not deployed.
                      replicated groups: leader, in-sync set, who could be elected
   shard elect        make another replica lead a replicated shard (--to, --unclean)
   coordinator elect  the same for a replicated transaction coordinator
-  topic create|list  manage topics
+  topic create|alter|describe|list  manage topics and their retention
   send               send messages (body arguments, or lines of stdin with -)
   consume            consume messages of a group and print them
   dlq list|resend    inspect and redeliver a group's dead letters
@@ -156,6 +157,14 @@ def _cmd_status(args) -> int:
                   f"hour {tm['next_hour']}, day {tm['next_day']}, later {tm['later']})  "
                   f"delivery lag {tm['lag_ms']} ms  max lateness {tm['max_lateness_ms']} ms  "
                   f"cancelled pending {tm['cancelled']}")
+        ret = info.get("retention")
+        if ret:
+            print(f"    retention: log starts at {ret['log_start_phys']}, "
+                  f"{ret['deleted_segments']} segments ({ret['deleted_bytes']} bytes) deleted; "
+                  f"disk {100 * ret['disk_used_ratio']:.0f}% used, {ret['disk_free_bytes']} "
+                  f"bytes free{'  WRITES REFUSED: disk full' if ret['disk_full'] else ''}"
+                  + (f"; the oldest segment is kept by {ret['oldest_held_by']}"
+                     if ret['oldest_held_by'] else ""))
     if "replicas" in st:
         _print_replicas(st["replicas"])
     if st.get("coordinator_replicas"):
@@ -178,11 +187,47 @@ def _cmd_status(args) -> int:
     return 0
 
 
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_SIZE_BYTES = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def duration_ms(text: str) -> int:
+    """``6h`` -> 21600000 (units ms, s, m, h, d)."""
+    m = re.fullmatch(r"(\d+)(ms|s|m|h|d)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: a number and one of "
+                                         f"ms, s, m, h, d (e.g. 6h)")
+    return int(m.group(1)) * _DURATION_MS[m.group(2)]
+
+
+def size_bytes(text: str) -> int:
+    """``10GiB`` -> 10737418240; ``-1``: no limit."""
+    if text.strip() == "-1":
+        return -1
+    m = re.fullmatch(r"(\d+)\s*([kmgt]i?b|b)?", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: a number and one of B, KB, "
+                                         f"MB, GB, TB, KiB, MiB, GiB, TiB (or -1: no limit)")
+    return int(m.group(1)) * _SIZE_BYTES[m.group(2) or ""]
+
+
+def _topic_line(t: dict) -> str:
+    size = "no limit" if t.get("retention_bytes", -1) == -1 else f"{t['retention_bytes']} bytes"
+    return (f"topic {t['topic']}: {t['queues']} queues on shards {t['routes']}; retention "
+            f"{t.get('retention_ms', 0) / 3_600_000:g} h, {size} per queue")
+
+
 def _cmd_topic(args) -> int:
     mq = _connect(args)
     if args.topic_cmd == "create":
-        info = mq.create_topic(args.name, args.queues)
-        print(f"topic {info['topic']}: {info['queues']} queues on shards {info['routes']}")
+        print(_topic_line(mq.create_topic(args.name, args.queues, retention_ms=args.retention,
+                                          retention_bytes=args.retention_bytes)))
+    elif args.topic_cmd == "alter":
+        print(_topic_line(mq.alter_topic(args.name, retention_ms=args.retention,
+                                         retention_bytes=args.retention_bytes)))
+    elif args.topic_cmd == "describe":
+        print(_topic_line(mq.describe_topic(args.name)))
     else:
         for name, t in mq.topics().items():
             print(f"{name}\t{t['queues']} queues")
@@ -546,11 +591,22 @@ def _build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_cmd_status)
 
-    topic = sub.add_parser("topic", help="create or list topics")
+    topic = sub.add_parser("topic", help="create, alter, describe or list topics")
     tsub = topic.add_subparsers(dest="topic_cmd", required=True, metavar="ACTION")
     tc = tsub.add_parser("create", help="create a topic")
     tc.add_argument("name")
     tc.add_argument("--queues", type=int, help="number of queues (default: cluster default)")
+    ta = tsub.add_parser("alter", help="change a topic's retention")
+    ta.add_argument("name")
+    for p in (tc, ta):
+        p.add_argument("--retention", type=duration_ms, metavar="DURATION",
+                       help="how long its messages are kept, e.g. 6h, 3d (default: the "
+                            "cluster's retention_ms, 3 days)")
+        p.add_argument("--retention-bytes", type=size_bytes, metavar="SIZE",
+                       help="most bytes each of its queues keeps, e.g. 10GiB; -1: no limit "
+                            "(default: the cluster's retention_bytes, no limit)")
+    td = tsub.add_parser("describe", help="a topic's queues, shards and retention")
+    td.add_argument("name")
     tsub.add_parser("list", help="list topics")
     topic.set_defaults(func=_cmd_topic)
 

@@ -183,3 +183,27 @@ def test_the_segment_written_to_and_what_no_checkpoint_covers_never_go(tmp_path,
         assert store.put(batch("a", 0, 400, 1)).queue_offsets == [400]
     finally:
         store.close()
+
+
+def test_offsets_for_times_find_the_first_message_stored_at_or_after_a_time(tmp_path, clock):
+    store = open_at(tmp_path / "s", clock)
+    try:
+        t0 = clock.now_ms()
+        for i in range(0, 300, 10):  # ten messages a minute, with a gap of an hour at 150
+            store.put(batch("a", 0, i, 10))
+            clock.advance(60_000 if i != 140 else HOUR)
+        q = store.retention.offset_for_time
+        assert q("a", 0, t0 - 1) == 0 and q("a", 0, t0) == 0
+        assert q("a", 0, t0 + 1) == 10 and q("a", 0, t0 + 60_000) == 10
+        assert q("a", 0, t0 + 14 * 60_000 + 1) == 150  # inside the gap: the first after it
+        assert q("a", 0, clock.now_ms()) == 300 and q("a", 0, 10**15) == 300  # the end
+        assert q("nope", 0, t0) == 0
+        fill(store, clock, "b", 200)  # (a's segment sealed)
+        clock.advance(DAY + 2 * HOUR)
+        fill(store, clock, "b", 200)
+        store.checkpoint()
+        store.retention.apply(policy(ms=DAY), clock.now_ms())
+        assert store.log_start("a", 0) == 300  # every message of a aged out
+        assert q("a", 0, t0) == 300
+    finally:
+        store.close()
