@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from raymq import deploy as deployment
 from raymq import replica_view, rpc
 from raymq.actors.config import ClusterConfig
+from raymq.actors.protocol import check_group
 from raymq.clock import ClientClock, client_clock
 from raymq.consumer import Consumer
 from raymq.message import MessageExt, parse_msg_id
@@ -415,6 +417,77 @@ class Admin:
                                 "transactional_id": meta.get("transactional_id"),
                                 "state": meta.get("state")})
         return sorted(out, key=lambda h: -h["behind"])
+
+    # ------------------------------------------------------ offsets by time
+    def _bounds(self, queues: list[tuple[str, int]], times: list | None = None) -> dict:
+        """``queue_bounds`` of each queue, asked of the shards that hold them at once."""
+        routes = self._mq.routes_for({t for t, _q in queues})
+        by_shard: dict[int, list[int]] = {}
+        for i, (t, q) in enumerate(queues):
+            if not (isinstance(q, int) and 0 <= q < len(routes[t])):
+                raise InvalidMessageError(f"topic {t!r} has no queue {q!r}")
+            by_shard.setdefault(routes[t][q], []).append(i)
+        shards = sorted(by_shard)
+        calls = [self._mq.shard(s).submit(
+            "queue_bounds", [queues[i] for i in by_shard[s]],
+            None if times is None else [times[i] for i in by_shard[s]]) for s in shards]
+        out = {}
+        for found in rpc.wait_all(calls, 60):
+            if isinstance(found, Exception):
+                raise found
+            out.update(found)
+        return out
+
+    def offsets_for_times(self, times: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """Kafka's ``offsetsForTimes``: for each queue, the first offset whose message was
+        stored at or after its time (ms since the epoch) -- the log start when that aged
+        out, the queue's end when no message is that recent."""
+        queues = list(times)
+        got = self._bounds(queues, [int(times[q]) for q in queues])
+        return {q: got[q][2] for q in queues}
+
+    def reset_offsets(self, group: str, topic: str, *, to: str, value: int | None = None,
+                      dry_run: bool = False) -> dict[tuple[str, int], tuple[int, int]]:
+        """Move a consumer group's committed offsets on every queue of ``topic`` (Kafka's
+        ``kafka-consumer-groups --reset-offsets``): ``to`` is ``earliest`` (each queue's
+        log start), ``latest`` (its end), ``datetime`` (``value``: ms since the epoch: the
+        first message stored then or later), ``duration`` (``value`` ms before now) or
+        ``offset`` (``value``, kept within the log start and the end).  Refused in one line
+        while the group has live members (they would commit over it).  Returns
+        ``{queue: (committed before, after)}`` (-1: none before); ``dry_run``: only that."""
+        check_group(group)
+        modes = ("earliest", "latest", "datetime", "duration", "offset")
+        if to not in modes:
+            raise InvalidMessageError(f"reset to one of {modes}, got {to!r}")
+        if to in ("datetime", "duration", "offset") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InvalidMessageError(f"reset to {to} needs a value >= 0, got {value!r}")
+        members = self._mq.control.call("groups", timeout_s=30).get(group, {}).get("members")
+        if members and not dry_run:
+            names = ", ".join(sorted(members))[:200]
+            raise InvalidMessageError(
+                f"group {group!r} has {len(members)} live member(s) ({names}): stop its "
+                f"consumers first (they would commit over the reset)")
+        queues = [(topic, q) for q in range(len(self._mq.routes_for({topic})[topic]))]
+        at = {"datetime": value, "duration": None if value is None else
+              int(time.time() * 1000) - value}.get(to)
+        bounds = self._bounds(queues, None if at is None else [at] * len(queues))
+        routes = self._mq.routes_for({topic})[topic]
+        before: dict[tuple[str, int], int] = {}
+        for s in sorted(set(routes)):
+            mine = [q for q in queues if routes[q[1]] == s]
+            before.update(self._mq.shard(s).call("get_offsets", group, mine, timeout_s=30))
+        plan = {}
+        for q in queues:
+            start, end, by_time = bounds[q]
+            new = {"earliest": start, "latest": end, "offset": min(max(value or 0, start), end)
+                   }.get(to, by_time)
+            plan[q] = (before[q], new)
+        if not dry_run:
+            for s in sorted(set(routes)):
+                mine = {q: new for q, (_b, new) in plan.items() if routes[q[1]] == s}
+                self._mq.shard(s).call("commit_offsets", group, mine, timeout_s=30)
+        return plan
 
     def _located(self, msg_id: str) -> tuple[int, int]:
         """(shard, physical offset) of a message id naming a shard of this cluster."""

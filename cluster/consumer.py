@@ -430,6 +430,19 @@ class Consumer:
             q.fetch = q.position = offset
             self._drop_buffered({(topic, queue_id)})
 
+    def seek_to_time(self, ts_ms: int) -> dict[tuple[str, int], int]:
+        """Go on, in every queue of its topics this consumer owns, from the first message
+        stored at or after ``ts_ms`` (ms since the epoch; Kafka's ``offsetsForTimes`` then
+        ``seek``): the log start when that aged out, the end when nothing is that recent.
+        (The group's retry queue is left as it is.)  The offsets it moved to."""
+        with self._lock:
+            queues = [q for q in self._queues if q[0] in self.topics]
+        found = self._mq.admin.offsets_for_times({q: int(ts_ms) for q in queues}) \
+            if queues else {}
+        for (topic, qid), offset in found.items():
+            self.seek(topic, qid, offset)
+        return found
+
     # ------------------------------------------------------------- push mode
     def nack(self, msg: MessageExt, reason: str = "", *,
              retry_after_ms: int | None = None) -> dict:

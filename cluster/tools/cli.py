@@ -25,6 +25,7 @@ deploys RayMQ there, the others say so when it is not deployed.
   topic create|alter|describe|list  manage topics and their retention
   send               send messages (body arguments, or lines of stdin with -)
   consume            consume messages of a group and print them
+  group reset-offsets  move a consumer group's offsets (earliest, latest, a time, an offset)
   dlq list|resend    inspect and redeliver a group's dead letters
   msg show|find      look a message up by id, or by topic and key
   half list|commit|rollback  pending transactional half messages (and expired ones)
@@ -231,6 +232,41 @@ def _cmd_topic(args) -> int:
     else:
         for name, t in mq.topics().items():
             print(f"{name}\t{t['queues']} queues")
+    return 0
+
+
+def iso_ms(text: str) -> int:
+    """An ISO 8601 time (UTC unless it names a zone) in ms since the epoch."""
+    from datetime import datetime, timezone
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise SystemExit(f"raymq: {text!r} is not an ISO 8601 time (e.g. "
+                         f"2026-11-27T18:00:00 or 2026-11-27T18:00:00+01:00)") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return int(t.timestamp() * 1000)
+
+
+def _cmd_group(args) -> int:
+    mq = _connect(args)
+    if args.to_earliest:
+        to, value = "earliest", None
+    elif args.to_latest:
+        to, value = "latest", None
+    elif args.to_datetime is not None:
+        to, value = "datetime", iso_ms(args.to_datetime)
+    elif args.by_duration is not None:
+        to, value = "duration", args.by_duration
+    else:
+        to, value = "offset", args.to_offset
+    plan = mq.admin.reset_offsets(args.group, args.topic, to=to, value=value,
+                                  dry_run=args.dry_run)
+    for (topic, qid), (before, after) in sorted(plan.items()):
+        print(f"{topic}/{qid}\t{before}\t-> {after}")
+    print(("would move" if args.dry_run else "moved") + f" the offsets of group "
+          f"{args.group} on {len(plan)} queues of {args.topic}"
+          + (" (dry run: nothing changed)" if args.dry_run else ""))
     return 0
 
 
@@ -635,6 +671,26 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="stop after this many seconds without a message")
     consume.add_argument("--no-commit", action="store_true", help="do not commit offsets")
     consume.set_defaults(func=_cmd_consume)
+
+    group = sub.add_parser("group", help="consumer groups' committed offsets")
+    gsub = group.add_subparsers(dest="group_cmd", required=True, metavar="ACTION")
+    gr = gsub.add_parser(
+        "reset-offsets", help="move a group's committed offsets on a topic's queues (refused "
+        "while the group has live members, as Kafka does)")
+    gr.add_argument("group")
+    gr.add_argument("--topic", required=True)
+    to = gr.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-earliest", action="store_true", help="each queue's log start")
+    to.add_argument("--to-latest", action="store_true", help="each queue's end")
+    to.add_argument("--to-datetime", metavar="ISO", help="the first message stored at or "
+                    "after this time, e.g. 2026-11-27T18:00:00 (UTC unless it says otherwise)")
+    to.add_argument("--by-duration", type=duration_ms, metavar="DURATION",
+                    help="the first message stored this long ago or later, e.g. 1h")
+    to.add_argument("--to-offset", type=int, metavar="N", help="this offset in every queue "
+                    "(kept between the log start and the end)")
+    gr.add_argument("--dry-run", action="store_true", help="show the new offsets, change "
+                    "nothing")
+    group.set_defaults(func=_cmd_group)
 
     dlq = sub.add_parser("dlq", help="dead letters of a consumer group")
     dsub = dlq.add_subparsers(dest="dlq_cmd", required=True, metavar="ACTION")
