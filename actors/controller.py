@@ -46,6 +46,7 @@ class Controller:
         self._coordinator_groups: dict = {}
         #: topics and nodes change this (kept by every replica: ``mirror``)
         self._meta_version = 0
+        self._deleted: list[str] = []  # topics deleted lately (the last 1000), oldest first
         self._meta_on_disk = False
         self._meta_wanted = 0  # a newer version a replica keeps (this controller lost it)
         self._meta_kept: dict[str, int] = {}  # replica -> the metadata version it keeps
@@ -77,6 +78,7 @@ class Controller:
         self._shard_nodes = doc.get("shard_nodes", {})
         self._replica_groups = doc.get("replica_groups", {})
         self._coordinator_groups = doc.get("coordinator_groups", {})
+        self._deleted = list(doc.get("deleted_topics", []))
         self._meta_version = int(doc.get("meta_version", 0))
         self._meta_on_disk = True
         if doc.get("num_shards", self.config.num_shards) != self.config.num_shards:
@@ -86,7 +88,7 @@ class Controller:
     def _save(self) -> None:
         doc = {"format": "raymq-controller", "version": 1, "num_shards": self.config.num_shards,
                "topics": self._topics, "shard_nodes": self._shard_nodes,
-               "meta_version": self._meta_version}
+               "meta_version": self._meta_version, "deleted_topics": self._deleted}
         groups = getattr(self, "replica_groups", None)
         if groups is not None:
             doc["replica_groups"] = groups.to_doc()
@@ -191,10 +193,32 @@ class Controller:
         log.info("controller: topic %s retention now %s", name, retention)
         return self.describe_topic(name)
 
-    def topic_settings(self) -> dict:
-        """What shards need of the topics beyond their routes: each topic's own retention."""
+    def delete_topic(self, name: str) -> dict:
+        """Delete a user topic: its routes go at once (sends and pulls get
+        ``UnknownTopicError``); each shard then drops what it holds of it (the client asks
+        them at once, and a shard's janitor finds it in ``topic_settings`` too).  A topic
+        created again with the name is a new, empty one."""
+        check_user_topic(name)
         with self._lock:
-            return {"topics": {n: {k: t[k] for k in ("retention_ms", "retention_bytes")
+            self._check_meta_known()
+            t = self._topics.pop(name, None)
+            if t is None:
+                raise UnknownTopicError(f"topic {name!r} does not exist")
+            self._deleted = [d for d in self._deleted if d != name][-999:]
+            self._deleted.append(name)
+            self._meta_version += 1
+            self._save()
+            version = self._meta_version
+        self._wait_kept(version, f"the deletion of topic {name!r}")
+        log.warning("controller: deleted topic %s (%d queues)", name, len(t["routes"]))
+        return {"topic": name, "queues": len(t["routes"]), "routes": list(t["routes"])}
+
+    def topic_settings(self) -> dict:
+        """What shards need of the topics beyond their routes: each topic's own retention,
+        and the topics deleted lately (a shard drops what it still holds of them)."""
+        with self._lock:
+            return {"deleted": [d for d in self._deleted if d not in self._topics],
+                    "topics": {n: {k: t[k] for k in ("retention_ms", "retention_bytes")
                                    if t.get(k) is not None}
                                for n, t in self._topics.items()
                                if t.get("retention_ms") is not None

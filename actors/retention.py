@@ -24,14 +24,17 @@ from raymq.actors.kafka_tx.shard_side import KTX_INDEX_TOPIC
 from raymq.actors.protocol import (HALF_TOPIC, OFFSETS_TOPIC, OP_TOPIC, SCHEDULE_TOPIC,
                                    TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC, TIMER_TOPIC)
 from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS
-from raymq.storage.errors import DiskFullError
+from raymq.actors.protocol import check_user_topic
+from raymq.storage.errors import ConcurrentTransactionsError, DiskFullError, InvalidMessageError
 from raymq.storage.retention import RetentionPolicy, TopicRetention, Verdict
+from raymq.storage.topics import TOPIC_DELETED
 
 log = logging.getLogger("raymq.shard")
 
 #: The broker's own queues: what of them is still needed is pinned, the rest goes.
 PINNED_TOPICS = frozenset({SCHEDULE_TOPIC, HALF_TOPIC, OP_TOPIC, OFFSETS_TOPIC, TIMER_TOPIC,
-                           TIMER_DONE_TOPIC, TIMER_CANCEL_TOPIC, KTX_INDEX_TOPIC})
+                           TIMER_DONE_TOPIC, TIMER_CANCEL_TOPIC, KTX_INDEX_TOPIC,
+                           TOPIC_DELETED})
 _RECHECK_S = 0.2
 _RECHECK_BYTES = 1 << 20
 _NOT_PINNED = 1 << 62
@@ -49,7 +52,7 @@ class Janitor:
         self._pins = pins  # -> ([(topic, queue, offset)], [phys])
         self._settings = settings  # -> {topic: {"retention_ms": .., "retention_bytes": ..}}
         self.topic_settings: dict[str, dict] = {}
-        self.deleted_topics: dict[str, int] = {}
+        self.drop: Callable[[str], bool] | None = None  # the shard's ``drop_topic``
         self.full = False
         self.used_ratio, self.free_bytes = 0.0, 0
         self._measured_s, self._measured_end = 0.0, 0
@@ -57,6 +60,14 @@ class Janitor:
         self._lock = threading.Lock()  # one round at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, shard, settings: Callable[[], dict] | None) -> "Janitor":
+        """The janitor of ``shard`` (its pins: ``shard_pins``; it drops deleted topics)."""
+        j = cls(shard.index, shard.store, shard.config, shard.clock, shard.metrics,
+                pins=lambda: shard_pins(shard), settings=settings)
+        j.drop = shard.drop_topic
+        return j
 
     # ------------------------------------------------------------ policy
     def policy(self) -> RetentionPolicy:
@@ -67,14 +78,26 @@ class Janitor:
             topics[topic] = TopicRetention(c.retention_ms if ms is None else int(ms),
                                            c.retention_bytes if size is None else int(size))
         return RetentionPolicy(TopicRetention(c.retention_ms, c.retention_bytes), topics,
-                               dict(self.deleted_topics), PINNED_TOPICS)
+                               self.store.retention.deleted(), PINNED_TOPICS)
+
+    def _drop_deleted(self, names: list[str]) -> None:
+        """Topics the controller deleted that this store still holds (the client's call to
+        this shard did not come through): dropped now."""
+        held = {t for t, _q in self.store.queues()}
+        for topic in names:
+            if topic in held and self.drop is not None:
+                try:
+                    self.drop(topic)
+                except Exception as err:  # (refused for now: asked again next round)
+                    log.warning("shard-%d: deleted topic %s not dropped yet: %s", self.index,
+                                topic, err)
 
     def pinned(self) -> int:
         """The lowest log offset a part of the shard still needs."""
         queue_pins, phys_pins = self._pins()
         low = min(phys_pins, default=_NOT_PINNED)
         for topic, qid, offset in queue_pins:
-            entry = self.store.read_cq(topic, qid, max(offset, self.store.log_start(topic, qid)), 1)
+            entry = self.store.read_cq(topic, qid, max(offset, self.store.retention.log_start(topic, qid)), 1)
             if len(entry):
                 low = min(low, int(entry["phys"][0]))
         return low
@@ -116,7 +139,7 @@ class Janitor:
                 try:
                     got = self._settings() or {}
                     self.topic_settings = got.get("topics", {})
-                    self.deleted_topics = got.get("deleted", {})
+                    self._drop_deleted(got.get("deleted", []))
                 except Exception as err:  # (the controller away: the last settings hold)
                     log.info("shard-%d: topic settings not refreshed: %s", self.index, err)
             self.measure()
@@ -148,7 +171,7 @@ class Janitor:
         """The log start of each queue that lost messages, what was deleted, the disk."""
         store, v = self.store, self.last
         starts = {f"{t}/{q}": s for t, q in store.queues()
-                  if (s := store.log_start(t, q))}
+                  if (s := store.retention.log_start(t, q))}
         return {"log_starts": starts, "log_start_phys": store.min_phys_offset,
                 "deleted_segments": self.store.retention.deleted_segments,
                 "deleted_bytes": self.store.retention.deleted_bytes,
@@ -189,3 +212,34 @@ def shard_pins(shard) -> tuple[list[tuple[str, int, int]], list[int]]:
     with shard._tx_lock:
         phys_pins = [min(shard.halves.pending)] if shard.halves.pending else []
     return queue_pins, phys_pins
+
+
+def drop_topic(shard, topic: str) -> bool:
+    """The controller deleted ``topic``: what ``shard`` holds of it goes -- its pending
+    RocketMQ-style halves (rolled back: nothing prepared for it is ever delivered), its
+    groups' committed offsets, its queues (``MessageStore.delete_topic``: a tombstone;
+    its records then go with their segments).  Refused while an open Kafka-style
+    transaction writes to it (its markers would land in a deleted queue).  Idempotent;
+    whether the shard held any of it."""
+    check_user_topic(topic)
+    shard.routes.refresh()
+    if any(t == topic for t, _q in shard.routes.sorted()):
+        raise InvalidMessageError(f"topic {topic!r} still exists: delete it with "
+                                  f"mq.delete_topic or `raymq topic delete`")
+    with shard.ktx.lock:
+        held = sorted({pid for (t, _q), h in shard.ktx.state._holding.items() if t == topic
+                       for pid in h})
+    if held:
+        raise ConcurrentTransactionsError(
+            f"topic {topic!r} is written by open Kafka-style transactions (producer ids "
+            f"{held[:5]}): delete it once they end, or abort them (raymq tx abort)")
+    for half in shard.half_list(limit=1 << 30) + shard.half_list(expired=True, limit=1 << 30):
+        if half["topic"] == topic:
+            shard.resolve_half(half["origin"], "ROLLBACK")
+    offsets = shard.store.offsets
+    offsets.delete([k for k in offsets.snapshot() if k.split("@")[1:2] == [topic]])
+    dropped = shard.store.delete_topic(topic)
+    if dropped:
+        log.warning("shard-%d: topic %s deleted: its queues dropped, its records go with "
+                    "their segments", shard.index, topic)
+    return dropped

@@ -42,7 +42,7 @@ from raymq.actors.faults import NO_FAULTS, Faults, faults_named
 from raymq.actors.metrics import NullMetrics
 from raymq.actors.rocketmq_tx.records import ops_record, resolution_batch
 from raymq.actors.groups.offsets import GroupOffsets
-from raymq.actors.retention import Janitor, shard_pins
+from raymq.actors.retention import Janitor, drop_topic
 from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
 from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
 from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
@@ -100,8 +100,7 @@ class BrokerShard:
         self.checks.confirmed = self.reads.confirmed_offset
         self.offsets.cut_back()
         self.halves.load()
-        self.janitor = Janitor(index, self.store, self.config, self.clock, self.metrics,
-                               pins=lambda: shard_pins(self), settings=fetch_settings)
+        self.janitor = Janitor.of(self, fetch_settings)  # (retention, a disk that fills)
         if background:
             for part in (self.delays, self.timers, self.ktx, self.janitor):
                 part.start()
@@ -255,15 +254,13 @@ class BrokerShard:
         """
         if not records and ahead is None:
             return None
-        batch = resolution_batch(records, ahead, self._divert)  # (one put: all or nothing)
+        batch = resolution_batch(records, ahead, lambda b: divert_to_system_topics(
+            b, self._levels_ms, self.clock.now_ms()))  # (one put: all or nothing)
         written = self.store.put(batch, producer_id=producer_id, sequence=sequence, wait=wait)
         if not written.duplicate:  # a resend: its resolutions went with the first copy
             self.halves.apply(done)
             self.metrics.inc("transactions_ended", len(done))
         return written
-
-    def _divert(self, batch: RecordBatch) -> RecordBatch:
-        return divert_to_system_topics(batch, self._levels_ms, self.clock.now_ms())
 
     # ------------------------------------------------------- check-back
     def check_round(self, live_groups: list[str], *, window: int = 2000,
@@ -359,12 +356,16 @@ class BrokerShard:
     def queue_info(self) -> dict:
         self.routes.refresh()
         depth = {f"{t}/{q}": self.store.max_queue_offset(t, q) for t, q in self.routes.sorted()}
-        # (the gauges are reported every few seconds: ``raymq.actors.metrics.shard_gauges``)
         return {"shard": self.index, "queues": depth, "lag": self.offsets.lag(),
                 "schedule_pending": self.delays.pending(),
                 "max_delay_lateness_ms": self.delays.max_lateness_ms,
                 "timers": self.timers.status(),
                 "log_bytes": self.store.max_phys_offset, "retention": self.janitor.status()}
+
+    def drop_topic(self, topic: str) -> bool:
+        """The controller deleted ``topic``: what this shard holds of it goes
+        (``raymq.actors.retention.drop_topic``); whether it held any."""
+        return drop_topic(self, topic)
 
     # -------------------------------------------------- delays and retries
     def deliver_due(self) -> int:
@@ -468,7 +469,8 @@ class BrokerShard:
 #: The calls clients and operators make: a malformed one is answered in one line.
 _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
                  "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",
-                 "get_message", "find_by_key", "queue_bounds", "send_back", "dlq_list", "dlq_resend",
+                 "get_message", "find_by_key", "queue_bounds", "drop_topic", "send_back",
+                 "dlq_list", "dlq_resend",
                  "ktx_register", "ktx_send", "ktx_offsets", "ktx_verify", "ktx_end",
                  "cancel_scheduled",
                  "timer_list")

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from raymq.storage import topics
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
 from raymq.storage.errors import OffsetOutOfRangeError
 from raymq.storage.queueindex import QueueIndex
@@ -121,6 +122,19 @@ class StoreRetention:
                 for cq in list(self._cq.queues.values()):
                     cq.give_back(self._start_of(cq))
             return n
+
+    def forget_queues(self, topic: str) -> None:
+        """The queues of ``topic`` were dropped (deleted): their log starts go."""
+        self._starts = {cq: v for cq, v in self._starts.items() if cq.topic != topic}
+
+    def deleted(self) -> dict[str, int]:
+        """Deleted topics -> their tombstone's offset, for the retention policy; those whose
+        old records all went with their segments are forgotten."""
+        deleted = topics.read_deleted(self.directory)
+        kept = {t: p for t, p in deleted.items() if p >= self._log.min_offset}
+        if kept != deleted:
+            topics.write_deleted(self.directory, kept)
+        return kept
 
     def disk_usage(self) -> tuple[float, int]:
         """(the used fraction of the store's filesystem, the bytes free there)."""

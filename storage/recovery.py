@@ -33,7 +33,9 @@ from raymq.storage.durability import CHECKPOINT_FORMAT, write_checkpoint
 from raymq.storage.faults import crash_point
 from raymq.storage.fileutil import fsync_dir
 from raymq.storage.producers import ProducerTable
+from raymq.storage import topics
 from raymq.storage.queueindex import QueueIndex
+from raymq.storage.topics import TOPIC_DELETED
 from raymq.storage.records import FRAME_ATTR_LAST, frame_headers, frame_producer, record_sizes
 
 log = logging.getLogger("raymq.storage")
@@ -89,7 +91,8 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
     checkpoint = read_checkpoint(checkpoint_path)
     ckpt = checkpoint.offset
     queues.load()
-    replay = Replay(queues, checkpoint.producers, late_start=_starts_late(commit_log.directory))
+    replay = Replay(queues, checkpoint.producers, late_start=_starts_late(commit_log.directory),
+                    directory=directory)
     try:
         if checkpoint.rebuilding:
             raise RebuildNeeded("a rebuild of the consume queues was interrupted")
@@ -136,7 +139,8 @@ def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: Reb
     queues = QueueIndex(queues.root, queues.files.configured_limit)
     commit_log = CommitLog(commit_log.directory, segment_size_bytes,
                            commit_log.max_open_segments)
-    replay = Replay(queues, ProducerTable(), late_start=_starts_late(commit_log.directory))
+    replay = Replay(queues, ProducerTable(), late_start=_starts_late(commit_log.directory),
+                    directory=directory)
     commit_log.open(0, replay.frame)
     replay.cut_open_put(commit_log, directory)
     crash_point("rebuild.reindexed")
@@ -197,9 +201,12 @@ class Replay:
     """
 
     def __init__(self, queues: QueueIndex, producers: ProducerTable, *,
-                 late_start: bool = False):
+                 late_start: bool = False, directory: str | None = None):
         self.queues = queues
         self.producers = producers
+        #: where tombstones of deleted topics are noted (``raymq.storage.topics``)
+        self.directory = directory
+        self._tombstones: list[tuple[str, int]] = []  # of the put being read
         #: the log's first segments were deleted (retention): a queue first seen in it
         #: starts at the queue offset its first record has, the offsets below aged out
         self.late_start = late_start
@@ -227,6 +234,11 @@ class Replay:
         pending = self._open_entries
         for (meta_off, topic_len, qid), idx in _queues_of(h):
             topic = bytes(buf[pos + meta_off:pos + meta_off + topic_len]).decode()
+            if topic == TOPIC_DELETED:  # (applied with its put: ``_apply_open_put``)
+                for k in idx:
+                    off = pos + int(h["body_off"][k])
+                    self._tombstones.append((bytes(buf[off:off + int(h["body_len"][k])])
+                                             .decode(), int(phys[k])))
             cq = self.queues.get_or_create(topic, qid)
             idx = idx[phys[idx] > cq.last_phys]
             if not len(idx):
@@ -259,6 +271,10 @@ class Replay:
                 self.producers.record(pid, seq, ph, qo, sz, end, ms)
         self._open_entries = {}
         self._open_frames = []
+        tombstones, self._tombstones = self._tombstones, []
+        for topic, phys in tombstones:
+            if self.directory is not None:
+                topics.forget(self.directory, self.queues, topic, phys)
 
     @property
     def open_start(self) -> int | None:
@@ -277,3 +293,4 @@ class Replay:
         crash_point("recovery.put_cut")
         self._open_frames = []
         self._open_entries = {}
+        self._tombstones = []

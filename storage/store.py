@@ -30,7 +30,9 @@ from raymq.storage.putframes import TOPIC_RE, check_topic_name  # noqa: F401  (w
 from raymq.storage.queueindex import QueueIndex
 from raymq.storage import replication
 from raymq.storage.recovery import RebuildNeeded, Replay, recover
+from raymq.storage import topics
 from raymq.storage.cleaner import StoreRetention
+from raymq.storage.topics import TOPIC_DELETED
 from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                                    RecordSpans, StoredMessage, decode_records,
                                    record_sizes)
@@ -117,9 +119,9 @@ class MessageStore:
         self._producers = recovered.producers
         self.recovered_records = recovered.recovered_records
         self._dispatched_end = self._log.max_offset
-        #: deleting aged-out segments, the queues' log starts (recovery ends with a
-        #: checkpoint: it covers the whole log)
+        #: segments aged out, queues' log starts (recovery's checkpoint covers the log)
         self.retention = StoreRetention(directory, self._log, self._cq, self._log.max_offset)
+        topics.settle(self)
         self._replica: Replay | None = None  # a follower's indexing of replicated frames
         self._closed_end: int | None = None  # where the log ended when the store closed
         #: a leader's wait for its in-sync replicas (``raymq.actors.replication.replica``): called with a
@@ -344,7 +346,7 @@ class MessageStore:
                    step: int = 1000) -> Iterator[StoredMessage]:
         """Every message of a queue from ``start`` to its end at this call, in order,
         read ``step`` at a time (what recoveries replay: a system queue to its end)."""
-        start = max(start, self.log_start(topic, queue_id))  # (what aged out is not replayed)
+        start = max(start, self.retention.log_start(topic, queue_id))  # (aged out: not replayed)
         for offset in range(max(0, start), self.max_queue_offset(topic, queue_id), step):
             yield from self.read_queue(topic, queue_id, offset, step)
 
@@ -392,26 +394,25 @@ class MessageStore:
         """Commit-log fsyncs so far (group commit makes this smaller than the puts)."""
         return self._log.sync_count
 
-    @property
-    def flushed_offset(self) -> int:
-        return self._log.flushed_offset
+    flushed_offset = property(lambda self: self._log.flushed_offset)
 
     def segments(self) -> list[tuple[str, int, int]]:
         return self._log.segments()
-
-    # ---------------------------------------------------------- retention
-    def log_start(self, topic: str, queue_id: int) -> int:
-        """The queue's log start: the first offset still readable (what lies below aged out
-        with its segments).  It only moves up."""
-        return self.retention.log_start(topic, queue_id)
-
-    def check_readable(self, topic: str, queue_id: int, offset: int) -> None:
-        self.retention.check_readable(topic, queue_id, offset)
 
     @property
     def min_phys_offset(self) -> int:
         """Where the log starts (its oldest segment's first frame)."""
         return self._log.min_offset
+
+    def delete_topic(self, topic: str) -> bool:
+        """Delete ``topic`` here (``raymq.storage.topics``); whether it had queues here."""
+        if not any(t == topic for t, _q in self._cq.queues):  # (nothing to write then)
+            return False
+        phys = self.put(RecordBatch(TOPIC_DELETED, 0, [topic.encode()])).phys_offsets[0]
+        with self._write_lock:
+            topics.forget(self.directory, self._cq, topic, phys)
+        self.retention.forget_queues(topic)
+        return True
 
     # -------------------------------------------------------- replication
     def read_frames(self, from_phys: int, max_bytes: int) -> tuple[int, bytes]:
@@ -431,8 +432,9 @@ class MessageStore:
                 raise self._durable.stopped()
             positions = self._append_frames_at(phys, data, frames)
             if self._replica is None:
-                self._replica = Replay(self._cq, self._producers,
-                                       late_start=self._log.min_offset > SEGMENT_HEADER_BYTES)
+                late = self._log.min_offset > SEGMENT_HEADER_BYTES  # (segments deleted)
+                self._replica = Replay(self._cq, self._producers, late_start=late,
+                                       directory=self.directory)
             try:
                 for (pos, length, count), at in zip(frames, positions):
                     self._replica.frame(at, data, pos, length, count)

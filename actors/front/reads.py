@@ -123,7 +123,7 @@ class QueueReads:
             if offset < 0:
                 raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
             real_end = self.store.max_queue_offset(topic, qid)
-            start = self.store.log_start(topic, qid)
+            start = self.store.retention.log_start(topic, qid)
             if offset < start:  # aged out: where the reader's reset policy says
                 offset = self._reset(topic, qid, offset, start, real_end, reset, group)
             touched = txns is not None and txns.touched((topic, qid))
@@ -175,7 +175,7 @@ class QueueReads:
         """Each queue's (log start, end, first offset stored at or after its time in
         ``times`` -- the log start when that aged out, the end when none --, else -1)."""
         store = self.store
-        return {(t, q): (store.log_start(t, q), store.max_queue_offset(t, q),
+        return {(t, q): (store.retention.log_start(t, q), store.max_queue_offset(t, q),
                          store.retention.offset_for_time(t, q, int(times[i]))
                          if times is not None and times[i] is not None else -1)
                 for i, (t, q) in enumerate(queues)}

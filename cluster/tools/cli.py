@@ -22,7 +22,7 @@ deploys RayMQ there, the others say so when it is not deployed.
                      replicated groups: leader, in-sync set, who could be elected
   shard elect        make another replica lead a replicated shard (--to, --unclean)
   coordinator elect  the same for a replicated transaction coordinator
-  topic create|alter|describe|list  manage topics and their retention
+  topic create|alter|describe|delete|list  manage topics and their retention
   send               send messages (body arguments, or lines of stdin with -)
   consume            consume messages of a group and print them
   group reset-offsets  move a consumer group's offsets (earliest, latest, a time, an offset)
@@ -229,6 +229,12 @@ def _cmd_topic(args) -> int:
                                          retention_bytes=args.retention_bytes)))
     elif args.topic_cmd == "describe":
         print(_topic_line(mq.describe_topic(args.name)))
+    elif args.topic_cmd == "delete":
+        info = mq.delete_topic(args.name)
+        print(f"topic {info['topic']} deleted ({info['queues']} queues); its records are given "
+              f"back with their segments")
+        for shard, why in info["pending"].items():
+            print(f"  {shard} drops it later: {why}")
     else:
         for name, t in mq.topics().items():
             print(f"{name}\t{t['queues']} queues")
@@ -627,7 +633,7 @@ def _build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_cmd_status)
 
-    topic = sub.add_parser("topic", help="create, alter, describe or list topics")
+    topic = sub.add_parser("topic", help="create, alter, describe, delete or list topics")
     tsub = topic.add_subparsers(dest="topic_cmd", required=True, metavar="ACTION")
     tc = tsub.add_parser("create", help="create a topic")
     tc.add_argument("name")
@@ -643,6 +649,9 @@ def _build_parser() -> argparse.ArgumentParser:
                             "(default: the cluster's retention_bytes, no limit)")
     td = tsub.add_parser("describe", help="a topic's queues, shards and retention")
     td.add_argument("name")
+    tx_ = tsub.add_parser("delete", help="delete a topic: its messages, queues and groups' "
+                          "offsets go (created again, it starts empty)")
+    tx_.add_argument("name")
     tsub.add_parser("list", help="list topics")
     topic.set_defaults(func=_cmd_topic)
 

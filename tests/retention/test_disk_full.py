@@ -83,7 +83,7 @@ def test_a_full_disk_refuses_sends_keeps_everything_acknowledged_and_resumes(sma
         assert sh.janitor.run_once().count >= 2
         assert not sh.janitor.full
         assert sh.send(RecordBatch("bulk", 0, [body(1000)])).status == "SEND_OK"
-        start = sh.store.log_start("bulk", 0)
+        start = sh.store.retention.log_start("bulk", 0)
         assert [m.body for m in sh.store.read_queue("bulk", 0, start, 1000)] == \
             got[start:] + [body(1000)]
     finally:

@@ -25,7 +25,7 @@ def starts(group) -> dict:
     for name, r in group.replicas.items():
         if name not in group.down:
             store = r.shard.store if r.shard is not None else r.store
-            out[name] = (store.min_phys_offset, store.log_start("t", 0))
+            out[name] = (store.min_phys_offset, store.retention.log_start("t", 0))
     return out
 
 
@@ -44,7 +44,7 @@ def test_followers_delete_what_the_leader_deleted_and_a_wiped_one_starts_from_it
     leader.shard.store.checkpoint()
     assert leader.shard.janitor.run_once().count >= 2
     log_start = leader.shard.store.min_phys_offset
-    assert log_start > 24 and leader.shard.store.log_start("t", 0) > 0
+    assert log_start > 24 and leader.shard.store.retention.log_start("t", 0) > 0
     fill(leader, 1, 120)                      # the next fetches tell the followers
     for r in group.replicas.values():
         r.store is not None and r.store.checkpoint()
@@ -59,8 +59,8 @@ def test_followers_delete_what_the_leader_deleted_and_a_wiped_one_starts_from_it
     fill(leader, 1, 122)
     w = group.replicas[wiped]
     wait_for(lambda: w.log_end() == leader.log_end(), 20, "the wiped follower to catch up")
-    first = leader.shard.store.log_start("t", 0)
-    assert w.store.min_phys_offset == log_start and w.store.log_start("t", 0) == first
+    first = leader.shard.store.retention.log_start("t", 0)
+    assert w.store.min_phys_offset == log_start and w.store.retention.log_start("t", 0) == first
     want = [m.body for m in leader.shard.store.read_queue("t", 0, first, 1000)]
     assert [m.body for m in w.store.read_queue("t", 0, first, 1000)] == want
     assert len(want) == 123 - first
@@ -71,5 +71,5 @@ def test_followers_delete_what_the_leader_deleted_and_a_wiped_one_starts_from_it
     new = group.leader
     assert new.name != leader.name
     assert new.shard.store.min_phys_offset >= log_start
-    assert new.shard.store.log_start("t", 0) >= first
+    assert new.shard.store.retention.log_start("t", 0) >= first
     assert send(new, [b"after"]).status == "SEND_OK"

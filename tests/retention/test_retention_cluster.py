@@ -94,3 +94,38 @@ def test_a_consumer_says_which_resets_it_knows(mq, name):
     mq.create_topic(name, 1)
     with pytest.raises(InvalidMessageError, match="auto_offset_reset must be"):
         mq.consumer(name + "-g", [name], auto_offset_reset="smallest")
+
+
+def test_a_deleted_topic_is_gone_at_once_and_created_again_empty(mq, name):
+    from raymq import UnknownTopicError
+    mq.create_topic(name, 2)
+    p = mq.producer()
+    for i in range(20):
+        p.send(Message(name, b"old-%d" % i, key=str(i)))
+    group = name + "-g"
+    c = mq.consumer(group, [name])
+    try:
+        assert len(read_to_end(c, mq, [name])) == 20
+        c.commit()
+    finally:
+        c.close()
+    info = mq.delete_topic(name)
+    assert info["queues"] == 2 and info["pending"] == {}
+    with pytest.raises(UnknownTopicError):
+        p.send(Message(name, b"after"))
+    with pytest.raises(UnknownTopicError):
+        mq.describe_topic(name)
+    with pytest.raises(UnknownTopicError):
+        mq.delete_topic(name)
+    with pytest.raises(Exception, match="reserved"):
+        mq.delete_topic("RMQ_SYS_OFFSETS")
+    mq.create_topic(name, 2)  # a new, empty topic: no old message, no old offset
+    assert mq.admin.offsets_for_times({(name, 0): 0, (name, 1): 0}) == {(name, 0): 0,
+                                                                       (name, 1): 0}
+    q = p.send(Message(name, b"new"))
+    assert q.queue_offset == 0
+    c = mq.consumer(group, [name])
+    try:
+        assert [m.body for m in read_to_end(c, mq, [name])] == [b"new"]
+    finally:
+        c.close()

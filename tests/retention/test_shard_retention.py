@@ -48,7 +48,7 @@ def test_what_the_shard_still_waits_on_keeps_its_segments_and_is_delivered_on_ti
     clock.advance(3 * HOUR)                            # everything is past its retention
     first = sh.janitor.run_once()
     assert first.count >= 1 and first.held_by == "pinned"
-    assert 0 < sh.store.log_start("bulk", 0) <= 80
+    assert 0 < sh.store.retention.log_start("bulk", 0) <= 80
     # the half is still there to end; the delayed message, the transaction's record too
     ends = sh.send(None, 0, 0, [("g", "tx1", [half.phys[0]], "COMMIT_MESSAGE")])
     assert [r.outcome.value for r in ends.ends] == ["COMMITTED"]
@@ -62,7 +62,7 @@ def test_what_the_shard_still_waits_on_keeps_its_segments_and_is_delivered_on_ti
     # nothing waits before the timer now: the segments up to it go, not the timer's
     second = sh.janitor.run_once()
     assert second.count >= 1 and second.held_by == "pinned"
-    assert 80 < sh.store.log_start("bulk", 0) <= 160
+    assert 80 < sh.store.retention.log_start("bulk", 0) <= 160
     clock.advance(40 * DAY - 3 * HOUR - 1000)
     sh.deliver_due()
     assert sh.store.max_queue_offset("t", 0) == 3
@@ -72,7 +72,7 @@ def test_what_the_shard_still_waits_on_keeps_its_segments_and_is_delivered_on_ti
     bulk(sh, "bulk", 10, 240)
     clock.advance(2 * HOUR)
     sh.janitor.run_once()
-    assert sh.store.log_start("bulk", 0) > 160
+    assert sh.store.retention.log_start("bulk", 0) > 160
 
 
 @pytest.mark.parametrize("reset", ["earliest", "latest", "error"])
@@ -82,7 +82,7 @@ def test_a_reader_below_the_log_start_goes_on_as_its_reset_says(shard, reset):
     clock.advance(2 * HOUR)
     bulk(sh, "bulk", 2, 120)
     assert sh.janitor.run_once().count >= 2
-    start, end = sh.store.log_start("bulk", 0), sh.store.max_queue_offset("bulk", 0)
+    start, end = sh.store.retention.log_start("bulk", 0), sh.store.max_queue_offset("bulk", 0)
     assert 0 < start < end
     if reset == "error":
         with pytest.raises(OffsetOutOfRangeError, match=f"bulk/0: offset 3 is below .* {start}"):
@@ -96,3 +96,28 @@ def test_a_reader_below_the_log_start_goes_on_as_its_reset_says(shard, reset):
     # reads at or above the log start are as ever
     [(_t, _q, got, _n, _e)] = sh.pull([("bulk", 0, end - 1, 10)], group="g", reset=reset)
     assert [m.queue_offset for m in got.messages()] == [end - 1]
+
+
+def test_a_deleted_topic_takes_its_halves_and_offsets_with_it_and_waits_for_transactions(
+        shard):
+    from raymq.storage.errors import ConcurrentTransactionsError, InvalidMessageError
+    sh, clock = shard
+    half = sh.send(RecordBatch("orders", 0, [b"half"], properties=[{
+        Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g", Prop.TRANSACTION_ID: "tx1"}]), 7, 1)
+    sh.send(RecordBatch("orders", 0, [b"plain"]))
+    sh.commit_offsets("readers", {("orders", 0): 1})
+    sh.ktx_register(5, 0, [("t", 0)])
+    sh.ktx_send(RecordBatch("t", 0, [b"in a transaction"]), 5, 0, 1)
+    with pytest.raises(InvalidMessageError, match="still exists"):
+        sh.drop_topic("orders")  # (its routes are still served: not deleted)
+    sh.set_routes([("bulk", 0)])
+    sh.routes._fetch = lambda _i: [("bulk", 0)]  # the controller's routes, without them
+    with pytest.raises(ConcurrentTransactionsError, match="producer ids \\[5\\]"):
+        sh.drop_topic("t")
+    assert sh.drop_topic("orders") and not sh.drop_topic("orders")
+    assert sh.halves.pending == {} and sh.store.max_queue_offset("orders", 0) == 0
+    assert not any("@orders@" in k for k in sh.store.offsets.snapshot())
+    late = sh.send(None, 0, 0, [("g", "tx1", [half.phys[0]], "COMMIT_MESSAGE")])
+    assert [r.outcome.value for r in late.ends] != ["COMMITTED"]  # rolled back: never delivered
+    sh.ktx_end(5, 1, "ABORT")
+    assert sh.drop_topic("t") and sh.store.max_queue_offset("t", 0) == 0

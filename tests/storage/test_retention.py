@@ -82,17 +82,17 @@ def test_segments_go_when_their_records_pass_retention_and_the_log_start_moves_u
         n_before = len(store.segments())
         assert n_before >= 5
         v = store.retention.apply(policy(ms=20 * HOUR), clock.now_ms())
-        assert v.count == 0 and store.log_start("a", 0) == 0
+        assert v.count == 0 and store.retention.log_start("a", 0) == 0
         clock.advance(15 * HOUR)  # the first ~5 h of records are 20 h old now
         v = store.retention.apply(policy(ms=20 * HOUR), clock.now_ms())
         assert 0 < v.count < n_before - 1 and len(store.segments()) == n_before - v.count
-        start = store.log_start("a", 0)
+        start = store.retention.log_start("a", 0)
         first_kept = store.read_queue("a", 0, start, 1)[0]
         assert first_kept.phys_offset >= store.min_phys_offset and 0 < start < 600
         # every record in a deleted segment was older than the retention; none kept is
         assert clock.now_ms() - first_kept.store_ms <= 20 * HOUR + HOUR
         with pytest.raises(OffsetOutOfRangeError, match=f"a/0: offset 3 is below .* {start}"):
-            store.check_readable("a", 0, 3)
+            store.retention.check_readable("a", 0, 3)
         assert [m.queue_offset for m in store.read_queue("a", 0, start, 5)] == \
             list(range(start, start + 5))
         assert store.retention.deleted_segments == v.count and store.retention.deleted_bytes > 0
@@ -100,7 +100,7 @@ def test_segments_go_when_their_records_pass_retention_and_the_log_start_moves_u
         store.close()
     reopened = open_at(tmp_path / "s", clock)
     try:
-        assert reopened.log_start("a", 0) == start and reopened.max_queue_offset("a", 0) == 600
+        assert reopened.retention.log_start("a", 0) == start and reopened.max_queue_offset("a", 0) == 600
         assert [m.body for m in reopened.read_queue("a", 0, 599, 1)] == \
             [batch("a", 0, 599, 1, 2000).bodies[0]]
     finally:
@@ -117,7 +117,7 @@ def test_a_topic_with_a_longer_retention_keeps_the_segments_its_records_are_in(
         store.checkpoint()
         clock.advance(2 * DAY)
         held = store.retention.apply(policy(ms=DAY, long=(7 * DAY,)), clock.now_ms())
-        assert held.held_by == "long" and store.log_start("long", 0) == 0
+        assert held.held_by == "long" and store.retention.log_start("long", 0) == 0
         assert [m.body for m in store.read_queue("long", 0, 0, 1)] == batch("long", 0, 0, 1).bodies
         assert store.min_phys_offset <= store.read_queue("long", 0, 0, 1)[0].phys_offset
     finally:
@@ -133,7 +133,7 @@ def test_queue_entries_that_aged_out_give_their_disk_blocks_back(tmp_path, clock
         before = os.stat(path).st_blocks
         clock.advance(2 * DAY)
         store.retention.apply(policy(ms=DAY), clock.now_ms())
-        assert store.log_start("a", 0) > 2000
+        assert store.retention.log_start("a", 0) > 2000
         after = os.stat(path).st_blocks
         if after == before:
             pytest.skip("this filesystem does not punch holes (fallocate)")
@@ -152,7 +152,7 @@ def test_a_rebuild_of_the_queues_from_a_log_that_starts_late_keeps_every_offset(
     fill(store, clock, "a", 100)
     store.checkpoint()
     store.retention.apply(policy(ms=DAY), clock.now_ms())
-    starts = {q: store.log_start(*q) for q in (("a", 0), ("b", 0))}
+    starts = {q: store.retention.log_start(*q) for q in (("a", 0), ("b", 0))}
     want = {q: [m.body for m in store.read_queue(*q, starts[q], 1000)] for q in starts}
     assert starts[("a", 0)] > 0 and starts[("b", 0)] > 0
     store.close()
@@ -161,7 +161,7 @@ def test_a_rebuild_of_the_queues_from_a_log_that_starts_late_keeps_every_offset(
         os.unlink(tmp_path / "s" / "consumequeue" / "a" / name)
     store = open_at(tmp_path / "s", clock)
     try:
-        assert {q: store.log_start(*q) for q in starts}[("a", 0)] == starts[("a", 0)]
+        assert {q: store.retention.log_start(*q) for q in starts}[("a", 0)] == starts[("a", 0)]
         assert store.max_queue_offset("a", 0) == 600
         assert [m.body for m in store.read_queue("a", 0, starts[("a", 0)], 1000)] == want[("a", 0)]
         assert store.put(batch("a", 0, 600, 1)).queue_offsets == [600]
@@ -175,11 +175,11 @@ def test_the_segment_written_to_and_what_no_checkpoint_covers_never_go(tmp_path,
         fill(store, clock, "a", 400)
         clock.advance(2 * DAY)
         v = store.retention.apply(policy(ms=DAY), clock.now_ms())
-        assert v.count <= len(store.segments()) and store.log_start("a", 0) == 0 or \
+        assert v.count <= len(store.segments()) and store.retention.log_start("a", 0) == 0 or \
             v.held_by == "checkpoint"
         store.checkpoint()
         v = store.retention.apply(policy(ms=1), clock.now_ms())
-        assert len(store.segments()) == 1 and store.log_start("a", 0) > 0
+        assert len(store.segments()) == 1 and store.retention.log_start("a", 0) > 0
         assert store.put(batch("a", 0, 400, 1)).queue_offsets == [400]
     finally:
         store.close()
@@ -203,7 +203,7 @@ def test_offsets_for_times_find_the_first_message_stored_at_or_after_a_time(tmp_
         fill(store, clock, "b", 200)
         store.checkpoint()
         store.retention.apply(policy(ms=DAY), clock.now_ms())
-        assert store.log_start("a", 0) == 300  # every message of a aged out
+        assert store.retention.log_start("a", 0) == 300  # every message of a aged out
         assert q("a", 0, t0) == 300
     finally:
         store.close()

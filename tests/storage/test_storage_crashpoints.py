@@ -179,7 +179,7 @@ def test_a_kill_while_retention_deletes_segments_leaves_a_consistent_log_start(t
         with MessageStore(directory, POINTS_CONFIG, background=False) as store:
             starts = {}
             for topic, qid in store.queues():
-                start, end = store.log_start(topic, qid), store.max_queue_offset(topic, qid)
+                start, end = store.retention.log_start(topic, qid), store.max_queue_offset(topic, qid)
                 msgs = store.read_queue(topic, qid, start, end - start + 1)
                 assert [m.queue_offset for m in msgs] == list(range(start, end))
                 starts[(topic, qid)] = start

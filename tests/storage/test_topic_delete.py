@@ -1,0 +1,93 @@
+"""Deleting a topic from a store (issue 35): its queues go at once; created again it starts
+empty at offset 0 and never shows the old records -- after a reopen, after a rebuild of
+the queues from the log, and on a follower that copies the log; its old records are
+garbage to retention whatever its retention said; a crash between the tombstone and the
+dropping of the queues is finished on open.  In-process stores, no Ray."""
+from __future__ import annotations
+
+import os
+
+from raymq.storage import MessageStore
+from raymq.storage.clock import ManualClock
+from raymq.storage.retention import RetentionPolicy, TopicRetention
+from raymq.storage.topics import TOPIC_DELETED
+from tests.helpers import SMALL, batch, forget_checkpoint
+
+DAY = 86_400_000
+
+
+def bodies(store, topic, qid=0):
+    start = store.retention.log_start(topic, qid)
+    return [m.body for m in store.read_queue(topic, qid, start, 100_000)]
+
+
+def test_a_deleted_topic_created_again_starts_empty_everywhere(tmp_path):
+    clock = ManualClock(1_700_000_000_000)
+    leader = MessageStore(str(tmp_path / "l"), SMALL, clock, background=False)
+    follower = MessageStore(str(tmp_path / "f"), SMALL, clock, background=False)
+    try:
+        for i in range(0, 600, 20):
+            leader.put(batch("a", i % 40 // 20, i, 20, 1000))
+            leader.put(batch("b", 0, i, 20, 1000))
+        assert leader.delete_topic("a") and not leader.delete_topic("nope")
+        assert leader.max_queue_offset("a", 0) == 0 and bodies(leader, "a") == []
+        assert not os.path.exists(os.path.join(leader.directory, "consumequeue", "a"))
+        assert leader.put(batch("a", 0, 9000, 3)).queue_offsets == [0, 1, 2]  # created again
+        want = {"a": [batch("a", 0, 9000, 3).bodies[i] for i in range(3)], "b": bodies(leader, "b")}
+        assert len(want["b"]) == 600
+        pos = 0  # a follower copies it all, tombstone included
+        while True:
+            start, data = leader.read_frames(pos, 200_000)
+            if not data:
+                break
+            pos = follower.append_replicated(start, data)
+        for s in (leader, follower):
+            assert bodies(s, "a") == want["a"] and bodies(s, "b") == want["b"]
+            assert bodies(s, "a", 1) == [] and s.max_queue_offset("a", 1) == 0
+    finally:
+        leader.close()
+        follower.close()
+    for path in (tmp_path / "l", tmp_path / "f"):  # reopened, and rebuilt from the log
+        for rebuild in (False, True):
+            if rebuild:
+                forget_checkpoint(path)
+            store = MessageStore(str(path), SMALL, clock, background=False)
+            try:
+                assert bodies(store, "a") == want["a"] and bodies(store, "b") == want["b"]
+                assert store.max_queue_offset("a", 1) == 0
+            finally:
+                store.close()
+    # its old records are garbage to retention, however long the topics' retention
+    store = MessageStore(str(tmp_path / "l"), SMALL, clock, background=False)
+    try:
+        store.delete_topic("b")
+        store.put(batch("c", 0, 0, 300, 1000))
+        store.checkpoint()
+        policy = RetentionPolicy(TopicRetention(365 * DAY), {},
+                                 store.retention.deleted(), frozenset({TOPIC_DELETED}))
+        assert set(policy.deleted) == {"a", "b"}
+        v = store.retention.apply(policy, clock.now_ms())
+        assert v.count >= 4 and v.held_by == "a"  # (the new a's records hold its segment)
+        assert bodies(store, "a") == want["a"] and store.max_queue_offset("b", 0) == 0
+    finally:
+        store.close()
+
+
+def test_a_crash_between_the_tombstone_and_the_queues_is_finished_on_open(tmp_path):
+    from raymq.storage import topics
+    store = MessageStore(str(tmp_path / "s"), SMALL, background=False)
+    store.put(batch("a", 0, 0, 50))
+    store.put(RecordBatch_tombstone("a"))  # the tombstone written, its queues not dropped
+    store.checkpoint()                     # (and a checkpoint covered it)
+    store.close()
+    assert topics.read_deleted(str(tmp_path / "s")) == {}
+    store = MessageStore(str(tmp_path / "s"), SMALL, background=False)
+    try:
+        assert store.max_queue_offset("a", 0) == 0 and "a" in topics.read_deleted(store.directory)
+    finally:
+        store.close()
+
+
+def RecordBatch_tombstone(topic: str):
+    from raymq.storage import RecordBatch
+    return RecordBatch(TOPIC_DELETED, 0, [topic.encode()])
