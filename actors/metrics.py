@@ -25,8 +25,9 @@ def shard_gauges(shard) -> list[tuple[str, float, dict]]:
     call out of the process: messages stored, the bytes its files take on disk, each
     group's lag, half messages pending
     and check-expired, open Kafka-style transactions, timers scheduled and due within
-    the minute, and how late timer delivery runs.  Tags stay bounded (a group name at
-    most: no per-queue series)."""
+    the minute, how late timer delivery runs, and retention's (the log's start, what was
+    deleted, the disk, messages aged out per topic).  Tags stay bounded (a group or topic
+    name at most: no per-queue series)."""
     from raymq.storage.fileutil import disk_usage
     store = shard.store
     out = [("messages_stored", float(sum(store.max_queue_offset(t, q)
@@ -42,6 +43,18 @@ def shard_gauges(shard) -> list[tuple[str, float, dict]]:
     out.append(("timers_scheduled", float(timers.get("scheduled", 0)), {}))
     out.append(("timers_due_next_minute", float(timers.get("next_minute", 0)), {}))
     out.append(("timer_delivery_lag_ms", float(timers.get("lag_ms", 0)), {}))
+    ret = shard.janitor.status()  # retention: what went, the disk, each topic's aged-out count
+    out += [("log_start_offset", float(ret["log_start_phys"]), {}),
+            ("segments_deleted", float(ret["deleted_segments"]), {}),
+            ("bytes_deleted", float(ret["deleted_bytes"]), {}),
+            ("disk_free_bytes", float(ret["disk_free_bytes"]), {}),
+            ("disk_used_ratio", float(ret["disk_used_ratio"]), {}),
+            ("disk_full", 1.0 if ret["disk_full"] else 0.0, {})]
+    aged: dict[str, int] = {}
+    for key, start in ret["log_starts"].items():
+        topic = key.rsplit("/", 1)[0]
+        aged[topic] = aged.get(topic, 0) + start
+    out += [("messages_aged_out", float(n), {"topic": t}) for t, n in aged.items()]
     return out
 
 

@@ -57,6 +57,7 @@ class Janitor:
         self.used_ratio, self.free_bytes = 0.0, 0
         self._measured_s, self._measured_end = 0.0, 0
         self.last: Verdict | None = None
+        self._told_clean = False
         self._lock = threading.Lock()  # one round at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -160,10 +161,13 @@ class Janitor:
                          self.store.min_phys_offset)
                 self.metrics.inc("segments_deleted", verdict.count)
                 self.measure()
-            elif force:
+            elif force and not self._told_clean:  # (once, until the disk is below it)
                 log.warning("shard-%d: disk %.0f%% used is over disk_clean_ratio %.2f, and no "
-                            "segment can go (kept by %s)", self.index, 100 * self.used_ratio,
-                            self.config.disk_clean_ratio, verdict.held_by or "nothing sealed")
+                            "segment of this shard can go (%s)", self.index,
+                            100 * self.used_ratio, self.config.disk_clean_ratio,
+                            f"kept by {verdict.held_by}" if verdict.held_by
+                            else "none is sealed yet")
+            self._told_clean = bool(force)
             self.last = verdict
             return verdict
 

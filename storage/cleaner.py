@@ -18,6 +18,7 @@ from raymq.storage import topics
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog
 from raymq.storage.errors import OffsetOutOfRangeError
 from raymq.storage.queueindex import QueueIndex
+from raymq.storage.recovery import read_checkpoint
 from raymq.storage.records import (FRAME_HEADER_BYTES, REC_DTYPE, REC_HEADER_BYTES, FrameError,
                                    check_frame, frame_producer)
 from raymq.storage.retention import (RetentionPolicy, SegmentSummary, Verdict, expired_prefix,
@@ -31,6 +32,7 @@ class StoreRetention:
         self._cq = queues
         #: what the last checkpoint covers (the store moves it): no segment past it goes
         self.covered_end = covered_end
+        self._checkpoint_path = os.path.join(directory, "checkpoint")
         self._starts: dict = {}  # queue -> (the log's start then, the queue's log start)
         self._summaries: dict[int, SegmentSummary] = {}
         self._lock = threading.Lock()
@@ -98,9 +100,11 @@ class StoreRetention:
         """Delete the oldest segments ``policy`` gives up (``retention.expired_prefix``),
         then give back the blocks of queue entries below each queue's log start."""
         with self._lock:
-            verdict = expired_prefix(self.summaries(), policy, now_ms,
-                                     covered_end=self.covered_end, pinned=pinned,
-                                     force=force_bytes)
+            # (what the checkpoint on disk covers: two checkpoints written at once may
+            # land out of order, and only the one on disk counts after a crash)
+            covered = min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
+            verdict = expired_prefix(self.summaries(), policy, now_ms, covered_end=covered,
+                                     pinned=pinned, force=force_bytes)
             if verdict.count:
                 self.deleted_bytes += self._log.delete_oldest(verdict.count)
                 self.deleted_segments += verdict.count
@@ -114,8 +118,9 @@ class StoreRetention:
         """(a follower) Delete the segments that end at or below ``phys``, the leader's log
         start (never past what a checkpoint covers here); how many."""
         with self._lock:
+            covered = min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
             n = sum(1 for _p, base, size in self._log.segments()[:-1]
-                    if base + size <= min(phys, self.covered_end))
+                    if base + size <= min(phys, covered))
             if n:
                 self.deleted_bytes += self._log.delete_oldest(n)
                 self.deleted_segments += n

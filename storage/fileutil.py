@@ -4,6 +4,7 @@ Owns the crash-safe way to replace a whole file.
 from __future__ import annotations
 
 import os
+import threading
 
 from raymq.storage.faults import crash_point
 
@@ -24,7 +25,8 @@ def atomic_write(path: str, data: bytes, *, label: str | None = None) -> None:
     names the crash points ``<label>.before_rename`` and ``<label>.renamed``.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp.{os.getpid()}"
+    # (one temporary file per writer: two threads replacing one file never share one)
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)

@@ -22,7 +22,9 @@ TEST_CONFIG = dict(num_shards=2, heartbeat_interval_ms=200, session_timeout_ms=5
                    pull_wait_ms=200, retry_backoff_ms=50, schedule_tick_ms=20,
                    txn_timeout_ms=1500, txn_check_interval_ms=200, txn_max_checks=3,
                    txn_check_backoff_max_ms=1500, txn_max_checks_per_group=20,
-                   producer_lease_ms=5000)
+                   producer_lease_ms=5000,
+                   # (no disk watermarks: a test machine's disk may be fuller than them)
+                   disk_clean_ratio=1.0, disk_full_ratio=1.0)
 
 
 @pytest.fixture(scope="session")

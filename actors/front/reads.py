@@ -213,6 +213,10 @@ def stored_message(store: MessageStore, shard: int, phys: int) -> StoredMessage:
                                and 0 <= phys < 2**64 else f"no such message: offset {phys!r}")
     if isinstance(phys, bool) or not isinstance(phys, int) or not 0 <= phys < store.max_phys_offset:
         raise nope
+    if phys < store.min_phys_offset:
+        raise InvalidMessageError(f"message {make_msg_id(shard, phys)} expired: it aged out "
+                                  f"with its segment (the shard's log starts at "
+                                  f"{store.min_phys_offset})")
     try:
         m = store.get_message(phys)
         entry = store.read_cq(m.topic, m.queue_id, m.queue_offset, 1)

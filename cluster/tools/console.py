@@ -34,7 +34,8 @@ PAGES = ("overview", "topics", "halves", "transactions", "timers", "groups")
 
 
 #: how the admin calls say that what an id names is not there
-_NOT_FOUND = ("no such", "not scheduled", "no transactional id", "no half", "not found")
+_NOT_FOUND = ("no such", "not scheduled", "no transactional id", "no half", "not found",
+              "expired: it aged out")
 
 
 def one_line(err: BaseException) -> str:

@@ -1,5 +1,6 @@
 """Every benchmark suite of ``raymq bench``, registered: the built-in ones (``bench``),
-``soak``, ``replication`` (``failover``) and ``console`` (``bench_console``).  The suites
+``soak``, ``replication`` (``failover``), ``console`` (``bench_console``) and
+``retention`` (``bench_retention``).  The suites
 import the bench's framework (``raymq.tools.bench``); only this module imports them, so
 nothing imports back.
 """
@@ -10,5 +11,6 @@ from raymq.tools.bench import LONG_SUITES, SUITES, run
 from raymq.tools import soak  # noqa: E402,F401,I001 -- registers the soak suite
 from raymq.tools import failover  # noqa: E402,F401 -- registers the replication suite
 from raymq.tools import bench_console  # noqa: E402,F401 -- registers the console suite
+from raymq.tools import bench_retention  # noqa: E402,F401 -- registers the retention suite
 
 __all__ = ["LONG_SUITES", "SUITES", "run"]

@@ -121,3 +121,19 @@ def test_a_deleted_topic_takes_its_halves_and_offsets_with_it_and_waits_for_tran
     assert [r.outcome.value for r in late.ends] != ["COMMITTED"]  # rolled back: never delivered
     sh.ktx_end(5, 1, "ABORT")
     assert sh.drop_topic("t") and sh.store.max_queue_offset("t", 0) == 0
+
+
+def test_a_message_looked_up_after_it_aged_out_is_answered_expired(shard):
+    from raymq.actors.protocol import make_msg_id
+    from raymq.storage.errors import InvalidMessageError
+    from raymq.tools.console import http_status
+    sh, clock = shard
+    first = sh.send(RecordBatch("bulk", 0, [b"first"]))
+    bulk(sh, "bulk", 30)
+    clock.advance(2 * HOUR)
+    assert sh.janitor.run_once().count >= 1
+    with pytest.raises(InvalidMessageError, match="expired") as err:
+        sh.get_message(first.phys[0])
+    assert make_msg_id(0, first.phys[0]) in str(err.value) and http_status(err.value) == 404
+    with pytest.raises(InvalidMessageError, match="no such message"):  # (not a record)
+        sh.get_message(sh.store.max_phys_offset + 5)
