@@ -108,6 +108,14 @@ def read_committed(mq, topics, group: str | None = None, *, start=None,
         starts = {q: int(start.get(q, 0)) for q in shard_of}
     elif start is not None:
         raise InvalidMessageError(f"start must be None, 'earliest' or a dict, not {start!r}")
+    for shard, queues in by_shard.items():  # what aged out is not read: from the log start
+        for q, (log_start, _end, _t) in mq.transport.call(shard, "queue_bounds", queues,
+                                                           timeout_s=60).items():
+            if starts[q] < log_start:
+                log.warning("read_committed: %s/%d starts at its log start %d, not %d: %d "
+                            "messages aged out before they were read", q[0], q[1], log_start,
+                            starts[q], log_start - starts[q])
+                starts[q] = log_start
     pairs = [_read_queue.options(num_returns=2).remote(
                  mq.shard_handle(shard_of[q]), shard_of[q], q[0], q[1], lo,
                  min(lo + max_block_rows, ends[q]))
