@@ -100,6 +100,8 @@ class Console:
         r.add_post("/api/transactions/{tid}/abort", self._abort)
         r.add_post("/api/timers/{id}/cancel", self._cancel)
         r.add_post("/api/groups/{group}/dead-letters/resend", self._resend)
+        r.add_post("/api/groups/{group}/reset-offsets", self._reset)
+        r.add_post("/api/topics/{topic}/delete", self._delete_topic)
         return app
 
     # ---------------------------------------------------------------- reads
@@ -183,6 +185,41 @@ class Console:
                 return _error(400, f"ids must be a list of dead letter ids, got {ids!r}")
         return await self._run(lambda: {"resent": self.mq.admin.dlq_resend(
             request.match_info["group"], ids or None)})
+
+
+    async def _reset(self, request):
+        """Move a group's offsets on a topic: the body ``{"topic": T, "to": "earliest" |
+        "latest" | "datetime" | "duration" | "offset", "value": N, "dry_run": bool}``."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("topic"), str):
+            return _error(400, 'the body must be JSON: {"topic": T, "to": "earliest"|"latest"|'
+                               '"datetime"|"duration"|"offset", "value": N, "dry_run": false}')
+        group = request.match_info["group"]
+        plan = await self._run_plain(lambda: self.mq.admin.reset_offsets(
+            group, body["topic"], to=body.get("to", ""), value=body.get("value"),
+            dry_run=bool(body.get("dry_run"))))
+        if isinstance(plan, web.Response):
+            return plan
+        return web.json_response({"group": group, "dry_run": bool(body.get("dry_run")),
+                                  "offsets": [{"queue": f"{t}/{q}", "before": b, "after": a}
+                                              for (t, q), (b, a) in sorted(plan.items())]})
+
+    async def _delete_topic(self, request):
+        return await self._act(request, lambda: self.mq.delete_topic(
+            request.match_info["topic"]))
+
+    async def _run_plain(self, fn):
+        """``fn``'s value, or the error response ``_run`` would give."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn)
+        except Exception as err:  # (an admin call's refusal: its status, one line)
+            return _error(http_status(err), one_line(err))
 
 
 class ConsoleServer:

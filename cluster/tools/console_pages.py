@@ -216,18 +216,23 @@ class Pages:
 
     def topics(self) -> dict:
         status = self.mq.admin.status()
-        def entry(name: str, routes=()) -> dict:
-            return {"queues": [], "system": is_system_topic(name), "routes": list(routes)}
-        topics = {name: entry(name, t["routes"]) for name, t in sorted(status["topics"].items())}
+        def entry(name: str, t: dict | None = None) -> dict:
+            t = t or {}
+            return {"queues": [], "system": is_system_topic(name),
+                    "routes": list(t.get("routes", ())),
+                    "retention_ms": t.get("retention_ms"),
+                    "retention_bytes": t.get("retention_bytes")}
+        topics = {name: entry(name, t) for name, t in sorted(status["topics"].items())}
         for s in status["shards"]:
             info = s["info"]
+            starts = info.get("retention", {}).get("log_starts", {})
             for key, depth in info.get("queues", {}).items():
                 topic, qid = key.rsplit("/", 1)
                 lag = {g: lags[key] for g, lags in info.get("lag", {}).items() if key in lags}
                 if topic not in topics:  # (a queue the shard serves of a topic not listed)
                     topics[topic] = entry(topic)
                 topics[topic]["queues"].append(
-                    {"queue": int(qid), "shard": s["shard"], "min_offset": 0,
+                    {"queue": int(qid), "shard": s["shard"], "min_offset": starts.get(key, 0),
                      "max_offset": depth, "lag": lag})
         for t in topics.values():
             t["queues"].sort(key=lambda q: q["queue"])

@@ -181,3 +181,31 @@ def test_actions_with_the_token_do_what_the_cli_does(server, scene, mq):
     status, d = post(server, f"groups/{group}/dead-letters/resend",
                      body={"ids": [scene.dead_letter.stored_id]})
     assert status == 200 and d["resent"] == [scene.dead_letter.stored_id]
+
+
+def test_a_groups_offsets_are_reset_and_a_topic_deleted_with_the_token(server, mq):
+    """(issue 35) The console's retention actions: token-gated, as the CLI does them."""
+    import uuid
+    from raymq import Message
+    topic = f"cr{uuid.uuid4().hex[:8]}"
+    mq.create_topic(topic, 1)
+    p = mq.producer()
+    for i in range(5):
+        p.send(Message(topic, b"m%d" % i))
+    path = f"groups/g{topic}/reset-offsets"
+    assert post(server, path, token=None, body={"topic": topic, "to": "latest"})[0] == 401
+    assert post(server, path, body={"to": "latest"})[0] == 400
+    status, d = post(server, path, body={"topic": topic, "to": "latest", "dry_run": True})
+    assert status == 200 and d["offsets"] == [{"queue": f"{topic}/0", "before": -1, "after": 5}]
+    assert mq.shard(mq.routes_for({topic})[topic][0]).call(
+        "get_offsets", f"g{topic}", [(topic, 0)], timeout_s=30) == {(topic, 0): -1}
+    status, d = post(server, path, body={"topic": topic, "to": "offset", "value": 2})
+    assert status == 200 and d["offsets"][0]["after"] == 2
+    assert post(server, path, body={"topic": topic, "to": "sideways"})[0] == 400
+    _s, topics = get(server, "topics")
+    assert topics["topics"][topic]["retention_ms"] == 3 * 24 * 3600_000
+    assert post(server, f"topics/{topic}/delete", token="wrong")[0] == 403
+    status, d = post(server, f"topics/{topic}/delete")
+    assert status == 200 and d["topic"] == topic
+    assert post(server, f"topics/{topic}/delete")[0] == 404
+    assert topic not in get(server, "topics")[1]["topics"]

@@ -162,8 +162,12 @@ const PAGES = {
     out.push(lineChart("messages in per second, by topic", d.throughput, names));
     for (const [name, t] of user.concat(Object.entries(d.topics).filter(([, t]) => t.system))) {
       out.push(el("h2", {}, name + (t.system ? " (system)" : "")));
+      if (t.retention_ms)
+        out.push(el("p", {}, `retention ${(t.retention_ms / 3600000).toFixed(1)} h, ` +
+                    (t.retention_bytes > 0 ? `${t.retention_bytes} bytes per queue`
+                                           : "no size limit")));
       out.push(table([["queue", q => q.queue], ["shard", q => q.shard],
-                      ["min offset", q => q.min_offset], ["max offset", q => q.max_offset],
+                      ["log start", q => q.min_offset], ["max offset", q => q.max_offset],
                       ["lag by group", q => Object.entries(q.lag).map(([g, l]) => `${g}: ${l}`)
                         .join(", ") || "-"]], t.queues, "no queue holds a message yet"));
     }
