@@ -23,6 +23,7 @@ from typing import Callable
 
 from raymq.storage.errors import CorruptLogError, DiskFullError, StorageError
 from raymq.storage.faults import crash_point
+from raymq.storage.fileutil import fsync_dir
 from raymq.storage.records import FRAME_MAGIC, EncodedFrame, FrameError, check_frame
 
 log = logging.getLogger("raymq.storage")
@@ -38,14 +39,6 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 class SegmentSealError(OSError):
     """The fsync (or the next segment's creation) that seals a full segment failed."""
-
-
-def fsync_dir_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def segment_name(base: int) -> str:
@@ -277,7 +270,7 @@ class CommitLog:
                 raise OSError(errno.ENOSPC, "short write of a segment header")
             os.fsync(fd)
             crash_point("segment.header_synced")
-            fsync_dir_path(self.directory)
+            fsync_dir(self.directory)
         except BaseException:
             os.close(fd)
             raise
@@ -437,7 +430,7 @@ class CommitLog:
             freed += seg.size
             crash_point("retention.deleted_one")
         if freed:
-            fsync_dir_path(self.directory)
+            fsync_dir(self.directory)
         return freed
 
     def segment_end(self, offset: int) -> int:

@@ -180,7 +180,8 @@ def restart_store_at(directory: str, segment_size_bytes: int, base: int) -> None
     aged out there).  Its queues are rebuilt from what it copies next, each starting at the
     offset its first record has (``Replay.late_start``); its group offsets stay."""
     from raymq.storage.commitlog import SEGMENT_HEADER, SEGMENT_MAGIC, SEGMENT_VERSION, \
-        fsync_dir_path, segment_name
+        segment_name
+    from raymq.storage.fileutil import fsync_dir
     from raymq.storage.durability import write_checkpoint
     log_dir = os.path.join(directory, "commitlog")
     write_checkpoint(os.path.join(directory, "checkpoint"), 0, [], {}, rebuilding=True)
@@ -191,4 +192,4 @@ def restart_store_at(directory: str, segment_size_bytes: int, base: int) -> None
         f.write(SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, segment_size_bytes, base))
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir_path(log_dir)
+    fsync_dir(log_dir)
