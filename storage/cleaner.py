@@ -144,8 +144,10 @@ class StoreRetention:
     def disk_usage(self) -> tuple[float, int]:
         """(the used fraction of the store's filesystem, the bytes free there)."""
         st = os.statvfs(self.directory)
-        total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-        return (1.0 - free / total if total else 0.0), free
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        free = st.f_bavail * st.f_frsize  # (what an unprivileged writer may still use)
+        # df's "Use%": of what writers can use, the part used (reserved blocks left out)
+        return (used / (used + free) if used + free else 0.0), free
 
 
 def _frames(log: CommitLog, base: int, end: int):

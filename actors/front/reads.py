@@ -13,7 +13,7 @@ import numpy as np
 from raymq.storage import MessageStore
 from raymq.storage.clock import Clock
 from raymq.actors.protocol import HALF_TOPIC, SCHEDULE_TOPIC, Prop, make_msg_id
-from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError
+from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, StorageError
 from raymq.storage.records import MessageBatch, RecordSpans, StoredMessage, tags_hash
 
 
@@ -153,7 +153,15 @@ class QueueReads:
             wanted = tags.get(topic) if tags else None
             if wanted:
                 entries = entries[np.isin(entries["tag"], codes_of[topic])]
-            batch = self.store.records_at(entries)
+            try:
+                batch = self.store.records_at(entries)
+            except (StorageError, FileNotFoundError):
+                if self.store.retention.log_start(topic, qid) <= offset:
+                    raise
+                # (aged out while being read: the next pull goes on from the log start)
+                out.append((topic, qid, RecordSpans.empty() if spans else MessageBatch.empty(),
+                            offset, end))
+                continue
             if touched and len(batch):
                 keep = txns.visible((topic, qid), batch.headers, committed)
                 if not keep.all():
