@@ -53,6 +53,7 @@ class Janitor:
         self._settings = settings  # -> {topic: {"retention_ms": .., "retention_bytes": ..}}
         self.topic_settings: dict[str, dict] = {}
         self.drop: Callable[[str], bool] | None = None  # the shard's ``drop_topic``
+        self.after_deleting: Callable[[], None] | None = None
         self.full = False
         self.used_ratio, self.free_bytes = 0.0, 0
         self._measured_s, self._measured_end = 0.0, 0
@@ -68,6 +69,11 @@ class Janitor:
         j = cls(shard.index, shard.store, shard.config, shard.clock, shard.metrics,
                 pins=lambda: shard_pins(shard), settings=settings)
         j.drop = shard.drop_topic
+
+        def after_deleting() -> None:  # (aborted ranges of what aged out are forgotten)
+            with shard.ktx.lock:
+                shard.ktx.state.prune_aborted(lambda q: shard.store.retention.log_start(*q))
+        j.after_deleting = after_deleting
         return j
 
     # ------------------------------------------------------------ policy
@@ -161,6 +167,8 @@ class Janitor:
                          self.store.min_phys_offset)
                 self.metrics.inc("segments_deleted", verdict.count)
                 self.measure()
+                if self.after_deleting is not None:
+                    self.after_deleting()
             elif force and not self._told_clean:  # (once, until the disk is below it)
                 log.warning("shard-%d: disk %.0f%% used is over disk_clean_ratio %.2f, and no "
                             "segment of this shard can go (%s)", self.index,

@@ -23,6 +23,8 @@ again exactly the commits whose offsets it lost.  ``KafkaTxns`` is the pure stat
 """
 from __future__ import annotations
 
+import bisect
+
 import contextlib
 import json
 import logging
@@ -112,6 +114,15 @@ class AbortedRanges:
         self._firsts.append(first)
         self._lasts.append(last)
         self._arrays = None
+
+    def drop_below(self, offset: int) -> int:
+        """Forget the ranges that end at or below ``offset`` (what they hid aged out); how
+        many."""
+        k = bisect.bisect_right(self._lasts, offset)
+        if k:
+            del self._firsts[:k], self._lasts[:k]
+            self._arrays = None
+        return k
 
     def firsts(self) -> list[int]:
         return list(self._firsts)
@@ -242,6 +253,21 @@ class KafkaTxns:
 
     def aborted_count(self) -> int:
         return sum(len(r) for by_pid in self._aborted.values() for r in by_pid.values())
+
+    def prune_aborted(self, log_start: Callable[[Queue], int]) -> int:
+        """Forget aborted ranges of records that aged out (below their queue's log start):
+        the ranges a reader needs stay bounded by retention.  How many went."""
+        gone = 0
+        for queue in list(self._aborted):
+            by_pid = self._aborted[queue]
+            start = log_start(queue)
+            for pid in list(by_pid):
+                gone += by_pid[pid].drop_below(start)
+                if not len(by_pid[pid]):
+                    del by_pid[pid]
+            if not by_pid:
+                del self._aborted[queue]
+        return gone
 
     # --------------------------------------------------------- snapshots
     def expire(self, now_ms: int, expiry_ms: int) -> int:

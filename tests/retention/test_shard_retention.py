@@ -137,3 +137,20 @@ def test_a_message_looked_up_after_it_aged_out_is_answered_expired(shard):
     assert make_msg_id(0, first.phys[0]) in str(err.value) and http_status(err.value) == 404
     with pytest.raises(InvalidMessageError, match="no such message"):  # (not a record)
         sh.get_message(sh.store.max_phys_offset + 5)
+
+
+def test_aborted_ranges_of_records_that_aged_out_are_forgotten(shard):
+    """What a read_committed reader must skip stays bounded by retention: an aborted
+    transaction's range goes once its records aged out."""
+    sh, clock = shard
+    sh.ktx_register(5, 0, [("t", 0)])
+    sh.ktx_send(RecordBatch("t", 0, [b"aborted"]), 5, 0, 1)
+    sh.ktx_end(5, 1, "ABORT")
+    assert sh.ktx.state.aborted_count() == 1
+    bulk(sh, "t", 30)
+    clock.advance(2 * HOUR)
+    bulk(sh, "t", 2, 120)
+    assert sh.janitor.run_once().count >= 1 and sh.store.retention.log_start("t", 0) > 2
+    assert sh.ktx.state.aborted_count() == 0
+    [(_t, _q, got, _n, _e)] = sh.pull([("t", 0, sh.store.max_queue_offset("t", 0) - 1, 10)])
+    assert len(got) == 1  # (reads go on as before)
