@@ -37,6 +37,9 @@ class StoreRetention:
         self._summaries: dict[int, SegmentSummary] = {}
         self._lock = threading.Lock()
         self.deleted_bytes = self.deleted_segments = 0
+        #: deleted topics -> their last tombstone's offset (what was scheduled for a topic
+        #: before its deletion is never delivered: ``raymq.actors.timing``)
+        self.tombstones: dict[str, int] = topics.read_deleted(directory)
 
     # ---------------------------------------------------------- log starts
     def log_start(self, topic: str, queue_id: int) -> int:

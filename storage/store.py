@@ -410,7 +410,7 @@ class MessageStore:
             return False
         phys = self.put(RecordBatch(TOPIC_DELETED, 0, [topic.encode()])).phys_offsets[0]
         with self._write_lock:
-            topics.forget(self.directory, self._cq, topic, phys)
+            self.retention.tombstones = topics.forget(self.directory, self._cq, topic, phys)
         self.retention.forget_queues(topic)
         return True
 

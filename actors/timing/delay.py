@@ -96,6 +96,7 @@ class DelayScheduler:
             gone = self._cancelled(level, start, take)
             if gone:
                 msgs = [m for j, m in enumerate(msgs) if start + j not in gone]
+            msgs = for_live_topics(self.store, msgs)
             # (all of them cancelled: a record of the skip keeps the level's progress)
             batch = restore_real(self.shard, msgs) if msgs else \
                 RecordBatch(TIMER_DONE_TOPIC, 0, [b""])
@@ -149,6 +150,15 @@ class DelayScheduler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def for_live_topics(store: MessageStore, msgs: list[StoredMessage]) -> list[StoredMessage]:
+    """``msgs`` but those scheduled for a topic deleted after they were (never delivered:
+    a topic created again with the name is another one)."""
+    tomb = store.retention.tombstones
+    if not tomb:
+        return msgs
+    return [m for m in msgs if tomb.get(m.properties.get(Prop.REAL_TOPIC), -1) < m.phys_offset]
 
 
 def restore_real(shard: int, msgs: list[StoredMessage]) -> RecordBatch:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from raymq.actors.timing.delay import restore_real
+from raymq.actors.timing.delay import for_live_topics, restore_real
 from raymq.actors.protocol import (SCHEDULE_TOPIC, TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC,
                                    TIMER_TOPIC, Prop, make_msg_id)
 from raymq.storage import MessageStore, RecordBatch
@@ -202,7 +202,8 @@ class TimerScheduler:
             take = max(1, int(np.searchsorted(total, DELIVERY_MAX_BYTES, "right")))
             part, part_skip = indexes[lo:lo + take], skip[lo:lo + take]
             live = entries[:take][~part_skip]
-            msgs = self.store.messages_at(live).messages() if len(live) else []
+            msgs = for_live_topics(self.store, self.store.messages_at(live).messages()) \
+                if len(live) else []
             batch = restore_real(self.shard, msgs).with_records(
                 [Record(TIMER_DONE_TOPIC, 0, part.astype("<i8").tobytes())]) if msgs \
                 else RecordBatch(TIMER_DONE_TOPIC, 0, [part.astype("<i8").tobytes()])

@@ -154,3 +154,20 @@ def test_aborted_ranges_of_records_that_aged_out_are_forgotten(shard):
     assert sh.ktx.state.aborted_count() == 0
     [(_t, _q, got, _n, _e)] = sh.pull([("t", 0, sh.store.max_queue_offset("t", 0) - 1, 10)])
     assert len(got) == 1  # (reads go on as before)
+
+
+def test_what_was_scheduled_for_a_deleted_topic_is_never_delivered_to_it_again(shard):
+    sh, clock = shard
+    due = clock.now_ms() + 60_000
+    sh.send(RecordBatch("orders", 0, [b"timer, old"], properties=[{Prop.DELIVER_AT: str(due)}]))
+    sh.send(RecordBatch("orders", 0, [b"delayed, old"], properties=[{Prop.DELAY: "3"}]))  # 10 s
+    sh.send(RecordBatch("orders", 0, [b"plain, old"]))
+    sh.routes._fetch = lambda _i: [("bulk", 0), ("t", 0)]  # the controller deleted it
+    assert sh.drop_topic("orders")
+    sh.set_routes([("bulk", 0), ("t", 0), ("orders", 0)])  # ... and it is created again
+    sh.routes._fetch = lambda _i: [("bulk", 0), ("t", 0), ("orders", 0)]
+    sh.send(RecordBatch("orders", 0, [b"timer, new"], properties=[{Prop.DELIVER_AT: str(due)}]))
+    clock.advance(61_000)
+    sh.deliver_due()
+    sh.deliver_due()
+    assert [m.body for m in sh.store.read_queue("orders", 0, 0, 10)] == [b"timer, new"]
