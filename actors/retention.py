@@ -54,6 +54,7 @@ class Janitor:
         self.topic_settings: dict[str, dict] = {}
         self.drop: Callable[[str], bool] | None = None  # the shard's ``drop_topic``
         self.after_deleting: Callable[[], None] | None = None
+        self.compact_index: Callable[[], object] | None = None
         self.full = False
         self.used_ratio, self.free_bytes = 0.0, 0
         self._measured_s, self._measured_end = 0.0, 0
@@ -74,6 +75,7 @@ class Janitor:
             with shard.ktx.lock:
                 shard.ktx.state.prune_aborted(lambda q: shard.store.retention.log_start(*q))
         j.after_deleting = after_deleting
+        j.compact_index = lambda: shard.ktx.compact(force=True)
         return j
 
     # ------------------------------------------------------------ policy
@@ -99,15 +101,26 @@ class Janitor:
                     log.warning("shard-%d: deleted topic %s not dropped yet: %s", self.index,
                                 topic, err)
 
-    def pinned(self) -> int:
-        """The lowest log offset a part of the shard still needs."""
-        queue_pins, phys_pins = self._pins()
-        low = min(phys_pins, default=_NOT_PINNED)
-        for topic, qid, offset in queue_pins:
-            entry = self.store.read_cq(topic, qid, max(offset, self.store.retention.log_start(topic, qid)), 1)
-            if len(entry):
-                low = min(low, int(entry["phys"][0]))
+    def pinned(self, wanted: int = _NOT_PINNED) -> int:
+        """The lowest log offset a part of the shard still needs.  When the Kafka-style
+        index's snapshot is what holds back segments ending by ``wanted``, the index is
+        compacted first (its records before a snapshot are not needed)."""
+        low, by = self._lowest_pin()
+        if by == KTX_INDEX_TOPIC and low < wanted and self.compact_index is not None:
+            self.compact_index()
+            low, by = self._lowest_pin()
         return low
+
+    def _lowest_pin(self) -> tuple[int, str]:
+        queue_pins, phys_pins = self._pins()
+        low, by = min(phys_pins, default=_NOT_PINNED), ""
+        retention = self.store.retention
+        for topic, qid, offset in queue_pins:
+            entry = self.store.read_cq(topic, qid, max(offset, retention.log_start(topic, qid)),
+                                       1)
+            if len(entry) and int(entry["phys"][0]) < low:
+                low, by = int(entry["phys"][0]), topic
+        return low, by
 
     # ------------------------------------------------------------- disk
     def measure(self) -> None:
@@ -159,8 +172,11 @@ class Janitor:
             if self.used_ratio > self.config.disk_clean_ratio:
                 total = self.free_bytes / max(1e-9, 1 - self.used_ratio)
                 force = int((self.used_ratio - self.config.disk_clean_ratio) * total) + 1
-            verdict = self.store.retention.apply(self.policy(), self.clock.now_ms(),
-                                                 pinned=self.pinned(), force_bytes=force)
+            policy, now = self.policy(), self.clock.now_ms()
+            # (the pins are asked for only when some segment could go without them)
+            wanted = self.store.retention.plan(policy, now, force_bytes=force)
+            verdict = wanted if not wanted.count else self.store.retention.apply(
+                policy, now, pinned=self.pinned(wanted.end), force_bytes=force)
             if verdict.count:
                 log.info("shard-%d: deleted %d segments (%d for disk space); the log starts "
                          "at %d", self.index, verdict.count, verdict.forced,
@@ -213,7 +229,6 @@ def shard_pins(shard) -> tuple[list[tuple[str, int, int]], list[int]]:
     """From where on each part of ``shard`` still needs the log: queue offsets of its own
     queues (and of an open Kafka-style transaction's), and physical offsets (a pending
     half's first copy, which its end reads)."""
-    shard.ktx.compact(force=True)  # (its index before the snapshot is not needed then)
     offsets = shard.store.offsets
     queue_pins = [(OFFSETS_TOPIC, 0, offsets.get(OFFSETS_APPLIED_KEY, 0)),
                   (HALF_TOPIC, 0, offsets.get(HALF_PROGRESS, 0)),

@@ -98,6 +98,14 @@ class StoreRetention:
             out.append(s)
         return out
 
+    def plan(self, policy: RetentionPolicy, now_ms: int, *, pinned: int = 1 << 62,
+             force_bytes: int = 0) -> Verdict:
+        """What ``apply`` would delete, nothing deleted."""
+        with self._lock:
+            covered = min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
+            return expired_prefix(self.summaries(), policy, now_ms, covered_end=covered,
+                                  pinned=pinned, force=force_bytes)
+
     def apply(self, policy: RetentionPolicy, now_ms: int, *, pinned: int = 1 << 62,
               force_bytes: int = 0) -> Verdict:
         """Delete the oldest segments ``policy`` gives up (``retention.expired_prefix``),

@@ -86,6 +86,7 @@ class Verdict:
     count: int
     held_by: str  # "" when every candidate goes; else a topic, "pinned", "checkpoint"
     forced: int = 0  # of ``count``, how many go only for disk space
+    end: int = 0  # where the last of them ends (0: none goes)
 
 
 def expired_prefix(summaries: list[SegmentSummary], policy: RetentionPolicy, now_ms: int, *,
@@ -103,20 +104,21 @@ def expired_prefix(summaries: list[SegmentSummary], policy: RetentionPolicy, now
         for q, b in s.queue_bytes.items():
             after[q] = after.get(q, 0) + b
     later.reverse()
-    count, freed, forced = 0, 0, 0
+    count, freed, forced, end = 0, 0, 0, 0
     for i, s in enumerate(summaries):
         if s.end > covered_end:
-            return Verdict(count, "checkpoint", forced)
+            return Verdict(count, "checkpoint", forced, end)
         if s.end > pinned:
-            return Verdict(count, "pinned", forced)
+            return Verdict(count, "pinned", forced, end)
         holder = _holder(s, later[i], policy, now_ms)
         if holder:
             if freed >= force:
-                return Verdict(count, holder, forced)
+                return Verdict(count, holder, forced, end)
             forced += 1
         count += 1
         freed += s.end - s.base
-    return Verdict(count, "", forced)
+        end = s.end
+    return Verdict(count, "", forced, end)
 
 
 def _holder(s: SegmentSummary, after: dict, policy: RetentionPolicy, now_ms: int) -> str:

@@ -119,6 +119,7 @@ class QueueReads:
         codes_of = {t: np.array([tags_hash(x) for x in wanted], np.int64)
                     for t, wanted in (tags or {}).items() if wanted}
         txns = self.txns
+        empty = RecordSpans.empty() if spans else MessageBatch.empty()
         for topic, qid, offset, max_n in requests:
             if offset < 0:
                 raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
@@ -129,8 +130,7 @@ class QueueReads:
             touched = txns is not None and txns.touched((topic, qid))
             end = txns.lso((topic, qid), real_end) if touched and committed else real_end
             if offset >= end:
-                out.append((topic, qid, RecordSpans.empty() if spans else MessageBatch.empty(),
-                            min(offset, real_end), end))
+                out.append((topic, qid, empty, min(offset, real_end), end))
                 continue
             entries = self.store.read_cq(topic, qid, offset, min(max_n, end - offset))
             if self.confirmed is not None and len(entries):
@@ -138,17 +138,9 @@ class QueueReads:
                 if k < len(entries):  # (a queue's records lie in log order)
                     entries, end = entries[:k], offset + k
                     if not k:
-                        out.append((topic, qid, RecordSpans.empty() if spans
-                                    else MessageBatch.empty(), offset, end))
+                        out.append((topic, qid, empty, offset, end))
                         continue
-            if len(entries) > 1:  # at most PULL_MAX_BYTES of the log read a queue (one at
-                # least).  An entry's size runs from its record's header to the end of its
-                # body: in a frame of many records that spans the frame's other headers
-                # and bodies, so sizes overlap and their sum says nothing; the span read
-                # does (before, a pull of records sent in batches got ~150 messages)
-                span = np.maximum.accumulate(entries["phys"] + entries["size"]) \
-                    - entries["phys"][0]
-                entries = entries[:max(1, int(np.searchsorted(span, PULL_MAX_BYTES, "right")))]
+            entries = _within_pull_bytes(entries)
             next_offset = offset + len(entries)
             wanted = tags.get(topic) if tags else None
             if wanted:
@@ -159,8 +151,7 @@ class QueueReads:
                 if self.store.retention.log_start(topic, qid) <= offset:
                     raise
                 # (aged out while being read: the next pull goes on from the log start)
-                out.append((topic, qid, RecordSpans.empty() if spans else MessageBatch.empty(),
-                            offset, end))
+                out.append((topic, qid, empty, offset, end))
                 continue
             if touched and len(batch):
                 keep = txns.visible((topic, qid), batch.headers, committed)
@@ -202,6 +193,18 @@ class QueueReads:
                 if batch.keys:
                     found += [batch[i] for i, k in enumerate(batch.keys) if k == key]
         return found if confirmed is None else [m for m in found if m.phys_offset < confirmed]
+
+
+def _within_pull_bytes(entries: np.ndarray) -> np.ndarray:
+    """The first ``entries`` whose records span at most PULL_MAX_BYTES of the log (one at
+    least).  An entry's size runs from its record's header to the end of its body: in a
+    frame of many records that spans the frame's other headers and bodies, so sizes
+    overlap and their sum says nothing; the span read does (before, a pull of records
+    sent in batches got ~150 messages)."""
+    if len(entries) <= 1:
+        return entries
+    span = np.maximum.accumulate(entries["phys"] + entries["size"]) - entries["phys"][0]
+    return entries[:max(1, int(np.searchsorted(span, PULL_MAX_BYTES, "right")))]
 
 
 def _select(batch: MessageBatch, keep: list[int]) -> MessageBatch:
