@@ -605,6 +605,72 @@ def all_in_sync_paused() -> int:
         h.close()
 
 
+def retention_replicated() -> int:
+    """(issue 35) A topic of 1 s retention on a group of three: the leader deletes its
+    segments and the followers the same; a follower's node lost, a fresh one joins (its
+    replica's directory new: far behind the leader's log start) and copies from the log
+    start; the leader's node lost after that, the new leader keeps the log start and
+    every message from it on."""
+    from raymq import Message
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy(segment_size_bytes=9 << 20, retention_check_ms=200,
+                      disk_clean_ratio=1.0, disk_full_ratio=1.0)
+        mq.create_topic("t", 1, retention_ms=1000)
+        p = mq.producer()
+        body = bytes(256 * 1024)
+        sent = [p.send(Message("t", b"%04d" % i + body)).queue_offset for i in range(80)]
+
+        def retention() -> dict:
+            return mq.admin.status()["shards"][0]["info"]["retention"]
+
+        time.sleep(1.5)  # (all of it past the topic's retention)
+        sent += [p.send(Message("t", b"%04d" % i + body)).queue_offset for i in range(80, 120)]
+        deadline = time.monotonic() + 60
+        while retention()["deleted_segments"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        before = retention()
+        print(f"leader deleted {before['deleted_segments']} log start "
+              f"{before['log_start_phys']} t/0 from {before['log_starts'].get('t/0')}",
+              flush=True)
+        g = mq.admin.replicas()[0]
+        follower = next(r["node"] for r in g["replicas"] if r["role"] == "follower")
+        h.remove(follower)  # (a fresh node joins: the lost replica starts there, empty)
+        sent += [p.send(Message("t", b"%04d" % i + body)).queue_offset for i in range(120, 130)]
+        g = h.wait_in_sync(3, timeout_s=120)
+        print(f"back: in sync {len(g['in_sync'])}", flush=True)
+        h.remove(h.leader_node())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                sent.append(p.send(Message("t", b"%04d" % 130 + body)).queue_offset)
+                break
+            except Exception:  # (the election under way)
+                time.sleep(0.2)
+        after = retention()
+        start = after["log_starts"].get("t/0", 0)
+        print(f"new leader: log start {after['log_start_phys']} (was "
+              f"{before['log_start_phys']}) t/0 from {start}", flush=True)
+        c = mq.consumer("check", ["t"])
+        got = []
+        deadline = time.monotonic() + 60
+        while len(got) < 131 - start and time.monotonic() < deadline:
+            got += c.poll(200, 1.0)
+        c.close()
+        offsets = [m.queue_offset for m in got]
+        bodies_ok = all(m.body[:4] == b"%04d" % m.queue_offset for m in got)
+        print(f"read from {offsets[0] if offsets else None} to "
+              f"{offsets[-1] if offsets else None}: gaps "
+              f"{offsets != list(range(offsets[0], 131)) if offsets else True} "
+              f"bodies {bodies_ok}", flush=True)
+        ok = (before["deleted_segments"] >= 2 and after["log_start_phys"] >=
+              before["log_start_phys"] and offsets and offsets[0] >= start and
+              offsets == list(range(offsets[0], 131)) and bodies_ok and sent[-1] == 130)
+        return 0 if ok else 1
+    finally:
+        h.close()
+
+
 def _print_console_overview(mq) -> None:
     """What the web console's overview shows of a replicated cluster (its JSON)."""
     from raymq.tools.console_pages import Pages

@@ -142,3 +142,16 @@ def test_the_controllers_node_lost_right_after_a_topic_was_created_keeps_the_top
                      r"after: \['t'\]", out, re.M)
     assert re.search(r"^after: acked again 50/50 errors \[\], acked 100/\d+ lost 0 ", out,
                      re.M)
+
+
+@pytest.mark.slow
+def test_retention_on_a_group_of_three_survives_a_wiped_follower_and_a_lost_leader():
+    """(issue 35) Segments the leader deletes go on the followers; a replica on a fresh
+    node copies from the leader's log start; a new leader keeps the log start."""
+    out = run("retention_replicated")
+    m = re.search(r"^leader deleted (\d+) log start (\d+) t/0 from (\d+)", out, re.M)
+    assert m and int(m.group(1)) >= 2 and int(m.group(3)) > 0
+    assert re.search(r"^back: in sync 3", out, re.M)
+    m2 = re.search(r"^new leader: log start (\d+) \(was (\d+)\) t/0 from (\d+)", out, re.M)
+    assert m2 and int(m2.group(1)) >= int(m2.group(2))
+    assert re.search(r"^read from \d+ to 130: gaps False bodies True", out, re.M)
