@@ -22,6 +22,7 @@ from raymq.storage.errors import (BrokerUnavailableError, ControllerRecoveringEr
                                   InvalidMessageError,
                                   QuotaExceededError, TopicExistsError, UnknownTopicError)
 from raymq.storage.fileutil import atomic_write
+from raymq.storage.retention import TopicRetention
 
 log = logging.getLogger("raymq.controller")
 
@@ -169,12 +170,11 @@ class Controller:
             t = self._topics.get(name)
             if t is None:
                 raise UnknownTopicError(f"topic {name!r} does not exist")
-            c = self.config
+            retention = TopicRetention(self.config.retention_ms,
+                                       self.config.retention_bytes).over(t)
             return {"topic": name, "queues": len(t["routes"]), "routes": list(t["routes"]),
                     "system": t.get("system", False), "created_ms": t["created_ms"],
-                    "retention_ms": t.get("retention_ms") or c.retention_ms,
-                    "retention_bytes": t.get("retention_bytes", c.retention_bytes)
-                    if t.get("retention_bytes") is not None else c.retention_bytes}
+                    "retention_ms": retention.ms, "retention_bytes": retention.bytes}
 
     def alter_topic(self, name: str, *, retention_ms: int | None = None,
                     retention_bytes: int | None = None) -> dict:

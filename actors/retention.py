@@ -41,20 +41,17 @@ _NOT_PINNED = 1 << 62
 
 
 class Janitor:
-    def __init__(self, index: int, store, config, clock, metrics, *,
-                 pins: Callable[[], tuple[list, list]],
-                 settings: Callable[[], dict] | None = None):
-        self.index = index
-        self.store = store
-        self.config = config
-        self.clock = clock
-        self.metrics = metrics
-        self._pins = pins  # -> ([(topic, queue, offset)], [phys])
-        self._settings = settings  # -> {topic: {"retention_ms": .., "retention_bytes": ..}}
+    def __init__(self, shard, settings: Callable[[], dict] | None = None):
+        """The janitor of ``shard`` (a ``BrokerShard``: its store, its parts' pins, its
+        ``drop_topic``); ``settings``: the controller's ``topic_settings`` (None: none)."""
+        self.shard = shard
+        self.index = shard.index
+        self.store = shard.store
+        self.config = shard.config
+        self.clock = shard.clock
+        self.metrics = shard.metrics
+        self._settings = settings  # -> {"topics": {topic: {"retention_ms": ..}}, "deleted": []}
         self.topic_settings: dict[str, dict] = {}
-        self.drop: Callable[[str], bool] | None = None  # the shard's ``drop_topic``
-        self.after_deleting: Callable[[], None] | None = None
-        self.compact_index: Callable[[], object] | None = None
         self.full = False
         self.used_ratio, self.free_bytes = 0.0, 0
         self._measured_s, self._measured_end = 0.0, 0
@@ -64,39 +61,20 @@ class Janitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @classmethod
-    def of(cls, shard, settings: Callable[[], dict] | None) -> "Janitor":
-        """The janitor of ``shard`` (its pins: ``shard_pins``; it drops deleted topics)."""
-        j = cls(shard.index, shard.store, shard.config, shard.clock, shard.metrics,
-                pins=lambda: shard_pins(shard), settings=settings)
-        j.drop = shard.drop_topic
-
-        def after_deleting() -> None:  # (aborted ranges of what aged out are forgotten)
-            with shard.ktx.lock:
-                shard.ktx.state.prune_aborted(lambda q: shard.store.retention.log_start(*q))
-        j.after_deleting = after_deleting
-        j.compact_index = lambda: shard.ktx.compact(force=True)
-        return j
-
     # ------------------------------------------------------------ policy
     def policy(self) -> RetentionPolicy:
-        c = self.config
-        topics = {}
-        for topic, v in self.topic_settings.items():
-            ms, size = v.get("retention_ms"), v.get("retention_bytes")
-            topics[topic] = TopicRetention(c.retention_ms if ms is None else int(ms),
-                                           c.retention_bytes if size is None else int(size))
-        return RetentionPolicy(TopicRetention(c.retention_ms, c.retention_bytes), topics,
-                               self.store.retention.deleted(), PINNED_TOPICS)
+        default = TopicRetention(self.config.retention_ms, self.config.retention_bytes)
+        topics = {topic: default.over(v) for topic, v in self.topic_settings.items()}
+        return RetentionPolicy(default, topics, self.store.retention.deleted(), PINNED_TOPICS)
 
     def _drop_deleted(self, names: list[str]) -> None:
         """Topics the controller deleted that this store still holds (the client's call to
         this shard did not come through): dropped now."""
         held = {t for t, _q in self.store.queues()}
         for topic in names:
-            if topic in held and self.drop is not None:
+            if topic in held:
                 try:
-                    self.drop(topic)
+                    self.shard.drop_topic(topic)
                 except Exception as err:  # (refused for now: asked again next round)
                     log.warning("shard-%d: deleted topic %s not dropped yet: %s", self.index,
                                 topic, err)
@@ -106,13 +84,13 @@ class Janitor:
         index's snapshot is what holds back segments ending by ``wanted``, the index is
         compacted first (its records before a snapshot are not needed)."""
         low, by = self._lowest_pin()
-        if by == KTX_INDEX_TOPIC and low < wanted and self.compact_index is not None:
-            self.compact_index()
+        if by == KTX_INDEX_TOPIC and low < wanted:
+            self.shard.ktx.compact(force=True)
             low, by = self._lowest_pin()
         return low
 
     def _lowest_pin(self) -> tuple[int, str]:
-        queue_pins, phys_pins = self._pins()
+        queue_pins, phys_pins = shard_pins(self.shard)
         low, by = min(phys_pins, default=_NOT_PINNED), ""
         retention = self.store.retention
         for topic, qid, offset in queue_pins:
@@ -183,8 +161,9 @@ class Janitor:
                          self.store.min_phys_offset)
                 self.metrics.inc("segments_deleted", verdict.count)
                 self.measure()
-                if self.after_deleting is not None:
-                    self.after_deleting()
+                with self.shard.ktx.lock:  # (aborted ranges of what aged out are forgotten)
+                    self.shard.ktx.state.prune_aborted(
+                        lambda q: self.store.retention.log_start(*q))
             elif force and not self._told_clean:  # (once, until the disk is below it)
                 log.warning("shard-%d: disk %.0f%% used is over disk_clean_ratio %.2f, and no "
                             "segment of this shard can go (%s)", self.index,

@@ -100,7 +100,7 @@ class BrokerShard:
         self.checks.confirmed = self.reads.confirmed_offset
         self.offsets.cut_back()
         self.halves.load()
-        self.janitor = Janitor.of(self, fetch_settings)  # (retention, a disk that fills)
+        self.janitor = Janitor(self, fetch_settings)  # (retention, a disk that fills)
         if background:
             for part in (self.delays, self.timers, self.ktx, self.janitor):
                 part.start()

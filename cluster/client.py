@@ -485,11 +485,11 @@ class Admin:
             raise InvalidMessageError(
                 f"group {group!r} has {len(members)} live member(s) ({names}): stop its "
                 f"consumers first (they would commit over the reset)")
-        queues = [(topic, q) for q in range(len(self._mq.routes_for({topic})[topic]))]
+        routes = self._mq.routes_for({topic})[topic]
+        queues = [(topic, q) for q in range(len(routes))]
         at = {"datetime": value, "duration": None if value is None else
               int(time.time() * 1000) - value}.get(to)
         bounds = self._bounds(queues, None if at is None else [at] * len(queues))
-        routes = self._mq.routes_for({topic})[topic]
         before: dict[tuple[str, int], int] = {}
         for s in sorted(set(routes)):
             mine = [q for q in queues if routes[q[1]] == s]

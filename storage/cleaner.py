@@ -102,42 +102,47 @@ class StoreRetention:
              force_bytes: int = 0) -> Verdict:
         """What ``apply`` would delete, nothing deleted."""
         with self._lock:
-            covered = min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
-            return expired_prefix(self.summaries(), policy, now_ms, covered_end=covered,
-                                  pinned=pinned, force=force_bytes)
+            return self._verdict(policy, now_ms, pinned, force_bytes)
 
     def apply(self, policy: RetentionPolicy, now_ms: int, *, pinned: int = 1 << 62,
               force_bytes: int = 0) -> Verdict:
         """Delete the oldest segments ``policy`` gives up (``retention.expired_prefix``),
         then give back the blocks of queue entries below each queue's log start."""
         with self._lock:
-            # (what the checkpoint on disk covers: two checkpoints written at once may
-            # land out of order, and only the one on disk counts after a crash)
-            covered = min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
-            verdict = expired_prefix(self.summaries(), policy, now_ms, covered_end=covered,
-                                     pinned=pinned, force=force_bytes)
-            if verdict.count:
-                self.deleted_bytes += self._log.delete_oldest(verdict.count)
-                self.deleted_segments += verdict.count
-                for base in [b for b in self._summaries if b < self._log.min_offset]:
-                    del self._summaries[base]
-                for cq in list(self._cq.queues.values()):
-                    cq.give_back(self._start_of(cq))
+            verdict = self._verdict(policy, now_ms, pinned, force_bytes)
+            self._delete(verdict.count)
             return verdict
 
     def drop_below(self, phys: int) -> int:
         """(a follower) Delete the segments that end at or below ``phys``, the leader's log
         start (never past what a checkpoint covers here); how many."""
         with self._lock:
-            covered = min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
-            n = sum(1 for _p, base, size in self._log.segments()[:-1]
-                    if base + size <= min(phys, covered))
-            if n:
-                self.deleted_bytes += self._log.delete_oldest(n)
-                self.deleted_segments += n
-                for cq in list(self._cq.queues.values()):
-                    cq.give_back(self._start_of(cq))
+            limit = min(phys, self._covered())
+            n = sum(1 for _p, base, size in self._log.segments()[:-1] if base + size <= limit)
+            self._delete(n)
             return n
+
+    def _covered(self) -> int:
+        """What the checkpoint on disk covers (two checkpoints written at once may land out
+        of order, and only the one on disk counts after a crash); under the lock."""
+        return min(self.covered_end, read_checkpoint(self._checkpoint_path).offset)
+
+    def _verdict(self, policy: RetentionPolicy, now_ms: int, pinned: int,
+                 force_bytes: int) -> Verdict:
+        return expired_prefix(self.summaries(), policy, now_ms, covered_end=self._covered(),
+                              pinned=pinned, force=force_bytes)
+
+    def _delete(self, n: int) -> None:
+        """(under the lock) Delete the ``n`` oldest segments, then give back the blocks of
+        queue entries below each queue's log start."""
+        if not n:
+            return
+        self.deleted_bytes += self._log.delete_oldest(n)
+        self.deleted_segments += n
+        for base in [b for b in self._summaries if b < self._log.min_offset]:
+            del self._summaries[base]
+        for cq in list(self._cq.queues.values()):
+            cq.give_back(self._start_of(cq))
 
     def forget_queues(self, topic: str) -> None:
         """The queues of ``topic`` were dropped (deleted): their log starts go."""
@@ -145,11 +150,12 @@ class StoreRetention:
 
     def deleted(self) -> dict[str, int]:
         """Deleted topics -> their tombstone's offset, for the retention policy; those whose
-        old records all went with their segments are forgotten."""
-        deleted = topics.read_deleted(self.directory)
-        kept = {t: p for t, p in deleted.items() if p >= self._log.min_offset}
-        if kept != deleted:
+        old records all went with their segments are forgotten (nothing scheduled for them
+        is left either: it would pin its segment)."""
+        kept = {t: p for t, p in self.tombstones.items() if p >= self._log.min_offset}
+        if kept != self.tombstones:
             topics.write_deleted(self.directory, kept)
+            self.tombstones = kept
         return kept
 
     def disk_usage(self) -> tuple[float, int]:

@@ -76,6 +76,7 @@ class ConsumeQueue:
         self._changes = 0  # appends and truncations so far
         self._synced = 0   # ``_changes`` when the last good fsync began
         self.sync_error: OSError | None = None  # a failed fsync: final until a restart
+        self._given_back = 0  # the entries' bytes before it have had their blocks freed
 
     @property
     def dirty(self) -> bool:
@@ -125,7 +126,7 @@ class ConsumeQueue:
         entry stays (what a checkpoint's check of the queue reads).  Bytes freed (0 where
         the filesystem cannot punch holes: the entries then just stay)."""
         end = min(below, self.count - 1) * CQ_ENTRY_BYTES // _PAGE * _PAGE
-        begin = getattr(self, "_given_back", 0)
+        begin = self._given_back
         if end <= begin:
             return 0
         with self.files.lock:

@@ -182,7 +182,6 @@ def restart_store_at(directory: str, segment_size_bytes: int, base: int) -> None
     from raymq.storage.commitlog import SEGMENT_HEADER, SEGMENT_MAGIC, SEGMENT_VERSION, \
         segment_name
     from raymq.storage.fileutil import fsync_dir
-    from raymq.storage.durability import write_checkpoint
     log_dir = os.path.join(directory, "commitlog")
     write_checkpoint(os.path.join(directory, "checkpoint"), 0, [], {}, rebuilding=True)
     for name in sorted(os.listdir(log_dir)):

@@ -32,6 +32,13 @@ class TopicRetention:
     ms: int
     bytes: int = UNLIMITED
 
+    def over(self, settings: dict) -> "TopicRetention":
+        """A topic's own ``retention_ms`` / ``retention_bytes`` (either may be missing or
+        None) over this default."""
+        ms, size = settings.get("retention_ms"), settings.get("retention_bytes")
+        return TopicRetention(self.ms if ms is None else int(ms),
+                              self.bytes if size is None else int(size))
+
 
 @dataclass
 class RetentionPolicy:

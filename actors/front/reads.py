@@ -103,8 +103,7 @@ class QueueReads:
                                         f"log start {start} (aged out); auto_offset_reset is "
                                         f"'error'")
         to = start if reset == "earliest" else end
-        self.metrics.inc("messages_expired_unread", to - offset if reset == "earliest"
-                         else start - offset, group=group or "")
+        self.metrics.inc("messages_expired_unread", start - offset, group=group or "")
         key = (topic, qid, group)
         if self._told_expired.get(key, -1) < start:
             self._told_expired[key] = start
