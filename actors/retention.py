@@ -25,6 +25,7 @@ from raymq.actors.protocol import (HALF_TOPIC, OFFSETS_TOPIC, OP_TOPIC, SCHEDULE
                                    TIMER_CANCEL_TOPIC, TIMER_DONE_TOPIC, TIMER_TOPIC)
 from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.actors.protocol import check_user_topic
+from raymq.actors.timing.roll import roll_delays, roll_timers
 from raymq.storage.errors import ConcurrentTransactionsError, DiskFullError, InvalidMessageError
 from raymq.storage.retention import RetentionPolicy, TopicRetention, Verdict
 from raymq.storage.topics import TOPIC_DELETED
@@ -80,14 +81,25 @@ class Janitor:
                                 topic, err)
 
     def pinned(self, wanted: int = _NOT_PINNED) -> int:
-        """The lowest log offset a part of the shard still needs.  When the Kafka-style
-        index's snapshot is what holds back segments ending by ``wanted``, the index is
-        compacted first (its records before a snapshot are not needed)."""
+        """The lowest log offset a part of the shard still needs.  What holds back the
+        segments ending by ``wanted`` is carried forward first when it can be
+        (``_carriers``: timers and delayed messages rolled to the head of the log,
+        cancellations and the Kafka-style index written as a snapshot there); a half
+        is carried by the check rounds, which re-put it."""
         low, by = self._lowest_pin()
-        if by == KTX_INDEX_TOPIC and low < wanted:
-            self.shard.ktx.compact(force=True)
+        carriers, tried = self._carriers(), set()
+        while low < wanted and by in carriers and by not in tried:
+            tried.add(by)
+            carriers[by](wanted)
             low, by = self._lowest_pin()
         return low
+
+    def _carriers(self) -> dict[str, Callable[[int], object]]:
+        sh = self.shard
+        return {KTX_INDEX_TOPIC: lambda _w: sh.ktx.compact(force=True),
+                TIMER_TOPIC: lambda w: roll_timers(sh.timers, w),
+                SCHEDULE_TOPIC: lambda w: roll_delays(sh.delays, w),
+                TIMER_CANCEL_TOPIC: lambda _w: sh.cancels.compact()}
 
     def _lowest_pin(self) -> tuple[int, str]:
         queue_pins, phys_pins = shard_pins(self.shard)
@@ -206,8 +218,7 @@ class Janitor:
 
 def shard_pins(shard) -> tuple[list[tuple[str, int, int]], list[int]]:
     """From where on each part of ``shard`` still needs the log: queue offsets of its own
-    queues (and of an open Kafka-style transaction's), and physical offsets (a pending
-    half's first copy, which its end reads)."""
+    queues (and of an open Kafka-style transaction's), and physical offsets (none now)."""
     offsets = shard.store.offsets
     queue_pins = [(OFFSETS_TOPIC, 0, offsets.get(OFFSETS_APPLIED_KEY, 0)),
                   (HALF_TOPIC, 0, offsets.get(HALF_PROGRESS, 0)),
@@ -215,9 +226,10 @@ def shard_pins(shard) -> tuple[list[tuple[str, int, int]], list[int]]:
     queue_pins += [(SCHEDULE_TOPIC, lvl, shard.delays.progress(lvl + 1))
                    for lvl in range(len(shard.delays.levels_ms))]
     queue_pins += shard.timers.retention_pins() + shard.ktx.retention_pins()
-    with shard._tx_lock:
-        phys_pins = [min(shard.halves.pending)] if shard.halves.pending else []
-    return queue_pins, phys_pins
+    queue_pins.append(shard.cancels.retention_pin())
+    # (a pending half's latest copy lies at or past the half progress: its end reads
+    # that one once its first copy aged out)
+    return queue_pins, []
 
 
 def drop_topic(shard, topic: str) -> bool:

@@ -52,6 +52,7 @@ from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_
                                    check_pull_options, check_queues, check_send)
 from raymq.actors.front.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.front.routes import RouteTable
+from raymq.actors.timing.roll import scheduled_message
 from raymq.actors.timing.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
@@ -377,8 +378,8 @@ class BrokerShard:
         """Cancel a delayed or timer message before it is delivered (its send result's
         physical offset): 'cancelled' or 'already cancelled'; ``AlreadyDeliveredError``
         after it was delivered, ``NotScheduledError`` for a message that never waited."""
-        return cancel_scheduled(stored_message(self.store, self.index, phys_offset),
-                                self.timers, self.delays)
+        return cancel_scheduled(scheduled_message(self.timers, phys_offset), self.timers,
+                                self.delays)
 
     def timer_list(self, due_before_ms: int, limit: int = 100) -> list[dict]:
         """Timer messages not yet delivered that are due before ``due_before_ms``."""

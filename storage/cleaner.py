@@ -56,6 +56,12 @@ class StoreRetention:
         self._starts[cq] = (first, start)
         return start
 
+    def first_at(self, topic: str, queue_id: int, phys: int) -> int:
+        """The queue's first offset whose record is at or after log offset ``phys`` (what
+        a deletion up to ``phys`` would leave of it); its end when none is."""
+        cq = self._cq.queues.get((topic, queue_id))
+        return 0 if cq is None else cq.first_from(phys)
+
     def check_readable(self, topic: str, queue_id: int, offset: int) -> None:
         """``OffsetOutOfRangeError`` (naming queue, offset and log start) when ``offset`` of
         the queue aged out."""

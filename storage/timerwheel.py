@@ -129,6 +129,24 @@ class TimerWheel:
         mins = [m for k, m in self._mins.items() if k != besides]
         return min(mins) if mins else None
 
+    def lowest(self, key: int) -> int:
+        """The lowest timer-log index bucket ``key`` holds (as far as known: 0 when its
+        file was not read yet; ``oldest_index`` reads them all)."""
+        return self._mins.get(key, 0)
+
+    def keep_from(self, key: int, low: int) -> None:
+        """Rewrite bucket ``key`` without its entries below timer-log index ``low``
+        (replaced atomically: a crash leaves the old file or the new one)."""
+        pairs = self.load(key)
+        pairs = pairs[pairs["index"] >= low]
+        if not len(pairs):
+            self.drop(key)
+            return
+        atomic_write(self._path(key), pairs.tobytes())
+        self.counts[key] = len(pairs)
+        self._mins[key] = int(pairs["index"].min())
+        self._dirty.discard(key)
+
     def keys(self) -> list[int]:
         """Keys of the buckets on disk, in time order."""
         return sorted(self.counts)

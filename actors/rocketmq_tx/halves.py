@@ -183,7 +183,9 @@ class HalfIndex:
             return EndOutcome.UNKNOW, [], {}
         real, done = [], {}
         for origin in end.origins:
-            half = (halves or {}).get(origin) or stored_message(self.store, self.shard, origin)
+            half = (halves or {}).get(origin) or (
+                origin < self.store.min_phys_offset and self.latest_copy_of(origin)) or \
+                stored_message(self.store, self.shard, origin)
             self._check_end_matches(end, origin, half, operator=operator)
             # (an origin named twice in one end is resolved once)
             current = done.get(origin) or (also_done or {}).get(origin) \
@@ -240,6 +242,10 @@ class HalfIndex:
         """The halves of many ends: kept from their send, else in one read where their sizes
         are known."""
         found = {o: self.cache[o] for o in origins if o in self.cache}
+        first = self.store.min_phys_offset
+        for o in origins:  # (first copy aged out: its latest, which the check rounds re-put)
+            if o < first and o not in found and (copy := self.latest_copy_of(o)) is not None:
+                found[o] = copy
         known = sorted({o for o in origins if o in self.sizes and o not in found})
         if not known:
             return found
@@ -252,6 +258,14 @@ class HalfIndex:
         except Exception as err:  # fall back to reading them one by one
             log.warning("shard-%d: batched half read failed: %s", self.shard, err)
         return found
+
+    def latest_copy_of(self, origin: int) -> StoredMessage | None:
+        """The latest copy of a pending half (None: none is known).  Every check round
+        re-puts the halves it passes at the head of the log, so a half outlives the
+        segment it was sent in: its end reads this copy (same origin, same contents)."""
+        qoff = self.pending.get(origin)
+        got = self.store.read_queue(HALF_TOPIC, 0, qoff, 1) if qoff is not None else []
+        return got[0] if got else None
 
     def apply(self, resolved: dict[int, HalfState]) -> None:
         """The records of these resolutions are written: the halves are resolved."""

@@ -26,7 +26,7 @@ def real_from_half(shard: int, half: StoredMessage) -> Record:
     topic, qid = p[Prop.REAL_TOPIC], int(p[Prop.REAL_QID])
     for k in TX_PROPS:
         p.pop(k, None)
-    p[Prop.PRODUCER_MSG_ID] = make_msg_id(shard, half.phys_offset)
+    p[Prop.PRODUCER_MSG_ID] = make_msg_id(shard, first_copy_offset(half))
     return Record(topic, qid, half.body, half.key, half.tags, p,
                   int(SysFlag.TRANSACTION_COMMIT), half.born_ms)
 

@@ -35,7 +35,7 @@ from raymq.storage.fileutil import read_tree
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
-from raymq.storage.timerwheel import TimerWheel
+from raymq.storage.timerwheel import WHEEL_ENTRY, TimerWheel
 
 log = logging.getLogger("raymq.shard")
 
@@ -57,32 +57,71 @@ STATUS_BUCKETS = (("next_minute", 60_000), ("next_hour", 3_600_000),
 
 
 class Cancellations:
-    """Cancelled scheduled messages not yet passed by their delivery, kept durably as
-    records of the timer-cancel topic (memory grows with cancellations only)."""
+    """Cancelled scheduled messages not yet passed by their delivery, and how far the timer
+    log was rolled (``rolled_below``: its entries below it were re-written at the head),
+    kept durably as records of the timer-cancel topic (memory grows with cancellations
+    only).  ``compact`` writes them all as one snapshot record, so the topic is needed
+    only from its last snapshot on (``retention_pin``): what a cancellation waits on
+    outlives the segment its record was written in."""
 
     def __init__(self, store: MessageStore):
         self.store = store
         self.timer: dict[int, int] = {}          # timer-log index -> due ms
         self.levels: set[tuple[int, int]] = set()  # (level, schedule-queue index)
+        self.rolled_below = 0                    # timer-log entries below it were rolled
+        self.base = 0                            # queue offset of the last snapshot record
+        self.lock = threading.Lock()             # a record and a snapshot, one at a time
         self._load()
 
     def record(self, entry: dict) -> None:
         """Write one cancellation durably, then keep it."""
-        res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
-        if res.status is not PutStatus.PUT_OK:  # (as the coordinator's log write)
-            raise RequestTimeoutError("the cancellation did not reach the disk within "
-                                      "flush_timeout_ms; retry")
-        self._keep(entry)
+        with self.lock:
+            res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
+            if res.status is not PutStatus.PUT_OK:  # (as the coordinator's log write)
+                raise RequestTimeoutError("the cancellation did not reach the disk within "
+                                          "flush_timeout_ms; retry")
+            self._keep(entry)
+
+    def rolled(self, below: int) -> Record:
+        """The record saying timer-log entries below ``below`` were rolled (written in the
+        put of their copies: both or neither)."""
+        return Record(TIMER_CANCEL_TOPIC, 0, json.dumps({"kind": "rolled",
+                                                         "below": int(below)}).encode())
+
+    def compact(self) -> None:
+        """Write every cancellation kept, and the roll mark, as one snapshot record: the
+        records before it are no longer needed."""
+        with self.lock:
+            self.timer = {i: d for i, d in self.timer.items() if i >= self.rolled_below}
+            entry = {"kind": "snapshot", "rolled_below": self.rolled_below,
+                     "timer": sorted(self.timer.items()), "levels": sorted(self.levels)}
+            res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
+            if res.status is not PutStatus.PUT_OK:
+                raise RequestTimeoutError("the cancellations' snapshot did not reach the disk")
+            self.base = res.queue_offsets[0]
+
+    def retention_pin(self) -> tuple[str, int, int]:
+        return (TIMER_CANCEL_TOPIC, 0, self.base)
 
     def _keep(self, entry: dict) -> None:
-        if entry["kind"] == "timer":
+        kind = entry["kind"]
+        if kind == "timer":
             self.timer[entry["index"]] = entry["due"]
-        else:
+        elif kind == "level":
             self.levels.add((entry["level"], entry["index"]))
+        elif kind == "rolled":
+            self.rolled_below = max(self.rolled_below, entry["below"])
+        else:  # a snapshot: everything before it is in it
+            self.timer = {int(i): int(d) for i, d in entry["timer"]}
+            self.levels = {(int(lv), int(i)) for lv, i in entry["levels"]}
+            self.rolled_below = max(self.rolled_below, entry["rolled_below"])
 
     def _load(self) -> None:
         for m in self.store.scan_queue(TIMER_CANCEL_TOPIC, 0):
-            self._keep(json.loads(m.body))
+            entry = json.loads(m.body)
+            self._keep(entry)
+            if entry["kind"] == "snapshot":
+                self.base = m.queue_offset
 
 
 class TimerScheduler:
@@ -160,6 +199,8 @@ class TimerScheduler:
         if self._current is None:  # the first round: from the bucket of now, or earlier
             self._current = min([int(self.wheel.key_of(now))] + self.wheel.keys()[:1])
         end = self.store.max_queue_offset(TIMER_TOPIC, 0)
+        # (entries below the roll mark were re-written at the head: their copies count)
+        self._indexed = max(self._indexed, self.cancels.rolled_below)
         while self._indexed < end:
             entries = self.store.read_cq(TIMER_TOPIC, 0, self._indexed, INDEX_CHUNK)
             if not len(entries):
@@ -185,6 +226,7 @@ class TimerScheduler:
 
     def _load(self) -> None:
         pairs = self.wheel.load(self._current)
+        pairs = pairs[pairs["index"] >= self.cancels.rolled_below]
         if self._done and len(pairs):
             pairs = pairs[~np.isin(pairs["index"], np.fromiter(self._done, np.int64))]
         self._loaded, self._pos = pairs, 0
@@ -370,7 +412,8 @@ class TimerScheduler:
                         continue
                     entry = self.store.read_cq(TIMER_TOPIC, 0, index, 1)
                     m = self.store.get_message(int(entry["phys"][0]), int(entry["size"][0]))
-                    out.append({"msg_id": make_msg_id(self.shard, m.phys_offset),
+                    out.append({"msg_id": m.properties.get(
+                                    Prop.PRODUCER_MSG_ID, make_msg_id(self.shard, m.phys_offset)),
                                 "topic": m.properties.get(Prop.REAL_TOPIC),
                                 "queue_id": int(m.properties.get(Prop.REAL_QID, -1)),
                                 "due_ms": due, "key": m.key, "tags": m.tags,

@@ -33,46 +33,120 @@ def shard(tmp_path):
     sh.close()
 
 
-def test_what_the_shard_still_waits_on_keeps_its_segments_and_is_delivered_on_time(shard):
-    sh, clock = shard
+def _bodies(sh, topic: str, since: int) -> list[bytes]:
+    return [m.body for m in sh.store.read_queue(topic, 0, since, 100)]
+
+
+def _ids(sh, topic: str, since: int) -> list[str]:
+    return [m.properties[Prop.PRODUCER_MSG_ID] for m in sh.store.read_queue(topic, 0, since, 100)]
+
+
+def test_what_the_shard_still_waits_on_is_carried_forward_and_delivered_on_time(tmp_path):
+    """A half not yet ended, a delay-level message, timers due in 40 days (one cancelled
+    after its segment went) outlive the segments they were written in: re-written at the
+    head (RocketMQ 5's roll), ended or delivered on time with the ids their producers were
+    given, once, across restarts; an open Kafka-style transaction keeps its records until
+    it ends."""
+    from raymq.actors.protocol import make_msg_id
+    routes = [("bulk", 0), ("orders", 0), ("t", 0)]
+    clock = ManualClock(1_700_000_000_000)
+    cfg = dict(clock=clock, segment_size_bytes=SEG, retention_ms=HOUR)
+    sh = open_shard(tmp_path, routes, **cfg)
     bulk(sh, "bulk", 20)                              # ~2 segments nothing waits on
     half = sh.send(RecordBatch("orders", 0, [b"half"], properties=[{
         Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g", Prop.TRANSACTION_ID: "tx1"}]), 7, 1)
-    sh.send(RecordBatch("t", 0, [b"delayed"], properties=[{Prop.DELAY: "18"}]))  # 2 h
-    sh.ktx_register(5, 0, [("t", 0)])
-    sh.ktx_send(RecordBatch("t", 0, [b"in a transaction"]), 5, 0, 1)
-    bulk(sh, "bulk", 20, 80)
+    delayed = sh.send(RecordBatch("t", 0, [b"delayed"], properties=[{Prop.DELAY: "18"}]))  # 2 h
     due = clock.now_ms() + 40 * DAY
-    sh.send(RecordBatch("t", 0, [b"in 40 days"], properties=[{Prop.DELIVER_AT: str(due)}]))
-    bulk(sh, "bulk", 20, 160)
-    clock.advance(3 * HOUR)                            # everything is past its retention
+    timer = sh.send(RecordBatch("t", 0, [b"in 40 days"], properties=[{Prop.DELIVER_AT: str(due)}]))
+    dropped = sh.send(RecordBatch("t", 0, [b"cancelled"], properties=[{Prop.DELIVER_AT: str(due)}]))
+    written = max(half.phys[0], delayed.phys[0], timer.phys[0], dropped.phys[0])
+    bulk(sh, "bulk", 30, 80)
+    sh.ktx_register(5, 0, [("t", 0)])
+    in_txn = sh.ktx_send(RecordBatch("t", 0, [b"in a transaction"]), 5, 0, 1)
+    bulk(sh, "bulk", 20, 200)
+    clock.advance(HOUR + 60_000)   # everything is past its retention; 'delayed' due in < 1 h
+    assert sh.check_round(["g"])   # the half is checked: its copy is re-put at the head
     first = sh.janitor.run_once()
-    assert first.count >= 1 and first.held_by == "pinned"
-    assert 0 < sh.store.retention.log_start("bulk", 0) <= 80
-    # the half is still there to end; the delayed message, the transaction's record too
+    # the segments they were written in are gone; the open transaction's records stay
+    assert sh.store.min_phys_offset > written and first.held_by == "pinned"
+    assert sh.store.min_phys_offset <= in_txn.phys[0]
+    assert sh.cancel_scheduled(dropped.phys[0]) == "cancelled"   # by the id it was given
     ends = sh.send(None, 0, 0, [("g", "tx1", [half.phys[0]], "COMMIT_MESSAGE")])
     assert [r.outcome.value for r in ends.ends] == ["COMMITTED"]
+    assert _bodies(sh, "orders", 0) == [b"half"]
+    assert _ids(sh, "orders", 0) == [make_msg_id(0, half.phys[0])]
     sh.ktx_end(5, 1, "COMMIT")
+    mark = sh.store.max_queue_offset("t", 0)
+    sh.close()
+    sh = open_shard(tmp_path, routes, **cfg)            # a restart after the roll
+    clock.advance(HOUR - 60_000 - 1000)
     sh.deliver_due()
-    assert [m.body for m in sh.store.read_queue("t", 0, 0, 100)] == \
-        [b"in a transaction", b"COMMIT", b"delayed"]  # (COMMIT: the transaction's marker)
-    [(_t, _q, got, _n, _e)] = sh.pull([("orders", 0, 0, 100)])
-    assert [m.body for m in got.messages()] == [b"half"]
-    sh.check_round(["g"])  # (what the checkers do every few seconds: the half progress moves)
-    # nothing waits before the timer now: the segments up to it go, not the timer's
-    second = sh.janitor.run_once()
-    assert second.count >= 1 and second.held_by == "pinned"
-    assert 80 < sh.store.retention.log_start("bulk", 0) <= 160
-    clock.advance(40 * DAY - 3 * HOUR - 1000)
-    sh.deliver_due()
-    assert sh.store.max_queue_offset("t", 0) == 3
+    assert _bodies(sh, "t", mark) == []                 # not early
     clock.advance(1000)
-    sh.deliver_due()                                   # on time, not early, not lost
-    assert [m.body for m in sh.store.read_queue("t", 0, 3, 100)] == [b"in 40 days"]
-    bulk(sh, "bulk", 10, 240)
-    clock.advance(2 * HOUR)
+    sh.deliver_due()
+    assert _bodies(sh, "t", mark) == [b"delayed"]       # on time
+    assert _ids(sh, "t", mark) == [make_msg_id(0, delayed.phys[0])]
+    bulk(sh, "bulk", 20, 300)
+    clock.advance(2 * HOUR)                             # the cancellation's own record ages out
+    second = sh.janitor.run_once()
+    assert second.count >= 1 and sh.store.retention.log_start("t", 0) > in_txn.queue_offsets[0]
+    sh.close()
+    sh = open_shard(tmp_path, routes, **cfg)
+    try:
+        clock.advance(due - clock.now_ms() - 1000)
+        sh.deliver_due()
+        assert _bodies(sh, "t", mark) == [b"delayed"]
+        clock.advance(1000)
+        sh.deliver_due()
+        sh.deliver_due()                                # on time, once; the cancelled never
+        assert _bodies(sh, "t", mark) == [b"delayed", b"in 40 days"]
+        assert _ids(sh, "t", mark)[1] == make_msg_id(0, timer.phys[0])
+        clock.advance(DAY)
+        sh.deliver_due()
+        assert _bodies(sh, "t", mark) == [b"delayed", b"in 40 days"]
+        assert sh.timer_list(clock.now_ms() + DAY) == []
+    finally:
+        sh.close()
+
+
+def test_a_roll_with_an_old_wheel_delivers_each_message_once_and_cancels_by_first_id(
+        tmp_path):
+    """The timer wheel is derived data: one written before a roll (a crash before the
+    rolled entries left it, or a follower's copy shipped earlier) still delivers each
+    rolled message once, never its aged-out first record; a delayed message rolled into
+    the timer log is cancelled by the id its producer was given."""
+    import shutil
+    routes = [("bulk", 0), ("t", 0)]
+    clock = ManualClock(1_700_000_000_000)
+    cfg = dict(clock=clock, segment_size_bytes=SEG, retention_ms=HOUR)
+    sh = open_shard(tmp_path, routes, **cfg)
+    bulk(sh, "bulk", 20)
+    due = clock.now_ms() + 40 * DAY
+    timer = sh.send(RecordBatch("t", 0, [b"in 40 days"], properties=[{Prop.DELIVER_AT: str(due)}]))
+    delayed = sh.send(RecordBatch("t", 0, [b"delayed"], properties=[{Prop.DELAY: "18"}]))
+    bulk(sh, "bulk", 30, 80)
+    clock.advance(HOUR + 60_000)
+    sh.deliver_due()                       # the wheel holds the timer's first entry
+    wheel = sh.timers.wheel.directory
+    shutil.copytree(wheel, tmp_path / "old-wheel")
     sh.janitor.run_once()
-    assert sh.store.retention.log_start("bulk", 0) > 160
+    assert sh.store.min_phys_offset > max(timer.phys[0], delayed.phys[0])
+    assert sh.cancel_scheduled(delayed.phys[0]) == "cancelled"
+    assert sh.cancel_scheduled(delayed.phys[0]) == "already cancelled"
+    sh.close()
+    shutil.rmtree(wheel)
+    shutil.copytree(tmp_path / "old-wheel", wheel)
+    sh = open_shard(tmp_path, routes, **cfg)
+    try:
+        clock.advance(HOUR)
+        sh.deliver_due()
+        assert _bodies(sh, "t", 0) == []   # cancelled after its roll: never delivered
+        clock.advance(due - clock.now_ms())
+        sh.deliver_due()
+        sh.deliver_due()
+        assert _bodies(sh, "t", 0) == [b"in 40 days"]
+    finally:
+        sh.close()
 
 
 @pytest.mark.parametrize("reset", ["earliest", "latest", "error"])
