@@ -32,7 +32,8 @@ def write_snapshot(path: str, kind: str, offset: int, state) -> None:
 
 def read_snapshot(path: str, kind: str) -> tuple[int, object] | None:
     """(offset, state) of the snapshot at ``path``; None when there is none, or when it
-    is damaged or of another kind (logged: the caller replays the whole log)."""
+    is damaged or of another kind (logged: the caller falls back on an older snapshot,
+    or replays the whole log)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -50,5 +51,6 @@ def read_snapshot(path: str, kind: str) -> tuple[int, object] | None:
             raise ValueError(f"bad offset {offset!r}")
         return offset, json.loads(doc["state"])
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        log.error("%s: snapshot unreadable (%s): replaying the whole log", path, err)
+        log.error("%s: snapshot unreadable (%s): falling back on an older one or the log",
+                  path, err)
         return None

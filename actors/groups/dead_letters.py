@@ -11,6 +11,7 @@ from typing import Callable
 
 from raymq.actors.front.reads import stored_message
 from raymq.actors.protocol import Prop, SendReply, dlq_topic, make_msg_id, retry_topic
+from raymq.actors.timing.delay import for_live_topics
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.errors import InvalidMessageError, StorageError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
@@ -85,7 +86,10 @@ class DeadLetters:
         return {"topic": topic, "reconsume_count": count, "phys": reply.phys[0]}
 
     def list(self, group: str, offset: int, max_messages: int) -> list[StoredMessage]:
-        return self.store.read_queue(dlq_topic(group), self.shard, offset, max_messages)
+        """The group's dead letters from ``offset`` (those of a topic deleted since they
+        were written are gone with it)."""
+        return for_live_topics(self.store, self.store.read_queue(
+            dlq_topic(group), self.shard, offset, max_messages))
 
     def resend(self, group: str, phys_offsets: list[int] | None) -> list[str]:
         """Send dead letters back to the group's retry topic, reconsume count reset.
@@ -104,7 +108,8 @@ class DeadLetters:
         with self._resend_lock:  # two at once would read the same progress and overlap
             msgs = self._not_resent(group)
             sequence = msgs[-1].queue_offset + 1 if msgs else 0
-            ids = self._resend(group, msgs, dlq_resend_pid(group), sequence)
+            ids = self._resend(group, for_live_topics(self.store, msgs),
+                               dlq_resend_pid(group), sequence)
             if msgs:
                 self.store.save_offsets({dlq_progress_key(group, self.shard): sequence})
             return ids
@@ -123,6 +128,11 @@ class DeadLetters:
         if bad:
             raise InvalidMessageError(f"{make_msg_id(self.shard, bad[0].phys_offset)} is not "
                                       f"a dead letter of group {group!r}")
+        gone = [m for m in msgs if m not in for_live_topics(self.store, [m])]
+        if gone:
+            raise InvalidMessageError(f"dead letter {make_msg_id(self.shard, gone[0].phys_offset)}"
+                                      f" was of topic {gone[0].properties.get(Prop.RETRY_TOPIC)!r},"
+                                      f" deleted since: it went with its topic")
         return msgs
 
     def _resend(self, group: str, msgs: list[StoredMessage], pid: int,

@@ -3,6 +3,10 @@ to a topic of its own store, replayed on start, and compacted into a snapshot of
 live state (``raymq.storage.snapshots``) so that a restart reads the snapshot and the
 records after it: time and memory follow the transactional ids in use, not how many
 transactions ever ran.  The newest record of an id wins; a DEAD record drops the id.
+
+The disk follows them too: each compaction keeps the snapshot it replaces (``.prev``)
+and deletes the log's segments wholly before that one's end, so a damaged snapshot
+still has the previous one and every record after it to fall back on.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import os
 
 from raymq.actors.kafka_tx.state import TxnMetadata, TxnState
 from raymq.storage import MessageStore, RecordBatch
+from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
 from raymq.storage.errors import RayMQError, RequestTimeoutError
 from raymq.storage.snapshots import read_snapshot, write_snapshot
 from raymq.storage.store import PutStatus
@@ -20,6 +25,8 @@ log = logging.getLogger("raymq.coordinator")
 TXN_LOG_TOPIC = "RMQ_SYS_TXN_LOG"
 #: The log's snapshot: its live state up to an offset.
 SNAPSHOT_FILE, SNAPSHOT_KIND = "txn-log.snapshot", "coordinator-txn-log"
+#: The snapshot before it (what a damaged one falls back on).
+PREV_SUFFIX = ".prev"
 
 
 class TxnLog:
@@ -57,18 +64,36 @@ class TxnLog:
         self.store.make_durable()
         txns, start, counter = self._snapshot()
         _n, counter = self._fold(txns, start, end, counter)
+        if start and read_snapshot(self._snapshot_path, SNAPSHOT_KIND) is not None:
+            os.replace(self._snapshot_path, self._snapshot_path + PREV_SUFFIX)
         write_snapshot(self._snapshot_path, SNAPSHOT_KIND, end, {
             "last_counter": counter,
             "txns": [m.to_json().decode() for _t, m in sorted(txns.items())]})
         self._snapshot_offset = end
+        self._give_back(start)
         return True
+
+    def _give_back(self, kept_from: int) -> None:
+        """Delete the segments wholly before log record ``kept_from`` (the previous
+        snapshot's end: what a fall back on it replays), once a checkpoint covers them."""
+        entry = self.store.read_cq(TXN_LOG_TOPIC, 0, kept_from, 1) if kept_from else []
+        if not len(entry):
+            return
+        self.store.checkpoint()
+        if n := self.store.retention.drop_below(int(entry["phys"][0])):
+            log.info("%s: %d segments before its snapshots deleted", self.store.directory, n)
 
     def close(self) -> None:
         self.store.close()
 
     def _snapshot(self) -> tuple[dict[str, TxnMetadata], int, int]:
-        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND)
+        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND) or \
+            read_snapshot(self._snapshot_path + PREV_SUFFIX, SNAPSHOT_KIND)
         if snap is None:
+            if self.store.min_phys_offset > SEGMENT_HEADER_BYTES:
+                log.error("%s: no snapshot readable and the log's first segments were "
+                          "deleted: transactional ids logged only there are forgotten",
+                          self.store.directory)
             return {}, 0, 0
         offset, state = snap
         txns = {}

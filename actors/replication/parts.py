@@ -31,6 +31,9 @@ log = logging.getLogger("raymq.replica")
 #: named by the components that write them.
 KTX_SNAPSHOT, TXN_SNAPSHOT, TIMER_DIR = ktx.SNAPSHOT_FILE, txn_log.SNAPSHOT_FILE, timers.WHEEL_DIR
 PART_PATHS = (KTX_SNAPSHOT, TXN_SNAPSHOT, TIMER_DIR)
+#: Kept beside the parts, never shipped, deleted with them: the coordinator's previous
+#: snapshot (``raymq.actors.kafka_tx.log``).
+LOCAL_PATHS = (TXN_SNAPSHOT + txn_log.PREV_SUFFIX,)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def _replace_tree(directory: str, sub: str, files: dict[str, bytes]) -> None:
 
 def forget(directory: str) -> None:
     """Delete every part (after the log was cut: they may cover records now gone)."""
-    for rel in PART_PATHS:
+    for rel in PART_PATHS + LOCAL_PATHS:
         path = os.path.join(directory, rel)
         if os.path.isdir(path):
             shutil.rmtree(path)

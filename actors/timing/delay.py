@@ -154,11 +154,13 @@ class DelayScheduler:
 
 def for_live_topics(store: MessageStore, msgs: list[StoredMessage]) -> list[StoredMessage]:
     """``msgs`` but those scheduled for a topic deleted after they were (never delivered:
-    a topic created again with the name is another one)."""
+    a topic created again with the name is another one), and retries or dead letters of
+    a message of such a topic (its ``RETRY_TOPIC``)."""
     tomb = store.retention.tombstones
     if not tomb:
         return msgs
-    return [m for m in msgs if tomb.get(m.properties.get(Prop.REAL_TOPIC), -1) < m.phys_offset]
+    return [m for m in msgs if tomb.get(m.properties.get(Prop.REAL_TOPIC), -1) < m.phys_offset
+            and tomb.get(m.properties.get(Prop.RETRY_TOPIC), -1) < m.phys_offset]
 
 
 def restore_real(shard: int, msgs: list[StoredMessage]) -> RecordBatch:

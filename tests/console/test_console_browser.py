@@ -1,8 +1,8 @@
 """The web console in a real browser: headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, which ``.ci/install.sh`` installs under CI) driven by Selenium.  Every
 page opens without an error, the charts are drawn (a canvas with data points), commit on
-a half message and resend on a dead letter are clicked (the page asks for the token);
-screenshots go to the test's temp dir.  Elsewhere, without the browser, it skips saying
+a half message, resend on a dead letter and a group's offsets reset are clicked (the
+page asks for the token); screenshots go to the test's temp dir.  Elsewhere, without the browser, it skips saying
 what is missing."""
 from __future__ import annotations
 
@@ -129,3 +129,27 @@ def test_commit_a_half_and_resend_a_dead_letter_by_clicking(browser, site, mq, t
     got = wait_for(lambda: [m.body for m in again.poll(10, 0.5)], what="the resent letter")
     again.close()
     assert got == [b"poison"]
+
+
+def test_a_groups_offsets_are_previewed_and_reset_from_its_page(browser, site, mq):
+    from selenium.webdriver.support.ui import Select
+    scene, server = site
+    group = f"reset{uuid.uuid4().hex[:6]}"
+    mq.admin.reset_offsets(group, scene.topic, to="latest")  # committed at each queue's end
+    ends = mq.admin.reset_offsets(group, scene.topic, to="earliest", dry_run=True)
+    assert any(before > after for before, after in ends.values())  # (something to move)
+    _open(browser, server, f"groups?group={group}")
+    browser.find_element("css selector", "input[name='reset-topic']").send_keys(scene.topic)
+    Select(browser.find_element("css selector", "select[name='reset-to']")) \
+        .select_by_value("earliest")
+    _click(browser, f"groups/{group}/reset-offsets#dry-run")
+    notice = wait_for(lambda: browser.find_element("id", "notice").text, what="the preview")
+    assert '"dry_run":true' in notice and scene.topic in notice, notice
+    assert mq.admin.reset_offsets(group, scene.topic, to="earliest", dry_run=True) == ends
+    _open(browser, server, f"groups?group={group}")
+    browser.find_element("css selector", "input[name='reset-topic']").send_keys(scene.topic)
+    Select(browser.find_element("css selector", "select[name='reset-to']")) \
+        .select_by_value("earliest")
+    _click(browser, f"groups/{group}/reset-offsets")
+    wait_for(lambda: all(b == a for b, a in mq.admin.reset_offsets(
+        group, scene.topic, to="earliest", dry_run=True).values()), what="the reset")

@@ -180,15 +180,33 @@ def test_a_deleted_topic_takes_its_halves_and_offsets_with_it_and_waits_for_tran
         Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g", Prop.TRANSACTION_ID: "tx1"}]), 7, 1)
     sh.send(RecordBatch("orders", 0, [b"plain"]))
     sh.commit_offsets("readers", {("orders", 0): 1})
+    sh.set_routes([("bulk", 0), ("orders", 0), ("t", 0), ("%DLQ%readers", 0),
+                   ("%RETRY%readers", 0)])
+    plain = sh.send(RecordBatch("orders", 0, [b"poison"]))
+    other = sh.send(RecordBatch("bulk", 0, [b"poison too"]))
+    sh.send_back("readers", plain.phys[0], reason="bad", dead_letter=True)
+    sh.send_back("readers", other.phys[0], reason="bad", dead_letter=True)
+    sh.send_back("readers", plain.phys[0], retry_after_ms=1000)  # a retry still waiting
+    letters = sh.dlq_list("readers")
+    assert [m.body for m in letters] == [b"poison", b"poison too"]
     sh.ktx_register(5, 0, [("t", 0)])
     sh.ktx_send(RecordBatch("t", 0, [b"in a transaction"]), 5, 0, 1)
     with pytest.raises(InvalidMessageError, match="still exists"):
         sh.drop_topic("orders")  # (its routes are still served: not deleted)
-    sh.set_routes([("bulk", 0)])
-    sh.routes._fetch = lambda _i: [("bulk", 0)]  # the controller's routes, without them
+    kept = [("bulk", 0), ("%DLQ%readers", 0), ("%RETRY%readers", 0)]
+    sh.set_routes(kept)
+    sh.routes._fetch = lambda _i: kept  # the controller's routes, without them
     with pytest.raises(ConcurrentTransactionsError, match="producer ids \\[5\\]"):
         sh.drop_topic("t")
     assert sh.drop_topic("orders") and not sh.drop_topic("orders")
+    # its dead letters and retries go with it; the other topic's stay
+    assert [m.body for m in sh.dlq_list("readers")] == [b"poison too"]
+    with pytest.raises(InvalidMessageError, match="deleted"):
+        sh.dlq_resend("readers", [letters[0].phys_offset])
+    assert len(sh.dlq_resend("readers")) == 1
+    clock.advance(1000)
+    sh.deliver_due()
+    assert [m.body for m in sh.store.read_queue("%RETRY%readers", 0, 0, 10)] == [b"poison too"]
     assert sh.halves.pending == {} and sh.store.max_queue_offset("orders", 0) == 0
     assert not any("@orders@" in k for k in sh.store.offsets.snapshot())
     late = sh.send(None, 0, 0, [("g", "tx1", [half.phys[0]], "COMMIT_MESSAGE")])

@@ -61,6 +61,42 @@ function actionButton(label, path, payload, confirmText) {
   } }, label);
 }
 
+// "1h", "30m", "2d", "45s", "500ms" (or plain ms) -> ms; null when it is none of them
+function durationMs(text) {
+  const m = /^\s*(\d+)\s*(ms|s|m|h|d)?\s*$/.exec(text || "");
+  if (!m) return null;
+  return Number(m[1]) * { ms: 1, s: 1000, m: 60000, h: 3600000, d: 86400000 }[m[2] || "ms"];
+}
+
+// A group's reset-offsets action (as `raymq group reset-offsets`): a preview (dry run)
+// and the reset itself, refused by the cluster while the group has live members.
+function resetForm(group) {
+  if (session.read_only) return null;
+  const path = `groups/${encodeURIComponent(group)}/reset-offsets`;
+  const topic = el("input", { name: "reset-topic", placeholder: "topic" });
+  const to = el("select", { name: "reset-to" },
+    ["earliest", "latest", "datetime", "duration", "offset"].map(v => el("option", { value: v }, v)));
+  const value = el("input", { name: "reset-value",
+                              placeholder: "2026-11-27T10:00Z, 1h or an offset" });
+  const payload = dry => {
+    const text = value.value.trim();
+    const v = { datetime: Date.parse(text), duration: durationMs(text),
+                offset: /^\d+$/.test(text) ? Number(text) : NaN }[to.value];
+    if (v !== undefined && (v === null || Number.isNaN(v))) {
+      notice(`reset to ${to.value} needs a value (a time, a duration such as 1h, an offset)`, true);
+      return null;
+    }
+    return { topic: topic.value.trim(), to: to.value, value: v === undefined ? null : v,
+             dry_run: dry };
+  };
+  const run = (dry, sure) => { const p = payload(dry); if (p && sure(p)) act(path, p); };
+  return el("div", { class: "reset" }, "Reset offsets on ", topic, " to ", to, value,
+    el("button", { "data-action": path + "#dry-run", onclick: () => run(true, () => true) },
+       "Preview"),
+    el("button", { "data-action": path, onclick: () => run(false, p => window.confirm(
+      `Move group ${group}'s offsets on ${p.topic} to ${p.to}?`)) }, "Reset"));
+}
+
 function table(columns, rows, empty) {
   if (!rows.length) return el("p", { class: "empty" }, empty || "none");
   return el("table", {},
@@ -273,7 +309,8 @@ const PAGES = {
              ["lag", g => g[1].lag]], Object.entries(d.groups))];
     if (params.group) {
       const dl = await api(`groups/${encodeURIComponent(params.group)}/dead-letters`);
-      out.push(el("h2", {}, `Dead letters of ${params.group} (${dl.dead_letters.length})`),
+      out.push(el("h2", {}, `Offsets of ${params.group}`), resetForm(params.group),
+        el("h2", {}, `Dead letters of ${params.group} (${dl.dead_letters.length})`),
         actionButton("Resend all", `groups/${encodeURIComponent(params.group)}/dead-letters/resend`),
         table([["id", m => m.stored_id], ["origin", m => m.id], ["topic", m => m.topic],
                ["redeliveries", m => m.reconsume_count], ["reason", m => m.reason],
