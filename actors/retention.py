@@ -195,7 +195,8 @@ class Janitor:
                 "deleted_segments": self.store.retention.deleted_segments,
                 "deleted_bytes": self.store.retention.deleted_bytes,
                 "disk_used_ratio": round(self.used_ratio, 4), "disk_free_bytes": self.free_bytes,
-                "disk_full": self.full, "oldest_held_by": v.held_by if v else ""}
+                "disk_full": self.full, "oldest_held_by": v.held_by if v else "",
+                "oldest_held_bytes": v.held_bytes if v else 0}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, daemon=True,

@@ -94,6 +94,7 @@ class Verdict:
     held_by: str  # "" when every candidate goes; else a topic, "pinned", "checkpoint"
     forced: int = 0  # of ``count``, how many go only for disk space
     end: int = 0  # where the last of them ends (0: none goes)
+    held_bytes: int = 0  # the bytes ``held_by`` keeps in the next segment (all of it for a pin)
 
 
 def expired_prefix(summaries: list[SegmentSummary], policy: RetentionPolicy, now_ms: int, *,
@@ -114,13 +115,14 @@ def expired_prefix(summaries: list[SegmentSummary], policy: RetentionPolicy, now
     count, freed, forced, end = 0, 0, 0, 0
     for i, s in enumerate(summaries):
         if s.end > covered_end:
-            return Verdict(count, "checkpoint", forced, end)
+            return Verdict(count, "checkpoint", forced, end, s.end - s.base)
         if s.end > pinned:
-            return Verdict(count, "pinned", forced, end)
+            return Verdict(count, "pinned", forced, end, s.end - s.base)
         holder = _holder(s, later[i], policy, now_ms)
         if holder:
             if freed >= force:
-                return Verdict(count, holder, forced, end)
+                return Verdict(count, holder, forced, end, sum(
+                    b for (t, _q), b in s.queue_bytes.items() if t == holder))
             forced += 1
         count += 1
         freed += s.end - s.base

@@ -164,7 +164,8 @@ def _cmd_status(args) -> int:
                   f"{ret['deleted_segments']} segments ({ret['deleted_bytes']} bytes) deleted; "
                   f"disk {100 * ret['disk_used_ratio']:.0f}% used, {ret['disk_free_bytes']} "
                   f"bytes free{'  WRITES REFUSED: disk full' if ret['disk_full'] else ''}"
-                  + (f"; the oldest segment is kept by {ret['oldest_held_by']}"
+                  + (f"; the oldest segment is kept by {ret['oldest_held_by']} "
+                     f"({ret.get('oldest_held_bytes', 0)} bytes of it)"
                      if ret['oldest_held_by'] else ""))
     if "replicas" in st:
         _print_replicas(st["replicas"])

@@ -207,6 +207,9 @@ class Pages:
             shards.append({"shard": s["shard"], "node": s["node"], "alive": "error" not in info,
                            "error": info.get("error"), "log_bytes": info.get("log_bytes", 0),
                            "disk_bytes": s.get("disk_bytes"),
+                           "oldest_held_by": info.get("retention", {}).get("oldest_held_by", ""),
+                           "oldest_held_bytes": info.get("retention", {}).get(
+                               "oldest_held_bytes", 0),
                            "in_per_s": self.history.last_rate(f"in:{name}"),
                            "out_per_s": self.history.last_rate(f"out:{name}")})
         return {"shards": shards, **replication_of(status),

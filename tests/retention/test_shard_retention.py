@@ -263,3 +263,14 @@ def test_what_was_scheduled_for_a_deleted_topic_is_never_delivered_to_it_again(s
     sh.deliver_due()
     sh.deliver_due()
     assert [m.body for m in sh.store.read_queue("orders", 0, 0, 10)] == [b"timer, new"]
+
+
+def test_the_status_says_which_topic_keeps_the_oldest_segment_and_its_bytes_there(shard):
+    sh, clock = shard
+    sh.send(RecordBatch("orders", 0, [b"x" * 1000]))    # a topic kept 30 days
+    bulk(sh, "bulk", 30)
+    sh.janitor.topic_settings = {"orders": {"retention_ms": 30 * DAY}}
+    clock.advance(2 * HOUR)
+    assert sh.janitor.run_once().count == 0
+    st = sh.janitor.status()
+    assert st["oldest_held_by"] == "orders" and 1000 < st["oldest_held_bytes"] < 1500

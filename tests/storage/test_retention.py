@@ -53,11 +53,11 @@ def test_a_segment_goes_only_when_every_topic_in_it_is_done_with_it():
     assert expired_prefix(segs, p, 31, covered_end=10**9, pinned=10**9).count == 2
     p = policy(ms=15, b=(100, UNLIMITED))  # b keeps its records 100 ms: holds segment 1 on
     v = expired_prefix(segs, p, 31, covered_end=10**9, pinned=10**9)
-    assert (v.count, v.held_by) == (1, "b")
+    assert (v.count, v.held_by, v.held_bytes) == (1, "b", 30)  # (b's bytes in segment 1)
     # a pin, or what a checkpoint does not cover yet, holds them too
     assert expired_prefix(segs, policy(ms=1), 1000, covered_end=10**9, pinned=150).count == 1
     v = expired_prefix(segs, policy(ms=1), 1000, covered_end=250, pinned=10**9)
-    assert (v.count, v.held_by) == (2, "checkpoint")
+    assert (v.count, v.held_by, v.held_bytes) == (2, "checkpoint", 100)  # (all of it)
     # by size: a queue keeps at least its retention_bytes in the segments after
     assert expired_prefix(segs, policy(ms=DAY, size=50), 31, covered_end=10**9,
                           pinned=10**9).count == 1  # a: 20+50 after seg 0; b: 5 after seg 1

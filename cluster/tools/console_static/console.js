@@ -175,6 +175,8 @@ const PAGES = {
              ["alive", s => s.alive ? "yes" : "NO: " + s.error],
              ["log", s => fmtBytes(s.log_bytes)],
              ["disk used", s => s.disk_bytes === null ? "-" : fmtBytes(s.disk_bytes)],
+             ["oldest segment kept by", s => s.oldest_held_by ?
+               `${s.oldest_held_by} (${fmtBytes(s.oldest_held_bytes)})` : "-"],
              ["in msgs/s", s => s.in_per_s],
              ["out msgs/s", s => s.out_per_s]], d.shards),
       ...replicaTable("Replicas", d.replicas),
