@@ -140,7 +140,9 @@ class LeaderState:
         # written before they were read, so that they never pass what the follower holds
         parts = self.shipper.due(follower, held) if held is not None and \
             from_phys + max_bytes >= end_then else {}
-        version, table = self.store.offsets.versioned()
+        version, table = self.store.offsets.version, None
+        if version != offsets_version:  # (a copy of the whole table only when it changed)
+            version, table = self.store.offsets.versioned()
         covered = self.store.max_phys_offset  # (>= end_then: a leader's log only grows)
         start, data = self.store.read_frames(from_phys, max_bytes)
         caught_up = start + len(data) >= covered
