@@ -1,0 +1,85 @@
+"""Kafka's frames: a 4-byte size, a request header, a body -- decoded and encoded with
+kafka-python's classes generated from Kafka's JSON message schemas.  Pure: no sockets,
+no Ray.
+
+``decode_request`` gives the request (its header attached) or raises ``BadFrame``
+(the connection is closed: Kafka answers a request it cannot parse by closing it);
+``encode_response`` frames a response (built at its request's version) with the
+request's correlation id.
+Only the APIs and versions in ``SERVED`` are decoded -- the same table ApiVersions
+advertises, so a client never uses an API this listener does not serve.
+"""
+from __future__ import annotations
+
+import struct
+
+from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
+
+#: The largest request frame taken (a bigger one closes its connection).
+MAX_FRAME_BYTES = 100 << 20
+
+#: API key -> (request class, least version, greatest version) served.
+SERVED = {
+    ApiVersionsRequest.API_KEY: (ApiVersionsRequest, 0, 3),
+    MetadataRequest.API_KEY: (MetadataRequest, 0, 12),
+}
+
+#: Kafka's error codes used here (``kafka.errors`` names them).
+NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION = 0, 3, 35
+
+_KEY_VERSION = struct.Struct(">hh")
+_SIZE = struct.Struct(">i")
+
+
+class BadFrame(Exception):
+    """A frame this listener cannot take: its connection is closed (and only it)."""
+
+
+class UnsupportedVersion(Exception):
+    """An ApiVersions request of a version not served: answered at version 0 with
+    UNSUPPORTED_VERSION and the versions served, as Kafka does."""
+
+    def __init__(self, correlation_id: int):
+        super().__init__(correlation_id)
+        self.correlation_id = correlation_id
+
+
+def frame_size(head: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
+    """The size a frame's first four bytes announce; ``BadFrame`` when it is not a
+    size this listener takes."""
+    (size,) = _SIZE.unpack(head)
+    if not 8 <= size <= max_bytes:
+        raise BadFrame(f"frame of {size} bytes (this listener takes 8..{max_bytes})")
+    return size
+
+
+def decode_request(payload: bytes):
+    """The request in ``payload`` (a frame without its size), its header attached."""
+    if len(payload) < 8:
+        raise BadFrame(f"a request of {len(payload)} bytes is shorter than its header")
+    key, version = _KEY_VERSION.unpack_from(payload)
+    served = SERVED.get(key)
+    if served is None:
+        raise BadFrame(f"API key {key} is not served")
+    cls, low, high = served
+    if not low <= version <= high:
+        if key == ApiVersionsRequest.API_KEY:  # (its answer says which versions are)
+            raise UnsupportedVersion(struct.unpack_from(">i", payload, 4)[0])
+        raise BadFrame(f"{cls.__name__} v{version} is not served ({low}..{high})")
+    try:
+        return cls.decode(bytes(payload), version=version, header=True)
+    except Exception as err:  # (whatever a malformed body decodes into)
+        raise BadFrame(f"{cls.__name__} v{version} does not parse: "
+                       f"{type(err).__name__}: {err}") from None
+
+
+def encode_response(response, correlation_id: int) -> bytes:
+    """``response`` (built at its request's version) framed with ``correlation_id``."""
+    response.with_header(correlation_id=correlation_id)
+    return bytes(response.encode(header=True, framed=True))
+
+
+def api_versions_table() -> list[tuple[int, int, int]]:
+    """``(api key, least, greatest version)`` of every API served (what ApiVersions
+    advertises)."""
+    return [(key, low, high) for key, (_cls, low, high) in sorted(SERVED.items())]

@@ -1,0 +1,98 @@
+"""The Kafka listener's sockets: one thread per connection, requests answered in order.
+
+A frame that cannot be taken -- oversized, truncated, of an API not served, or not
+parsing -- closes its own connection only (logged in one line); the listener and every
+other connection go on.  ``KafkaListener(mq, host, port)`` serves until ``stop``
+(port 0: any free one, ``address`` once started).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+import threading
+
+from raymq.wire.apis import KafkaApis, unsupported_api_versions
+from raymq.wire.frames import (MAX_FRAME_BYTES, BadFrame, UnsupportedVersion, decode_request,
+                               encode_response, frame_size)
+
+log = logging.getLogger("raymq.kafka")
+
+#: How long a connection may sit in the middle of a frame.
+FRAME_TIMEOUT_S = 30.0
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    apis: KafkaApis
+    max_frame_bytes = MAX_FRAME_BYTES
+
+
+class _Connection(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = "%s:%s" % self.client_address[:2]
+        try:
+            while True:
+                head = _read(sock, 4, idle=True)
+                if head is None:
+                    return  # (closed between requests)
+                payload = _read(sock, frame_size(head, self.server.max_frame_bytes))
+                if payload is None:
+                    raise BadFrame("the connection closed inside a frame")
+                sock.sendall(self._answer(payload))
+        except BadFrame as err:
+            log.warning("kafka listener: closed the connection of %s: %s", peer, err)
+        except (OSError, socket.timeout) as err:
+            log.info("kafka listener: connection of %s ended: %s", peer, err)
+
+    def _answer(self, payload: bytes) -> bytes:
+        try:
+            request = decode_request(payload)
+        except UnsupportedVersion as ask:
+            return encode_response(unsupported_api_versions(), ask.correlation_id)
+        response = self.server.apis.handle(request)
+        return encode_response(response, request.header.correlation_id)
+
+
+def _read(sock: socket.socket, n: int, *, idle: bool = False) -> bytes | None:
+    """``n`` bytes, or None when the peer closed first (between frames when ``idle``:
+    no wait limit then)."""
+    sock.settimeout(None if idle else FRAME_TIMEOUT_S)
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+        sock.settimeout(FRAME_TIMEOUT_S)
+    return b"".join(chunks)
+
+
+class KafkaListener:
+    """A Kafka-protocol listener in front of ``mq`` on ``host:port`` (advertised as
+    ``advertised_host``, default: ``host``)."""
+
+    def __init__(self, mq, host: str = "127.0.0.1", port: int = 9092, *,
+                 advertised_host: str | None = None, node_id: int = 0):
+        self._server = _Server((host, port), _Connection)
+        bound = self._server.server_address[1]
+        self._server.apis = KafkaApis(mq, advertised_host or host, bound, node_id)
+        self.address = (host, bound)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "KafkaListener":
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="raymq-kafka-listener")
+        self._thread.start()
+        log.info("kafka listener on %s:%d", *self.address)
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,1 @@
+"""Tests of the Kafka wire-protocol listener (issue 36)."""
