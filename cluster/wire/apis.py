@@ -7,11 +7,31 @@ Python over an ``mq`` (the SDK's ``RayMQ`` or anything with its ``topics()``).
 """
 from __future__ import annotations
 
+from kafka.protocol.consumer import FetchResponse, ListOffsetsResponse
 from kafka.protocol.metadata import ApiVersionsResponse, MetadataResponse
+from kafka.protocol.producer import ProduceResponse
 
 from raymq.actors.protocol import is_system_topic
+from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, InvalidMessageError,
+                                  NotEnoughReplicasError, NotLeaderError, OffsetOutOfRangeError,
+                                  RequestTimeoutError, UnknownTopicError)
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
+from raymq.wire.records import BadRecords, from_messages, to_batch
+
+#: Kafka's error codes for RayMQ's errors (a client retries the retriable ones).
+ERROR_CODES = ((BadRecords, 2),                 # CORRUPT_MESSAGE
+               (OffsetOutOfRangeError, 1),      # OFFSET_OUT_OF_RANGE
+               (UnknownTopicError, 3),          # UNKNOWN_TOPIC_OR_PARTITION
+               (NotLeaderError, 6),             # NOT_LEADER_OR_FOLLOWER
+               (BrokerUnavailableError, 6),
+               (RequestTimeoutError, 7),        # REQUEST_TIMED_OUT
+               (NotEnoughReplicasError, 19),    # NOT_ENOUGH_REPLICAS
+               (DiskFullError, 56),             # KAFKA_STORAGE_ERROR
+               (InvalidMessageError, 87))       # INVALID_RECORD
+UNKNOWN_SERVER_ERROR = -1
+#: Most messages one partition of a Fetch carries.
+FETCH_MAX_MESSAGES = 5000
 
 #: The cluster id Metadata answers (one RayMQ behind a listener).
 CLUSTER_ID = "raymq"
@@ -19,6 +39,12 @@ CLUSTER_ID = "raymq"
 _Topic = MetadataResponse.MetadataResponseTopic
 _Partition = _Topic.MetadataResponsePartition
 _Broker = MetadataResponse.MetadataResponseBroker
+_ProduceTopic = ProduceResponse.TopicProduceResponse
+_ProducePart = _ProduceTopic.PartitionProduceResponse
+_FetchTopic = FetchResponse.FetchableTopicResponse
+_FetchPart = _FetchTopic.PartitionData
+_OffsetsTopic = ListOffsetsResponse.ListOffsetsTopicResponse
+_OffsetsPart = _OffsetsTopic.ListOffsetsPartitionResponse
 
 
 class KafkaApis:
@@ -32,6 +58,15 @@ class KafkaApis:
     def handle(self, request):
         """The response to ``request`` (a decoded request of a served API)."""
         return getattr(self, f"_{type(request).__name__}")(request)
+
+    def _routes(self, topic: str) -> list[int] | None:
+        """The shard of each queue of a user topic (None: no such topic)."""
+        if is_system_topic(topic):
+            return None
+        try:
+            return self.mq.routes_for({topic})[topic]
+        except UnknownTopicError:
+            return None
 
     # ---------------------------------------------------------- ApiVersions
     def _ApiVersionsRequest(self, request):
@@ -63,6 +98,97 @@ class KafkaApis:
             topics=topics)
 
 
+    # -------------------------------------------------------------- Produce
+    def _ProduceRequest(self, request):
+        """Each partition's records as one put of its queue (``acks`` 0 and 1: the leader's
+        write; -1: every in-sync replica's, RayMQ's default)."""
+        acks = "all" if request.acks == -1 else "leader"
+        topics = []
+        for t in request.topic_data:
+            routes = self._routes(t.name)
+            parts = []
+            for p in t.partition_data:
+                code, base = NONE, -1
+                try:
+                    if routes is None or not 0 <= p.index < len(routes):
+                        raise UnknownTopicError(f"{t.name}/{p.index}")
+                    batch = to_batch(t.name, p.index, p.records)
+                    reply = self.mq.shard(routes[p.index]).call(
+                        "send", batch, 0, 0, None, acks, timeout_s=30)
+                    if reply.refused:
+                        raise InvalidMessageError(str(reply.refused[0]))
+                    base = reply.queue_offsets[0] if reply.queue_offsets else -1
+                except Exception as err:  # (each partition answers alone)
+                    code = error_code(err)
+                parts.append(_ProducePart(index=p.index, error_code=code, base_offset=base,
+                                          log_append_time_ms=-1, log_start_offset=-1,
+                                          record_errors=[], error_message=None))
+            topics.append(_ProduceTopic(name=t.name, partition_responses=parts))
+        return ProduceResponse(version=request.API_VERSION, responses=topics,
+                               throttle_time_ms=0)
+
+    # ---------------------------------------------------------------- Fetch
+    def _FetchRequest(self, request):
+        """Each partition read from its queue (one pull per shard; a long poll when the
+        request names one shard), as record batches."""
+        isolation = "read_committed" if request.isolation_level == 1 else "read_uncommitted"
+        asked, by_shard = [], {}
+        for t in request.topics:
+            routes = self._routes(t.topic)
+            for p in t.partitions:
+                asked.append((t.topic, p.partition))
+                if routes is not None and 0 <= p.partition < len(routes):
+                    n = max(1, min(FETCH_MAX_MESSAGES, p.partition_max_bytes // 64))
+                    by_shard.setdefault(routes[p.partition], []).append(
+                        (t.topic, p.partition, p.fetch_offset, n))
+        wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
+        got: dict = {}
+        for shard, reads in by_shard.items():
+            try:
+                for topic, q, batch, _next, end in self.mq.shard(shard).call(
+                        "pull", reads, wait, None, None, isolation, "messages", "error",
+                        timeout_s=30):
+                    got[(topic, q)] = (NONE, batch.messages(), end)
+            except Exception as err:  # (that shard's partitions answer the error)
+                for topic, q, _o, _n in reads:
+                    got[(topic, q)] = (error_code(err), [], -1)
+        topics: dict[str, list] = {}
+        for topic, q in asked:
+            code, msgs, end = got.get((topic, q), (UNKNOWN_TOPIC_OR_PARTITION, [], -1))
+            topics.setdefault(topic, []).append(_FetchPart(
+                partition_index=q, error_code=code, high_watermark=end,
+                last_stable_offset=end, log_start_offset=-1, aborted_transactions=[],
+                preferred_read_replica=-1, records=from_messages(msgs) if msgs else b""))
+        return FetchResponse(version=request.API_VERSION, throttle_time_ms=0, error_code=NONE,
+                             session_id=0, responses=[_FetchTopic(topic=t, partitions=ps)
+                                                      for t, ps in topics.items()])
+
+    # ---------------------------------------------------------- ListOffsets
+    def _ListOffsetsRequest(self, request):
+        """-2: the log start, -1: the end, else the first offset stored at or after the
+        time (the end when none is: Kafka answers -1 there)."""
+        topics = []
+        for t in request.topics:
+            routes = self._routes(t.name)
+            parts = []
+            for p in t.partitions:
+                code, offset = NONE, -1
+                try:
+                    if routes is None or not 0 <= p.partition_index < len(routes):
+                        raise UnknownTopicError(f"{t.name}/{p.partition_index}")
+                    q = (t.name, p.partition_index)
+                    ts = None if p.timestamp < 0 else p.timestamp
+                    start, end, at = self.mq.shard(routes[p.partition_index]).call(
+                        "queue_bounds", [q], None if ts is None else [ts], timeout_s=30)[q]
+                    offset = {-2: start, -1: end}.get(p.timestamp, -1 if at >= end else at)
+                except Exception as err:
+                    code = error_code(err)
+                parts.append(_OffsetsPart(partition_index=p.partition_index, error_code=code,
+                                          timestamp=-1, offset=offset, leader_epoch=-1))
+            topics.append(_OffsetsTopic(name=t.name, partitions=parts))
+        return ListOffsetsResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                   topics=topics)
+
 def api_versions_response(version: int, error_code: int):
     """ApiVersions' answer at ``version``: the APIs and versions served."""
     return ApiVersionsResponse(
@@ -76,3 +202,10 @@ def unsupported_api_versions():
     versions that are (the client asks again at one of them)."""
     return api_versions_response(0, UNSUPPORTED_VERSION)
 
+
+def error_code(err: BaseException) -> int:
+    """Kafka's error code for ``err``."""
+    for kind, code in ERROR_CODES:
+        if isinstance(err, kind):
+            return code
+    return UNKNOWN_SERVER_ERROR

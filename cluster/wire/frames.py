@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import struct
 
+from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
+from kafka.protocol.producer import ProduceRequest
 
 #: The largest request frame taken (a bigger one closes its connection).
 MAX_FRAME_BYTES = 100 << 20
@@ -22,6 +24,9 @@ MAX_FRAME_BYTES = 100 << 20
 SERVED = {
     ApiVersionsRequest.API_KEY: (ApiVersionsRequest, 0, 3),
     MetadataRequest.API_KEY: (MetadataRequest, 0, 12),
+    ProduceRequest.API_KEY: (ProduceRequest, 3, 12),     # (13+ name topics by id)
+    FetchRequest.API_KEY: (FetchRequest, 4, 12),
+    ListOffsetsRequest.API_KEY: (ListOffsetsRequest, 1, 7),
 }
 
 #: Kafka's error codes used here (``kafka.errors`` names them).

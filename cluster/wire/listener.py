@@ -42,18 +42,22 @@ class _Connection(socketserver.BaseRequestHandler):
                 payload = _read(sock, frame_size(head, self.server.max_frame_bytes))
                 if payload is None:
                     raise BadFrame("the connection closed inside a frame")
-                sock.sendall(self._answer(payload))
+                answer = self._answer(payload)
+                if answer is not None:  # (a Produce with acks 0 is not answered)
+                    sock.sendall(answer)
         except BadFrame as err:
             log.warning("kafka listener: closed the connection of %s: %s", peer, err)
         except (OSError, socket.timeout) as err:
             log.info("kafka listener: connection of %s ended: %s", peer, err)
 
-    def _answer(self, payload: bytes) -> bytes:
+    def _answer(self, payload: bytes) -> bytes | None:
         try:
             request = decode_request(payload)
         except UnsupportedVersion as ask:
             return encode_response(unsupported_api_versions(), ask.correlation_id)
         response = self.server.apis.handle(request)
+        if not request.expect_response():
+            return None
         return encode_response(response, request.header.correlation_id)
 
 

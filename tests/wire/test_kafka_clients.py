@@ -33,3 +33,69 @@ def test_a_kafka_client_bootstraps_and_sees_the_topics_as_raymq_has_them(mq, nam
         assert not consumer.partitions_for_topic(name + "nope")  # (unknown: none)
     finally:
         consumer.close()
+
+
+def test_messages_go_both_ways_with_keys_headers_and_timestamps(mq, name, listener):
+    """kafka-python produces through the listener and the SDK reads it; the SDK produces
+    and kafka-python reads it from the partition's start; ListOffsets answers the log
+    start, the end and an offset by time."""
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+    from raymq import Message
+    from raymq.wire.records import HEADERS_PROP, KEY_PROP
+    from tests.client.test_cluster import read_to_end
+    mq.create_topic(name, 2)
+    boot = "%s:%d" % listener.address
+    producer = KafkaProducer(bootstrap_servers=boot, acks="all", enable_idempotence=False,
+                             linger_ms=5)
+    sent = []
+    for i in range(20):
+        sent.append(producer.send(name, value=b"kafka %d" % i, partition=i % 2,
+                                  key=b"k%d" % i if i % 3 else b"\xff\xfe%d" % i,
+                                  headers=[("h", b"%d" % i), ("h", b""), ("x", b"\x00")],
+                                  timestamp_ms=1_700_000_000_000 + i))
+    producer.flush()
+    metas = [f.get(timeout=30) for f in sent]
+    assert sorted(m.offset for m in metas if m.partition == 0) == list(range(10))
+    producer.close()
+
+    c = mq.consumer(name + "g", [name])
+    got = {m.body: m for m in read_to_end(c, mq, [name])}
+    c.close()
+    assert sorted(got) == sorted(b"kafka %d" % i for i in range(20))
+    m = got[b"kafka 1"]
+    assert m.key == "k1" and m.born_ms == 1_700_000_000_001
+    assert m.properties[HEADERS_PROP] == '[["h", "MQ=="], ["h", ""], ["x", "AA=="]]'
+    assert KEY_PROP in got[b"kafka 0"].properties and got[b"kafka 0"].key is None
+
+    p = mq.producer()
+    p.send_batch([Message(name, b"sdk %d" % i, key=f"s{i}") for i in range(10)])
+    p.close()
+    consumer = KafkaConsumer(bootstrap_servers=boot, enable_auto_commit=False,
+                             request_timeout_ms=20_000)
+    try:
+        tps = [TopicPartition(name, 0), TopicPartition(name, 1)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        ends = consumer.end_offsets(tps)
+        assert consumer.beginning_offsets(tps) == {tp: 0 for tp in tps}
+        assert sum(ends.values()) == 30
+        seen = []
+
+        def drained():
+            for recs in consumer.poll(timeout_ms=500).values():
+                seen.extend(recs)
+            return all(consumer.position(tp) >= ends[tp] for tp in tps)
+        wait_for(drained, what="kafka-python reading both partitions to their ends")
+        by_value = {r.value: r for r in seen}
+        assert len(seen) == 30 and len(by_value) == 30
+        r = by_value[b"kafka 1"]
+        assert (r.key, r.timestamp) == (b"k1", 1_700_000_000_001)
+        assert list(r.headers) == [("h", b"1"), ("h", b""), ("x", b"\x00")]
+        assert by_value[b"kafka 0"].key == b"\xff\xfe0"           # a binary key, as sent
+        assert by_value[b"sdk 3"].key == b"s3"
+        assert all(by_value[b"kafka %d" % i].offset == metas[i].offset for i in range(20))
+        # offsets by time: the first message stored at or after a time (store times)
+        later = consumer.offsets_for_times({tps[0]: 4_000_000_000_000})
+        assert later[tps[0]] is None                              # nothing that recent
+    finally:
+        consumer.close()

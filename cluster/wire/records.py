@@ -1,0 +1,81 @@
+"""Kafka record batches <-> RayMQ messages, with kafka-python's record module (magic 2;
+gzip, snappy, lz4 and zstd as its codecs have them).  Pure: no sockets, no Ray.
+
+A Kafka record's value is the message body; its key is the message key (UTF-8 text in
+RayMQ's record format: a binary key is kept in the ``KAFKA_KEY_B64`` property);
+its headers, in order and repeats kept, are the ``KAFKA_HEADERS`` property (JSON of
+``[name, base64 value]`` pairs); its timestamp is the message's born time.
+"""
+from __future__ import annotations
+
+import base64
+import json
+
+from kafka.record import MemoryRecords, MemoryRecordsBuilder
+
+from raymq.storage import RecordBatch
+
+KEY_PROP, HEADERS_PROP = "KAFKA_KEY_B64", "KAFKA_HEADERS"
+
+
+class BadRecords(Exception):
+    """Record batches that do not parse or fail their CRC (CORRUPT_MESSAGE)."""
+
+
+def to_batch(topic: str, queue: int, data: bytes) -> RecordBatch:
+    """The records of a Produce request's ``data`` for ``topic``/``queue`` as one batch."""
+    bodies, keys, props, born = [], [], [], []
+    try:
+        records = MemoryRecords(bytes(data))
+        while (batch := records.next_batch()) is not None:
+            if not batch.validate_crc():
+                raise BadRecords("a record batch fails its CRC")
+            for r in batch:
+                p = {}
+                key = r.key
+                if key is not None:
+                    try:
+                        key = key.decode()
+                    except UnicodeDecodeError:
+                        p[KEY_PROP], key = base64.b64encode(key).decode(), None
+                if r.headers:
+                    p[HEADERS_PROP] = json.dumps(
+                        [[k, None if v is None else base64.b64encode(v).decode()]
+                         for k, v in r.headers])
+                bodies.append(r.value if r.value is not None else b"")
+                keys.append(key)
+                props.append(p or None)
+                born.append(int(r.timestamp))
+    except BadRecords:
+        raise
+    except Exception as err:  # (whatever a malformed batch decodes into)
+        raise BadRecords(f"record batch does not parse: {type(err).__name__}: {err}") from None
+    if not bodies:
+        raise BadRecords("no record in the request")
+    return RecordBatch(topic, queue, bodies, keys=keys,
+                       properties=props if any(props) else None, born_ms=born)
+
+
+def from_messages(messages) -> bytes:
+    """Stored messages (in queue order, gaps allowed) as Kafka record batches: one batch
+    per run of consecutive offsets."""
+    out = []
+    builder, next_offset = None, None
+    for m in messages:
+        if builder is None or m.queue_offset != next_offset:
+            if builder is not None:
+                builder.close()
+                out.append(bytes(builder.buffer()))
+            builder = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 30,
+                                           offset=m.queue_offset)
+        p = m.properties or {}
+        key = base64.b64decode(p[KEY_PROP]) if KEY_PROP in p else (
+            m.key.encode() if m.key is not None else None)
+        headers = [(k, None if v is None else base64.b64decode(v))
+                   for k, v in json.loads(p[HEADERS_PROP])] if HEADERS_PROP in p else []
+        builder.append(int(m.born_ms), key, bytes(m.body), headers)
+        next_offset = m.queue_offset + 1
+    if builder is not None:
+        builder.close()
+        out.append(bytes(builder.buffer()))
+    return b"".join(out)
