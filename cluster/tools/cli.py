@@ -35,6 +35,7 @@ deploys RayMQ there, the others say so when it is not deployed.
   bench              benchmark suites: JSON lines on stdout, progress on stderr
   config             every cluster setting (--describe), or the settings of --config
   console            the web console: pages and JSON for operators (localhost by default)
+  kafka              a Kafka-protocol listener: Kafka clients produce and consume here
 """
 
 
@@ -541,6 +542,32 @@ def _cmd_console(args) -> int:
     return 0
 
 
+def _cmd_kafka(args) -> int:
+    from raymq.wire.listener import KafkaListener
+    if args.embedded:  # a local Ray of its own over --config's data (e.g. the demo's)
+        from raymq import rpc
+        from raymq.client import connect
+        settings = _config_file(args)
+        rpc.init("local", include_dashboard=False, logging_level=logging.ERROR)
+        mq = connect(deploy=True, config=settings)
+    else:
+        mq = _connect(args)
+    listener = KafkaListener(mq, args.host, args.port,
+                             advertised_host=args.advertised_host).start()
+    try:  # (before the address is printed: a Ctrl-C as soon as it is seen stops cleanly)
+        host, port = listener.address
+        print(f"RayMQ Kafka listener: bootstrap.servers={args.advertised_host or host}:{port}",
+              flush=True)
+        print("Ctrl-C to stop", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("kafka listener stopped", file=sys.stderr)
+    finally:
+        listener.stop()
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -845,6 +872,25 @@ def _build_parser() -> argparse.ArgumentParser:
                               "--config (e.g. the data a `raymq demo` left) instead of joining "
                               "a running cluster")
     console.set_defaults(func=_cmd_console)
+
+    kafka = sub.add_parser(
+        "kafka", help="serve a Kafka-protocol listener for Kafka clients",
+        description="Serve Kafka's wire protocol for the cluster this command joins (found as "
+                    "every command finds it): Kafka clients (kafka-python, librdkafka, the Java "
+                    "client) bootstrap from the printed address and produce, fetch, list "
+                    "topics and offsets. A topic is a topic, a partition is a queue, an offset "
+                    "a queue offset; system, retry and dead-letter topics are not listed. Not "
+                    "yet served: consumer groups, idempotent and transactional producers "
+                    "(issue 36).")
+    kafka.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (127.0.0.1: this machine only)")
+    kafka.add_argument("--port", type=int, default=9092, help="port (0: any free one)")
+    kafka.add_argument("--advertised-host", default=None, metavar="HOST",
+                       help="the host clients are told to connect to (unset: --host)")
+    kafka.add_argument("--embedded", action="store_true",
+                       help="start a local Ray and RayMQ of its own over the settings of "
+                            "--config instead of joining a running cluster")
+    kafka.set_defaults(func=_cmd_kafka)
 
     config = sub.add_parser(
         "config", help="describe the cluster settings, or check a settings file",
