@@ -8,13 +8,17 @@ Python over an ``mq`` (the SDK's ``RayMQ`` or anything with its ``topics()``).
 from __future__ import annotations
 
 from kafka.protocol.consumer import FetchResponse, ListOffsetsResponse
-from kafka.protocol.metadata import ApiVersionsResponse, MetadataResponse
+from kafka.protocol.consumer.group import (HeartbeatResponse, JoinGroupResponse,
+                                           LeaveGroupResponse, OffsetCommitResponse,
+                                           OffsetFetchResponse, SyncGroupResponse)
+from kafka.protocol.metadata import ApiVersionsResponse, FindCoordinatorResponse, MetadataResponse
 from kafka.protocol.producer import ProduceResponse
 
 from raymq.actors.protocol import is_system_topic
 from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, InvalidMessageError,
                                   NotEnoughReplicasError, NotLeaderError, OffsetOutOfRangeError,
                                   RequestTimeoutError, UnknownTopicError)
+from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
 from raymq.wire.records import BadRecords, from_messages, to_batch
@@ -51,9 +55,11 @@ class KafkaApis:
     """The answers of one listener, advertised as broker ``node_id`` at
     ``host:port``."""
 
-    def __init__(self, mq, host: str, port: int, node_id: int = 0):
+    def __init__(self, mq, host: str, port: int, node_id: int = 0,
+                 groups: ClassicGroups | None = None):
         self.mq = mq
         self.host, self.port, self.node_id = host, port, node_id
+        self.groups = groups or ClassicGroups()
 
     def handle(self, request):
         """The response to ``request`` (a decoded request of a served API)."""
@@ -188,6 +194,121 @@ class KafkaApis:
             topics.append(_OffsetsTopic(name=t.name, partitions=parts))
         return ListOffsetsResponse(version=request.API_VERSION, throttle_time_ms=0,
                                    topics=topics)
+
+    # ---------------------------------------------------------------- groups
+    def _FindCoordinatorRequest(self, request):
+        """This listener coordinates every group (and, later, transaction)."""
+        v = request.API_VERSION
+        if v >= 4:
+            return FindCoordinatorResponse(version=v, throttle_time_ms=0, coordinators=[
+                FindCoordinatorResponse.Coordinator(
+                    key=k, node_id=self.node_id, host=self.host, port=self.port,
+                    error_code=NONE, error_message=None) for k in request.coordinator_keys])
+        return FindCoordinatorResponse(version=v, throttle_time_ms=0, error_code=NONE,
+                                       error_message=None, node_id=self.node_id,
+                                       host=self.host, port=self.port)
+
+    def _JoinGroupRequest(self, request):
+        v = request.API_VERSION
+        got = self.groups.join(
+            request.group_id, request.member_id, request.protocol_type,
+            [(p.name, p.metadata) for p in request.protocols], request.session_timeout_ms,
+            request.rebalance_timeout_ms if v >= 1 else request.session_timeout_ms,
+            client_id=(request.header.client_id or "member"), require_known_id=v >= 4)
+        return JoinGroupResponse(
+            version=v, throttle_time_ms=0, error_code=got.error, generation_id=got.generation,
+            protocol_type=request.protocol_type, protocol_name=got.protocol or "",
+            leader=got.leader, skip_assignment=False, member_id=got.member_id,
+            members=[JoinGroupResponse.JoinGroupResponseMember(
+                member_id=mid, group_instance_id=None, metadata=meta)
+                for mid, meta in got.members])
+
+    def _SyncGroupRequest(self, request):
+        error, assignment = self.groups.sync(
+            request.group_id, request.generation_id, request.member_id,
+            {a.member_id: a.assignment for a in request.assignments})
+        return SyncGroupResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                 error_code=error, protocol_type=request.protocol_type,
+                                 protocol_name=request.protocol_name, assignment=assignment)
+
+    def _HeartbeatRequest(self, request):
+        return HeartbeatResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                 error_code=self.groups.heartbeat(
+                                     request.group_id, request.generation_id,
+                                     request.member_id))
+
+    def _LeaveGroupRequest(self, request):
+        v = request.API_VERSION
+        ids = [request.member_id] if v < 3 else [m.member_id for m in request.members]
+        errors = self.groups.leave(request.group_id, ids)
+        return LeaveGroupResponse(
+            version=v, throttle_time_ms=0, error_code=errors[0] if v < 3 else NONE,
+            members=[LeaveGroupResponse.MemberResponse(member_id=mid, group_instance_id=None,
+                                                       error_code=e)
+                     for mid, e in zip(ids, errors)])
+
+    def _OffsetCommitRequest(self, request):
+        """Offsets go to RayMQ's offsets store (the group's name shared with the SDK's
+        groups: ``raymq group`` shows them)."""
+        error = self.groups.check_commit(request.group_id,
+                                         request.generation_id_or_member_epoch,
+                                         request.member_id)
+        topics = []
+        for t in request.topics:
+            routes = self._routes(t.name)
+            codes = {}
+            by_shard: dict[int, dict] = {}
+            for p in t.partitions:
+                if error:
+                    codes[p.partition_index] = error
+                elif routes is None or not 0 <= p.partition_index < len(routes):
+                    codes[p.partition_index] = UNKNOWN_TOPIC_OR_PARTITION
+                else:
+                    by_shard.setdefault(routes[p.partition_index], {})[
+                        (t.name, p.partition_index)] = p.committed_offset
+            for shard, offsets in by_shard.items():
+                try:
+                    self.mq.shard(shard).call("commit_offsets", request.group_id, offsets,
+                                              timeout_s=30)
+                    code = NONE
+                except Exception as err:
+                    code = error_code(err)
+                codes.update({q: code for _t, q in offsets})
+            topics.append(OffsetCommitResponse.OffsetCommitResponseTopic(
+                name=t.name, partitions=[
+                    OffsetCommitResponse.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
+                        partition_index=q, error_code=c) for q, c in codes.items()]))
+        return OffsetCommitResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                    topics=topics)
+
+    def _OffsetFetchRequest(self, request):
+        """Committed offsets (-1: none); every partition of the group's topics when the
+        request names none."""
+        asked = [(t.name, list(t.partition_indexes)) for t in request.topics] \
+            if request.topics is not None else []
+        topics = []
+        for name, indexes in asked:
+            routes = self._routes(name)
+            found: dict[int, tuple[int, int]] = {}
+            by_shard: dict[int, list] = {}
+            for q in indexes:
+                if routes is None or not 0 <= q < len(routes):
+                    found[q] = (-1, UNKNOWN_TOPIC_OR_PARTITION)
+                else:
+                    by_shard.setdefault(routes[q], []).append((name, q))
+            for shard, queues in by_shard.items():
+                try:
+                    got = self.mq.shard(shard).call("get_offsets", request.group_id, queues,
+                                                    timeout_s=30)
+                    found.update({q: (got[(t, q)], NONE) for t, q in queues})
+                except Exception as err:
+                    found.update({q: (-1, error_code(err)) for _t, q in queues})
+            P = OffsetFetchResponse.OffsetFetchResponseTopic.OffsetFetchResponsePartition
+            topics.append(OffsetFetchResponse.OffsetFetchResponseTopic(name=name, partitions=[
+                P(partition_index=q, committed_offset=off, committed_leader_epoch=-1,
+                  metadata="", error_code=code) for q, (off, code) in found.items()]))
+        return OffsetFetchResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                   topics=topics, error_code=NONE)
 
 def api_versions_response(version: int, error_code: int):
     """ApiVersions' answer at ``version``: the APIs and versions served."""

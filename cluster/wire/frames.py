@@ -14,7 +14,10 @@ from __future__ import annotations
 import struct
 
 from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
-from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
+from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, LeaveGroupRequest,
+                                           OffsetCommitRequest, OffsetFetchRequest,
+                                           SyncGroupRequest)
+from kafka.protocol.metadata import ApiVersionsRequest, FindCoordinatorRequest, MetadataRequest
 from kafka.protocol.producer import ProduceRequest
 
 #: The largest request frame taken (a bigger one closes its connection).
@@ -27,6 +30,13 @@ SERVED = {
     ProduceRequest.API_KEY: (ProduceRequest, 3, 12),     # (13+ name topics by id)
     FetchRequest.API_KEY: (FetchRequest, 4, 12),
     ListOffsetsRequest.API_KEY: (ListOffsetsRequest, 1, 7),
+    FindCoordinatorRequest.API_KEY: (FindCoordinatorRequest, 0, 4),
+    JoinGroupRequest.API_KEY: (JoinGroupRequest, 0, 7),
+    SyncGroupRequest.API_KEY: (SyncGroupRequest, 0, 5),
+    HeartbeatRequest.API_KEY: (HeartbeatRequest, 0, 4),
+    LeaveGroupRequest.API_KEY: (LeaveGroupRequest, 0, 4),
+    OffsetCommitRequest.API_KEY: (OffsetCommitRequest, 2, 8),
+    OffsetFetchRequest.API_KEY: (OffsetFetchRequest, 1, 7),
 }
 
 #: Kafka's error codes used here (``kafka.errors`` names them).

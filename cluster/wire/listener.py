@@ -49,6 +49,9 @@ class _Connection(socketserver.BaseRequestHandler):
             log.warning("kafka listener: closed the connection of %s: %s", peer, err)
         except (OSError, socket.timeout) as err:
             log.info("kafka listener: connection of %s ended: %s", peer, err)
+        except Exception:  # (a defect answering a request: that connection only)
+            log.exception("kafka listener: closed the connection of %s: answering failed",
+                          peer)
 
     def _answer(self, payload: bytes) -> bytes | None:
         try:

@@ -99,3 +99,65 @@ def test_messages_go_both_ways_with_keys_headers_and_timestamps(mq, name, listen
         assert later[tps[0]] is None                              # nothing that recent
     finally:
         consumer.close()
+
+
+def test_a_kafka_consumer_group_shares_the_partitions_and_resumes_from_its_commits(
+        mq, name, listener):
+    """Two kafka-python members (each polling in a thread of its own, as applications do)
+    split the partitions, every message is handled by exactly one; their commits go to
+    RayMQ's offsets store, and a new member resumes from them."""
+    import threading
+    from kafka import KafkaConsumer
+    from raymq import Message
+    mq.create_topic(name, 4)
+    p = mq.producer()
+    p.send_batch([Message(name, b"m%02d" % i) for i in range(40)])
+    boot, group = "%s:%d" % listener.address, name + "g"
+
+    def member():
+        return KafkaConsumer(name, group_id=group, bootstrap_servers=boot,
+                             auto_offset_reset="earliest", enable_auto_commit=False,
+                             session_timeout_ms=6000, heartbeat_interval_ms=300,
+                             request_timeout_ms=20_000)
+    a, b = member(), member()
+    got: dict = {a: [], b: []}
+    stop = threading.Event()
+
+    def run(c):
+        while not stop.is_set():
+            for recs in c.poll(timeout_ms=1000).values():
+                got[c].extend(r.value for r in recs)
+    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in (a, b)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(got[a]) + len(got[b]) >= 40 and a.assignment() and
+                 b.assignment(), timeout_s=60, what="two members reading the topic")
+        stop.set()
+        for t in threads:
+            t.join()
+        owned_a, owned_b = {tp.partition for tp in a.assignment()}, \
+            {tp.partition for tp in b.assignment()}
+        assert owned_a | owned_b == {0, 1, 2, 3} and not owned_a & owned_b
+        assert sorted(got[a] + got[b]) == [b"m%02d" % i for i in range(40)]  # each once
+        a.commit()
+        b.commit()
+        committed = mq.admin.reset_offsets(group, name, to="latest", dry_run=True)
+        # (in RayMQ's offsets store, where `raymq group` shows them: each at its end)
+        assert sum(after for _b, after in committed.values()) == 40
+        assert all(before == after for before, after in committed.values()), committed
+    finally:
+        stop.set()
+        a.close()
+        b.close()
+    p.send_batch([Message(name, b"late %d" % i) for i in range(5)])
+    p.close()
+    c = member()
+    later = []
+    try:
+        wait_for(lambda: later.extend(r.value for recs in c.poll(timeout_ms=1000).values()
+                                      for r in recs) or len(later) >= 5,
+                 timeout_s=60, what="a new member resuming from the commits")
+        assert sorted(later) == [b"late %d" % i for i in range(5)]  # nothing before them
+    finally:
+        c.close()
