@@ -161,3 +161,40 @@ def test_a_kafka_consumer_group_shares_the_partitions_and_resumes_from_its_commi
         assert sorted(later) == [b"late %d" % i for i in range(5)]  # nothing before them
     finally:
         c.close()
+
+
+def test_librdkafka_produces_and_a_group_of_it_consumes_with_keys_headers_and_times(
+        mq, name, listener):
+    """confluent-kafka (librdkafka, the client most Kafka applications use) through the
+    listener: a producer with its defaults, a group consumer subscribing."""
+    from confluent_kafka import Consumer, Producer
+    mq.create_topic(name, 2)
+    boot = "%s:%d" % listener.address
+    p = Producer({"bootstrap.servers": boot, "linger.ms": 5})
+    for i in range(30):
+        p.produce(name, value=b"v%d" % i, key=b"k%d" % i, headers=[("h", b"%d" % i)],
+                  partition=i % 2, timestamp=1_700_000_000_000 + i)
+    assert p.flush(30) == 0
+    c = Consumer({"bootstrap.servers": boot, "group.id": name + "g",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([name])
+    got = []
+    try:
+        def drained():
+            m = c.poll(0.5)
+            if m is not None:
+                assert m.error() is None, m.error()
+                got.append(m)
+            return len(got) >= 30
+        wait_for(drained, timeout_s=60, what="librdkafka's group consumer reading 30")
+        by_value = {m.value(): m for m in got}
+        assert sorted(by_value) == sorted(b"v%d" % i for i in range(30)) and len(got) == 30
+        m = by_value[b"v7"]
+        assert (m.key(), m.headers(), m.partition()) == (b"k7", [("h", b"7")], 1)
+        assert m.timestamp() == (1, 1_700_000_000_007)  # (CreateTime, as sent)
+        assert sorted(x.offset() for x in got if x.partition() == 0) == list(range(15))
+        c.commit(asynchronous=False)
+    finally:
+        c.close()
+    committed = mq.admin.reset_offsets(name + "g", name, to="latest", dry_run=True)
+    assert all(before == after == 15 for before, after in committed.values())
