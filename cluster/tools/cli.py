@@ -878,10 +878,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Serve Kafka's wire protocol for the cluster this command joins (found as "
                     "every command finds it): Kafka clients (kafka-python, librdkafka, the Java "
                     "client) bootstrap from the printed address and produce, fetch, list "
-                    "topics and offsets. A topic is a topic, a partition is a queue, an offset "
-                    "a queue offset; system, retry and dead-letter topics are not listed. Not "
-                    "yet served: consumer groups, idempotent and transactional producers "
-                    "(issue 36).")
+                    "topics and offsets, and consume in groups. A topic is a topic, a partition is a queue, an offset "
+                    "a queue offset; system, retry and dead-letter topics are not listed. "
+                    "Consumer groups and idempotent producers are served; transactional "
+                    "producers and the admin APIs not yet.")
     kafka.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (127.0.0.1: this machine only)")
     kafka.add_argument("--port", type=int, default=9092, help="port (0: any free one)")

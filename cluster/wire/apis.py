@@ -13,6 +13,7 @@ from kafka.protocol.consumer.group import (HeartbeatResponse, JoinGroupResponse,
                                            OffsetFetchResponse, SyncGroupResponse)
 from kafka.protocol.metadata import ApiVersionsResponse, FindCoordinatorResponse, MetadataResponse
 from kafka.protocol.producer import ProduceResponse
+from kafka.protocol.producer.transaction import InitProducerIdResponse
 
 from raymq.actors.protocol import is_system_topic
 from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, InvalidMessageError,
@@ -21,7 +22,8 @@ from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, Invalid
 from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
-from raymq.wire.records import BadRecords, from_messages, to_batch
+from raymq.wire.records import BadRecords, from_messages, producer_of, to_batch
+from raymq.wire.sequences import OUT_OF_ORDER, Sequences, new_producer_id
 
 #: Kafka's error codes for RayMQ's errors (a client retries the retriable ones).
 ERROR_CODES = ((BadRecords, 2),                 # CORRUPT_MESSAGE
@@ -60,6 +62,7 @@ class KafkaApis:
         self.mq = mq
         self.host, self.port, self.node_id = host, port, node_id
         self.groups = groups or ClassicGroups()
+        self.sequences = Sequences()
 
     def handle(self, request):
         """The response to ``request`` (a decoded request of a served API)."""
@@ -119,11 +122,19 @@ class KafkaApis:
                     if routes is None or not 0 <= p.index < len(routes):
                         raise UnknownTopicError(f"{t.name}/{p.index}")
                     batch = to_batch(t.name, p.index, p.records)
+                    writer = producer_of(p.records)
+                    pid, seq = self.sequences.check(writer, t.name, p.index)
+                    if seq == OUT_OF_ORDER:
+                        code = 45  # OUT_OF_ORDER_SEQUENCE_NUMBER: the client resends in order
+                        raise _Answered()
                     reply = self.mq.shard(routes[p.index]).call(
-                        "send", batch, 0, 0, None, acks, timeout_s=30)
+                        "send", batch, pid, seq, None, acks, timeout_s=30)
+                    self.sequences.stored(pid, seq)
                     if reply.refused:
                         raise InvalidMessageError(str(reply.refused[0]))
                     base = reply.queue_offsets[0] if reply.queue_offsets else -1
+                except _Answered:
+                    pass
                 except Exception as err:  # (each partition answers alone)
                     code = error_code(err)
                 parts.append(_ProducePart(index=p.index, error_code=code, base_offset=base,
@@ -132,6 +143,22 @@ class KafkaApis:
             topics.append(_ProduceTopic(name=t.name, partition_responses=parts))
         return ProduceResponse(version=request.API_VERSION, responses=topics,
                                throttle_time_ms=0)
+
+    def _InitProducerIdRequest(self, request):
+        """An idempotent producer's id: a new one (epoch 0), or the epoch after the one it
+        had (KIP-360).  Transactional ids are not served yet (issue 36)."""
+        v = request.API_VERSION
+        if request.transactional_id is not None:
+            return InitProducerIdResponse(version=v, throttle_time_ms=0,
+                                          error_code=UNSUPPORTED_VERSION, producer_id=-1,
+                                          producer_epoch=-1)
+        old = getattr(request, "producer_id", -1)
+        if old is not None and old >= 0:
+            pid, epoch = old, (getattr(request, "producer_epoch", -1) + 1) % 32767
+        else:
+            pid, epoch = new_producer_id(), 0
+        return InitProducerIdResponse(version=v, throttle_time_ms=0, error_code=NONE,
+                                      producer_id=pid, producer_epoch=epoch)
 
     # ---------------------------------------------------------------- Fetch
     def _FetchRequest(self, request):
@@ -330,3 +357,7 @@ def error_code(err: BaseException) -> int:
         if isinstance(err, kind):
             return code
     return UNKNOWN_SERVER_ERROR
+
+
+class _Answered(Exception):
+    """(a partition whose answer code is set already)"""

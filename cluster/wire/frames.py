@@ -19,6 +19,7 @@ from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, L
                                            SyncGroupRequest)
 from kafka.protocol.metadata import ApiVersionsRequest, FindCoordinatorRequest, MetadataRequest
 from kafka.protocol.producer import ProduceRequest
+from kafka.protocol.producer.transaction import InitProducerIdRequest
 
 #: The largest request frame taken (a bigger one closes its connection).
 MAX_FRAME_BYTES = 100 << 20
@@ -37,6 +38,7 @@ SERVED = {
     LeaveGroupRequest.API_KEY: (LeaveGroupRequest, 0, 4),
     OffsetCommitRequest.API_KEY: (OffsetCommitRequest, 2, 8),
     OffsetFetchRequest.API_KEY: (OffsetFetchRequest, 1, 7),
+    InitProducerIdRequest.API_KEY: (InitProducerIdRequest, 0, 4),
 }
 
 #: Kafka's error codes used here (``kafka.errors`` names them).

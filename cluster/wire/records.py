@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
 
 from kafka.record import MemoryRecords, MemoryRecordsBuilder
 
@@ -20,6 +21,30 @@ KEY_PROP, HEADERS_PROP = "KAFKA_KEY_B64", "KAFKA_HEADERS"
 
 class BadRecords(Exception):
     """Record batches that do not parse or fail their CRC (CORRUPT_MESSAGE)."""
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Who wrote a Produce request's records: Kafka's producer id (-1: not an idempotent
+    producer), epoch, the first record's sequence and how many records there are."""
+
+    id: int = -1
+    epoch: int = -1
+    base_sequence: int = -1
+    count: int = 0
+
+
+def producer_of(data: bytes) -> Producer:
+    """The producer fields of the first record batch of ``data`` (the batches of one
+    partition in one request come from one producer)."""
+    try:
+        batch = MemoryRecords(bytes(data)).next_batch()
+    except Exception:  # (``to_batch`` says what is wrong with it)
+        return Producer()
+    if batch is None or batch.producer_id < 0:
+        return Producer()
+    return Producer(batch.producer_id, batch.producer_epoch, batch.base_sequence,
+                    batch.last_offset_delta + 1)
 
 
 def to_batch(topic: str, queue: int, data: bytes) -> RecordBatch:

@@ -40,7 +40,8 @@ def ask(sock: socket.socket, request, version: int, correlation_id: int = 1):
     sock.sendall(bytes(request.encode(header=True, framed=True)))
     size = struct.unpack(">i", _exactly(sock, 4))[0]
     body = _exactly(sock, size)
-    cls = {18: ApiVersionsResponse, 3: MetadataResponse}[request.API_KEY]
+    from kafka.protocol.api_header import ResponseClassRegistry
+    cls = ResponseClassRegistry._response_class_registry[request.API_KEY]
     answer = cls.decode(body, version=version, header=True)
     assert answer.header.correlation_id == correlation_id
     return answer

@@ -198,3 +198,53 @@ def test_librdkafka_produces_and_a_group_of_it_consumes_with_keys_headers_and_ti
         c.close()
     committed = mq.admin.reset_offsets(name + "g", name, to="latest", dry_run=True)
     assert all(before == after == 15 for before, after in committed.values())
+
+
+def test_an_idempotent_producer_stores_a_resent_batch_once_and_refuses_a_gap(
+        mq, name, listener):
+    """librdkafka with ``enable.idempotence`` (the Java client's default) produces in order;
+    a batch sent twice (a resend after a lost answer) is stored once and answered with
+    the first offsets; a batch past a gap is refused with OUT_OF_ORDER_SEQUENCE_NUMBER."""
+    import socket
+    from confluent_kafka import Producer
+    from kafka.protocol.producer import ProduceRequest
+    from kafka.protocol.producer.transaction import InitProducerIdRequest
+    from kafka.record import MemoryRecordsBuilder
+    from tests.wire.test_frames import ask
+    mq.create_topic(name, 1)
+    boot = "%s:%d" % listener.address
+    p = Producer({"bootstrap.servers": boot, "enable.idempotence": True, "linger.ms": 2})
+    for i in range(200):
+        p.produce(name, value=b"%03d" % i, partition=0)
+    assert p.flush(30) == 0
+
+    def records(pid: int, base_seq: int, n: int) -> bytes:
+        b = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20,
+                                 producer_id=pid, producer_epoch=0, base_sequence=base_seq)
+        for i in range(n):
+            b.append(1, None, b"raw %d" % (base_seq + i))
+        b.close()
+        return bytes(b.buffer())
+    with socket.create_connection(listener.address) as s:
+        init = ask(s, InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=60_000,
+                                            producer_id=-1, producer_epoch=-1), 4)
+        assert init.error_code == 0 and init.producer_id > 0
+        pid = init.producer_id
+
+        def produce(base_seq: int, n: int):
+            req = ProduceRequest(transactional_id=None, acks=-1, timeout_ms=30_000,
+                                 topic_data=[ProduceRequest.TopicProduceData(
+                                     name=name, partition_data=[
+                                         ProduceRequest.TopicProduceData.PartitionProduceData(
+                                             index=0, records=records(pid, base_seq, n))])])
+            [part] = ask(s, req, 9).responses[0].partition_responses
+            return part.error_code, part.base_offset
+        first = produce(0, 3)
+        assert first == (0, 200)
+        assert produce(0, 3) == first                 # the same batch again: stored once
+        assert produce(5, 2)[0] == 45                 # past a gap (3, 4 never came)
+        assert produce(3, 2) == (0, 203)
+    bodies = [m.body for m in mq.shard(mq.routes_for({name})[name][0]).call(
+        "pull", [(name, 0, 0, 1000)], 0, None, None, "read_uncommitted", timeout_s=30)[0][2]
+        .messages()]
+    assert bodies == [b"%03d" % i for i in range(200)] + [b"raw %d" % i for i in range(5)]

@@ -46,3 +46,21 @@ def test_a_corrupt_or_empty_batch_is_refused_in_one_line():
         to_batch("t", 0, b"\x00" * 7)
     with pytest.raises(BadRecords, match="no record"):
         to_batch("t", 0, b"")
+
+
+def test_sequences_take_batches_in_order_know_a_resend_and_refuse_a_gap():
+    from raymq.storage.producers import INTERNAL_PRODUCER_BASE
+    from raymq.wire.records import Producer
+    from raymq.wire.sequences import OUT_OF_ORDER, Sequences
+    seqs = Sequences(remembered=2)
+    assert seqs.check(Producer(), "t", 0) == (0, 0)           # not idempotent
+    pid, seq = seqs.check(Producer(7, 0, 0, 3), "t", 0)
+    assert 0 < pid < INTERNAL_PRODUCER_BASE and seq == 3       # the put's sequence: past it
+    seqs.stored(pid, seq)
+    assert seqs.check(Producer(7, 0, 0, 3), "t", 0) == (pid, 3)  # a resend: the shard knows it
+    assert seqs.check(Producer(7, 0, 5, 1), "t", 0)[1] == OUT_OF_ORDER
+    assert seqs.check(Producer(7, 0, 3, 2), "t", 0) == (pid, 5)
+    assert seqs.check(Producer(7, 0, 0, 1), "t", 1)[0] != pid  # each partition its own
+    seqs.stored(seqs.check(Producer(8, 0, 0, 1), "t", 0)[0], 1)
+    seqs.stored(seqs.check(Producer(9, 0, 0, 1), "t", 0)[0], 1)
+    assert seqs.check(Producer(7, 0, 9, 1), "t", 0)[1] != OUT_OF_ORDER  # (forgotten: bounded)

@@ -1,0 +1,69 @@
+"""Idempotent Kafka producers over RayMQ's idempotent puts.  Pure: no sockets, no Ray.
+
+A Kafka producer numbers its records per partition (a batch carries its first record's
+sequence); a broker takes a batch only when its first sequence is the one after the last
+it stored, answers a resend of a stored batch with that batch's offsets, and refuses a
+batch past a gap with OUT_OF_ORDER_SEQUENCE_NUMBER (the client resends in order).  Here
+each (producer id, topic, partition) is a RayMQ producer of its own (its id derived
+from the three), whose put sequence is the batch's sequence after its last record: the
+shard's producer table answers a resend with the first put's offsets, and the listener
+keeps the sequence each partition expects next to refuse gaps (after a listener restart
+the first batch of a producer sets it).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from collections import OrderedDict
+
+from raymq.storage.producers import INTERNAL_PRODUCER_BASE
+from raymq.wire.records import Producer
+
+#: ``check``'s answer to a batch past a gap.
+OUT_OF_ORDER = -1
+#: (producer, partition) pairs whose next sequence is remembered (least recent dropped).
+REMEMBERED = 100_000
+
+
+def new_producer_id() -> int:
+    """A Kafka producer id nobody else holds (random 48 bits: a collision is as likely as
+    two producers among ~10^7 drawing the same)."""
+    return random.getrandbits(48) + 1
+
+
+def raymq_producer(pid: int, topic: str, queue: int) -> int:
+    """The RayMQ producer id of Kafka producer ``pid`` on ``topic``/``queue`` (a client's:
+    below the broker's own)."""
+    digest = hashlib.blake2b(f"{pid}/{topic}/{queue}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") % (INTERNAL_PRODUCER_BASE - 1)) + 1
+
+
+class Sequences:
+    def __init__(self, remembered: int = REMEMBERED):
+        self._next: OrderedDict[int, int] = OrderedDict()
+        self._remembered = remembered
+        self._lock = threading.Lock()
+
+    def check(self, writer: Producer, topic: str, queue: int) -> tuple[int, int]:
+        """``(RayMQ producer id, put sequence)`` of a batch (``(0, 0)``: not idempotent;
+        sequence ``OUT_OF_ORDER``: a batch past a gap)."""
+        if writer.id < 0 or writer.base_sequence < 0:
+            return 0, 0
+        pid = raymq_producer(writer.id, topic, queue)
+        end = writer.base_sequence + writer.count  # (the put's sequence: past its records)
+        with self._lock:
+            expected = self._next.get(pid)
+        if expected is not None and writer.base_sequence > expected:
+            return pid, OUT_OF_ORDER
+        return pid, end
+
+    def stored(self, pid: int, sequence: int) -> None:
+        """A put of ``pid`` up to ``sequence`` is stored (or was: a resend)."""
+        if not pid:
+            return
+        with self._lock:
+            self._next[pid] = max(self._next.get(pid, 0), sequence)
+            self._next.move_to_end(pid)
+            while len(self._next) > self._remembered:
+                self._next.popitem(last=False)
