@@ -11,6 +11,7 @@ from kafka.protocol.consumer import FetchResponse, ListOffsetsResponse
 from kafka.protocol.consumer.group import (HeartbeatResponse, JoinGroupResponse,
                                            LeaveGroupResponse, OffsetCommitResponse,
                                            OffsetFetchResponse, SyncGroupResponse)
+from kafka.protocol.admin.topics import CreateTopicsResponse, DeleteTopicsResponse
 from kafka.protocol.metadata import ApiVersionsResponse, FindCoordinatorResponse, MetadataResponse
 from kafka.protocol.producer import ProduceResponse
 from kafka.protocol.producer.transaction import InitProducerIdResponse
@@ -18,7 +19,8 @@ from kafka.protocol.producer.transaction import InitProducerIdResponse
 from raymq.actors.protocol import is_system_topic
 from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, InvalidMessageError,
                                   NotEnoughReplicasError, NotLeaderError, OffsetOutOfRangeError,
-                                  RequestTimeoutError, UnknownTopicError)
+                                  QuotaExceededError, ReservedNameError, RequestTimeoutError,
+                                  TopicExistsError, UnknownTopicError)
 from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
@@ -27,6 +29,9 @@ from raymq.wire.sequences import OUT_OF_ORDER, Sequences, new_producer_id
 
 #: Kafka's error codes for RayMQ's errors (a client retries the retriable ones).
 ERROR_CODES = ((BadRecords, 2),                 # CORRUPT_MESSAGE
+               (TopicExistsError, 36),          # TOPIC_ALREADY_EXISTS
+               (ReservedNameError, 17),         # INVALID_TOPIC_EXCEPTION
+               (QuotaExceededError, 89),        # THROTTLING_QUOTA_EXCEEDED
                (OffsetOutOfRangeError, 1),      # OFFSET_OUT_OF_RANGE
                (UnknownTopicError, 3),          # UNKNOWN_TOPIC_OR_PARTITION
                (NotLeaderError, 6),             # NOT_LEADER_OR_FOLLOWER
@@ -159,6 +164,54 @@ class KafkaApis:
             pid, epoch = new_producer_id(), 0
         return InitProducerIdResponse(version=v, throttle_time_ms=0, error_code=NONE,
                                       producer_id=pid, producer_epoch=epoch)
+
+    # ----------------------------------------------------------------- admin
+    def _CreateTopicsRequest(self, request):
+        """A topic per entry: its partitions as queues (-1: the cluster's default), its
+        ``retention.ms`` / ``retention.bytes`` configs as its retention; the others
+        refused (INVALID_CONFIG)."""
+        v, out = request.API_VERSION, []
+        for t in request.topics:
+            code, message, queues = NONE, None, t.num_partitions
+            try:
+                conf = {c.name: c.value for c in t.configs}
+                unknown = sorted(set(conf) - {"retention.ms", "retention.bytes"})
+                if unknown:
+                    code, message = 40, f"configs not served: {', '.join(unknown)}"
+                elif t.assignments:
+                    code, message = 39, "replica assignments are RayMQ's own (raymq up)"
+                elif t.name in self.mq.topics():
+                    raise TopicExistsError(f"topic {t.name!r} exists")
+                elif not request.validate_only:
+                    info = self.mq.create_topic(
+                        t.name, None if t.num_partitions < 0 else t.num_partitions,
+                        retention_ms=_int(conf.get("retention.ms")),
+                        retention_bytes=_int(conf.get("retention.bytes")))
+                    queues = len(info["routes"])
+            except Exception as err:
+                code, message = error_code(err), str(err)[:500]
+                if code == UNKNOWN_SERVER_ERROR and isinstance(err, (ValueError, TypeError)):
+                    code = 42  # INVALID_REQUEST
+            out.append(CreateTopicsResponse.CreatableTopicResult(
+                name=t.name, topic_id=None, error_code=code, error_message=message,
+                topic_config_error_code=NONE, num_partitions=queues, replication_factor=-1,
+                configs=[]))
+        return CreateTopicsResponse(version=v, throttle_time_ms=0, topics=out)
+
+    def _DeleteTopicsRequest(self, request):
+        out = []
+        for name in request.topic_names:
+            code, message = NONE, None
+            try:
+                if self._routes(name) is None:
+                    raise UnknownTopicError(f"topic {name!r} does not exist")
+                self.mq.delete_topic(name)
+            except Exception as err:
+                code, message = error_code(err), str(err)[:500]
+            out.append(DeleteTopicsResponse.DeletableTopicResult(
+                name=name, topic_id=None, error_code=code, error_message=message))
+        return DeleteTopicsResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                    responses=out)
 
     # ---------------------------------------------------------------- Fetch
     def _FetchRequest(self, request):
@@ -361,3 +414,7 @@ def error_code(err: BaseException) -> int:
 
 class _Answered(Exception):
     """(a partition whose answer code is set already)"""
+
+
+def _int(text: str | None) -> int | None:
+    return None if text is None else int(text)

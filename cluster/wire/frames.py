@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 
+from kafka.protocol.admin.topics import CreateTopicsRequest, DeleteTopicsRequest
 from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, LeaveGroupRequest,
                                            OffsetCommitRequest, OffsetFetchRequest,
@@ -39,6 +40,8 @@ SERVED = {
     OffsetCommitRequest.API_KEY: (OffsetCommitRequest, 2, 8),
     OffsetFetchRequest.API_KEY: (OffsetFetchRequest, 1, 7),
     InitProducerIdRequest.API_KEY: (InitProducerIdRequest, 0, 4),
+    CreateTopicsRequest.API_KEY: (CreateTopicsRequest, 2, 6),     # (7+ answer topic ids)
+    DeleteTopicsRequest.API_KEY: (DeleteTopicsRequest, 1, 5),     # (6+ name them by id)
 }
 
 #: Kafka's error codes used here (``kafka.errors`` names them).

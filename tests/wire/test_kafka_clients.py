@@ -248,3 +248,23 @@ def test_an_idempotent_producer_stores_a_resent_batch_once_and_refuses_a_gap(
         "pull", [(name, 0, 0, 1000)], 0, None, None, "read_uncommitted", timeout_s=30)[0][2]
         .messages()]
     assert bodies == [b"%03d" % i for i in range(200)] + [b"raw %d" % i for i in range(5)]
+
+
+def test_topics_are_created_and_deleted_through_kafkas_admin_client(mq, name, listener):
+    from confluent_kafka.admin import AdminClient, NewTopic
+    admin = AdminClient({"bootstrap.servers": "%s:%d" % listener.address})
+    made = admin.create_topics([NewTopic(name, 3, config={"retention.ms": "3600000"}),
+                                NewTopic(name + "x", 2, config={"cleanup.policy": "compact"})])
+    made[name].result(30)
+    with pytest.raises(Exception, match="configs not served: cleanup.policy"):
+        made[name + "x"].result(30)
+    again = admin.create_topics([NewTopic(name, 3)])
+    with pytest.raises(Exception, match="TOPIC_ALREADY_EXISTS"):
+        again[name].result(30)
+    info = mq.describe_topic(name)
+    assert len(info["routes"]) == 3 and info["retention_ms"] == 3600_000
+    admin.delete_topics([name])[name].result(30)
+    wait_for(lambda: name not in mq.topics(), what="the topic deleted")
+    gone = admin.delete_topics([name])
+    with pytest.raises(Exception, match="UNKNOWN_TOPIC"):
+        gone[name].result(30)
