@@ -7,6 +7,8 @@ Python over an ``mq`` (the SDK's ``RayMQ`` or anything with its ``topics()``).
 """
 from __future__ import annotations
 
+import logging
+
 from kafka.protocol.consumer import FetchResponse, ListOffsetsResponse
 from kafka.protocol.consumer.group import (HeartbeatResponse, JoinGroupResponse,
                                            LeaveGroupResponse, OffsetCommitResponse,
@@ -43,6 +45,8 @@ ERROR_CODES = ((BadRecords, 2),                 # CORRUPT_MESSAGE
 UNKNOWN_SERVER_ERROR = -1
 #: Most messages one partition of a Fetch carries.
 FETCH_MAX_MESSAGES = 5000
+
+log = logging.getLogger("raymq.kafka")
 
 #: The cluster id Metadata answers (one RayMQ behind a listener).
 CLUSTER_ID = "raymq"
@@ -290,6 +294,15 @@ class KafkaApis:
 
     def _JoinGroupRequest(self, request):
         v = request.API_VERSION
+        sdk = self._sdk_members(request.group_id)
+        if sdk:  # (one name, two group protocols: each would take the other's queues)
+            log.warning("kafka listener: group %r refused: the SDK's consumers %s use that "
+                        "name; a Kafka group needs a name of its own", request.group_id,
+                        ", ".join(sdk[:5]))
+            return JoinGroupResponse(
+                version=v, throttle_time_ms=0, error_code=23, generation_id=-1,
+                protocol_type=request.protocol_type, protocol_name="", leader="",
+                skip_assignment=False, member_id=request.member_id, members=[])
         got = self.groups.join(
             request.group_id, request.member_id, request.protocol_type,
             [(p.name, p.metadata) for p in request.protocols], request.session_timeout_ms,
@@ -302,6 +315,15 @@ class KafkaApis:
             members=[JoinGroupResponse.JoinGroupResponseMember(
                 member_id=mid, group_instance_id=None, metadata=meta)
                 for mid, meta in got.members])
+
+    def _sdk_members(self, group: str) -> list[str]:
+        """The SDK's live consumers of ``group`` (the cluster's membership)."""
+        try:
+            members = self.mq.control.call("groups", timeout_s=30).get(group, {})
+        except Exception as err:  # (the controller away: the join goes on)
+            log.info("kafka listener: the SDK's groups not known: %s", err)
+            return []
+        return sorted(members.get("members") or [])
 
     def _SyncGroupRequest(self, request):
         error, assignment = self.groups.sync(

@@ -268,3 +268,22 @@ def test_topics_are_created_and_deleted_through_kafkas_admin_client(mq, name, li
     gone = admin.delete_topics([name])
     with pytest.raises(Exception, match="UNKNOWN_TOPIC"):
         gone[name].result(30)
+
+
+def test_a_group_name_live_in_the_sdk_is_refused_to_kafka_consumers_in_one_line(
+        mq, name, listener):
+    from confluent_kafka import Consumer
+    mq.create_topic(name, 1)
+    sdk = mq.consumer(name + "g", [name])
+    sdk.poll(1, 0.5)  # (a live member of the SDK's group)
+    c = Consumer({"bootstrap.servers": "%s:%d" % listener.address, "group.id": name + "g"})
+    try:
+        c.subscribe([name])
+        errors = []
+        wait_for(lambda: (m := c.poll(0.5)) is not None and m.error() and
+                 errors.append(m.error()) or errors or None,
+                 timeout_s=30, what="the Kafka consumer told the name is taken")
+        assert "INCONSISTENT_GROUP_PROTOCOL" in str(errors[0])
+    finally:
+        c.close()
+        sdk.close()
