@@ -509,17 +509,28 @@ def _cmd_timer(args) -> int:
     return 0
 
 
+def _served_cluster(args):
+    """The RayMQ a serving command (console, kafka) works on: with --embedded a local Ray
+    and RayMQ of its own over --config's data (e.g. the demo's), else the one it joins."""
+    if not args.embedded:
+        return _connect(args)
+    from raymq import rpc
+    from raymq.client import connect
+    settings = _config_file(args)
+    rpc.init("local", include_dashboard=False, logging_level=logging.ERROR)
+    return connect(deploy=True, config=settings)
+
+
+def _until_ctrl_c() -> None:
+    print("Ctrl-C to stop", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
 def _cmd_console(args) -> int:
     from raymq.tools.console import Console, ConsoleServer
     from raymq.tools.console_pages import Pages
-    if args.embedded:  # a local Ray of its own over --config's data (e.g. the demo's)
-        from raymq import rpc
-        from raymq.client import connect
-        settings = _config_file(args)
-        rpc.init("local", include_dashboard=False, logging_level=logging.ERROR)
-        mq = connect(deploy=True, config=settings)
-    else:
-        mq = _connect(args)
+    mq = _served_cluster(args)
     console = Console(mq, read_only=args.read_only, pages=Pages(mq, sample_s=args.sample_every))
     server = ConsoleServer(console, args.host, args.port).start()
     try:  # (before the URL is printed: a Ctrl-C as soon as it is seen stops cleanly too)
@@ -532,9 +543,7 @@ def _cmd_console(args) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"raymq console: serving on {args.host}: anyone who reaches this port can "
                   "read the cluster's messages", file=sys.stderr)
-        print("Ctrl-C to stop", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)
+        _until_ctrl_c()
     except KeyboardInterrupt:
         print("console stopped", file=sys.stderr)
     finally:
@@ -544,23 +553,14 @@ def _cmd_console(args) -> int:
 
 def _cmd_kafka(args) -> int:
     from raymq.wire.listener import KafkaListener
-    if args.embedded:  # a local Ray of its own over --config's data (e.g. the demo's)
-        from raymq import rpc
-        from raymq.client import connect
-        settings = _config_file(args)
-        rpc.init("local", include_dashboard=False, logging_level=logging.ERROR)
-        mq = connect(deploy=True, config=settings)
-    else:
-        mq = _connect(args)
+    mq = _served_cluster(args)
     listener = KafkaListener(mq, args.host, args.port,
                              advertised_host=args.advertised_host).start()
     try:  # (before the address is printed: a Ctrl-C as soon as it is seen stops cleanly)
         host, port = listener.address
         print(f"RayMQ Kafka listener: bootstrap.servers={args.advertised_host or host}:{port}",
               flush=True)
-        print("Ctrl-C to stop", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(3600)
+        _until_ctrl_c()
     except KeyboardInterrupt:
         print("kafka listener stopped", file=sys.stderr)
     finally:
