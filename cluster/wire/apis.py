@@ -119,39 +119,43 @@ class KafkaApis:
     # -------------------------------------------------------------- Produce
     def _ProduceRequest(self, request):
         """Each partition's records as one put of its queue (``acks`` 0 and 1: the leader's
-        write; -1: every in-sync replica's, RayMQ's default)."""
+        write; -1: every in-sync replica's, RayMQ's default); the puts of all partitions
+        are sent at once over the shards' data channels, then awaited."""
         acks = "all" if request.acks == -1 else "leader"
-        topics = []
+        started = []  # (topic, partition, error code or None, call or None, pid, seq)
         for t in request.topic_data:
             routes = self._routes(t.name)
-            parts = []
             for p in t.partition_data:
-                code, base = NONE, -1
                 try:
                     if routes is None or not 0 <= p.index < len(routes):
                         raise UnknownTopicError(f"{t.name}/{p.index}")
                     batch = to_batch(t.name, p.index, p.records)
-                    writer = producer_of(p.records)
-                    pid, seq = self.sequences.check(writer, t.name, p.index)
-                    if seq == OUT_OF_ORDER:
-                        code = 45  # OUT_OF_ORDER_SEQUENCE_NUMBER: the client resends in order
-                        raise _Answered()
-                    reply = self.mq.shard(routes[p.index]).call(
-                        "send", batch, pid, seq, None, acks, timeout_s=30)
+                    pid, seq = self.sequences.check(producer_of(p.records), t.name, p.index)
+                    if seq == OUT_OF_ORDER:  # (OUT_OF_ORDER_SEQUENCE_NUMBER: the client
+                        started.append((t.name, p.index, 45, None, 0, 0))  # resends in order)
+                        continue
+                    call = self.mq.transport.begin(routes[p.index], "send",
+                                                   (batch, pid, seq, None, acks), timeout_s=30)
+                    started.append((t.name, p.index, None, call, pid, seq))
+                except Exception as err:  # (each partition answers alone)
+                    started.append((t.name, p.index, error_code(err), None, 0, 0))
+        topics: dict[str, list] = {}
+        for name, index, code, call, pid, seq in started:
+            base = -1
+            if call is not None:
+                try:
+                    reply = call.result()
                     self.sequences.stored(pid, seq)
                     if reply.refused:
                         raise InvalidMessageError(str(reply.refused[0]))
-                    base = reply.queue_offsets[0] if reply.queue_offsets else -1
-                except _Answered:
-                    pass
-                except Exception as err:  # (each partition answers alone)
+                    code, base = NONE, reply.queue_offsets[0] if reply.queue_offsets else -1
+                except Exception as err:
                     code = error_code(err)
-                parts.append(_ProducePart(index=p.index, error_code=code, base_offset=base,
-                                          log_append_time_ms=-1, log_start_offset=-1,
-                                          record_errors=[], error_message=None))
-            topics.append(_ProduceTopic(name=t.name, partition_responses=parts))
-        return ProduceResponse(version=request.API_VERSION, responses=topics,
-                               throttle_time_ms=0)
+            topics.setdefault(name, []).append(_ProducePart(
+                index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
+                log_start_offset=-1, record_errors=[], error_message=None))
+        return ProduceResponse(version=request.API_VERSION, throttle_time_ms=0, responses=[
+            _ProduceTopic(name=n, partition_responses=ps) for n, ps in topics.items()])
 
     def _InitProducerIdRequest(self, request):
         """An idempotent producer's id: a new one (epoch 0), or the epoch after the one it
@@ -233,11 +237,12 @@ class KafkaApis:
                         (t.topic, p.partition, p.fetch_offset, n))
         wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
         got: dict = {}
-        for shard, reads in by_shard.items():
+        calls = [(reads, self.mq.transport.begin(
+            shard, "pull", (reads, wait, None, None, isolation, "messages", "error"),
+            timeout_s=30)) for shard, reads in by_shard.items()]
+        for reads, call in calls:
             try:
-                for topic, q, batch, _next, end in self.mq.shard(shard).call(
-                        "pull", reads, wait, None, None, isolation, "messages", "error",
-                        timeout_s=30):
+                for topic, q, batch, _next, end in call.result():
                     got[(topic, q)] = (NONE, batch.messages(), end)
             except Exception as err:  # (that shard's partitions answer the error)
                 for topic, q, _o, _n in reads:
@@ -268,8 +273,9 @@ class KafkaApis:
                         raise UnknownTopicError(f"{t.name}/{p.partition_index}")
                     q = (t.name, p.partition_index)
                     ts = None if p.timestamp < 0 else p.timestamp
-                    start, end, at = self.mq.shard(routes[p.partition_index]).call(
-                        "queue_bounds", [q], None if ts is None else [ts], timeout_s=30)[q]
+                    start, end, at = self.mq.transport.call(
+                        routes[p.partition_index], "queue_bounds", [q],
+                        None if ts is None else [ts], timeout_s=30)[q]
                     offset = {-2: start, -1: end}.get(p.timestamp, -1 if at >= end else at)
                 except Exception as err:
                     code = error_code(err)
@@ -370,8 +376,8 @@ class KafkaApis:
                         (t.name, p.partition_index)] = p.committed_offset
             for shard, offsets in by_shard.items():
                 try:
-                    self.mq.shard(shard).call("commit_offsets", request.group_id, offsets,
-                                              timeout_s=30)
+                    self.mq.transport.call(shard, "commit_offsets", request.group_id,
+                                           offsets, timeout_s=30)
                     code = NONE
                 except Exception as err:
                     code = error_code(err)
@@ -400,8 +406,8 @@ class KafkaApis:
                     by_shard.setdefault(routes[q], []).append((name, q))
             for shard, queues in by_shard.items():
                 try:
-                    got = self.mq.shard(shard).call("get_offsets", request.group_id, queues,
-                                                    timeout_s=30)
+                    got = self.mq.transport.call(shard, "get_offsets", request.group_id,
+                                                 queues, timeout_s=30)
                     found.update({q: (got[(t, q)], NONE) for t, q in queues})
                 except Exception as err:
                     found.update({q: (-1, error_code(err)) for _t, q in queues})
@@ -434,8 +440,6 @@ def error_code(err: BaseException) -> int:
     return UNKNOWN_SERVER_ERROR
 
 
-class _Answered(Exception):
-    """(a partition whose answer code is set already)"""
 
 
 def _int(text: str | None) -> int | None:
