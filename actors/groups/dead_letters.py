@@ -11,7 +11,7 @@ from typing import Callable
 
 from raymq.actors.front.reads import stored_message
 from raymq.actors.protocol import Prop, SendReply, dlq_topic, make_msg_id, retry_topic
-from raymq.actors.timing.delay import for_live_topics
+from raymq.actors.timing.delay import for_live_topics, of_live_topic
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.errors import InvalidMessageError, StorageError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
@@ -128,7 +128,7 @@ class DeadLetters:
         if bad:
             raise InvalidMessageError(f"{make_msg_id(self.shard, bad[0].phys_offset)} is not "
                                       f"a dead letter of group {group!r}")
-        gone = [m for m in msgs if m not in for_live_topics(self.store, [m])]
+        gone = [m for m in msgs if not of_live_topic(self.store, m)]
         if gone:
             raise InvalidMessageError(f"dead letter {make_msg_id(self.shard, gone[0].phys_offset)}"
                                       f" was of topic {gone[0].properties.get(Prop.RETRY_TOPIC)!r},"

@@ -41,7 +41,7 @@ class TxnLog:
     def load(self) -> tuple[dict[str, TxnMetadata], int]:
         """(each live transactional id's metadata, the highest producer-id counter ever
         logged: ids above it were never handed out)."""
-        txns, start, counter = self._snapshot()
+        txns, start, counter, _current = self._snapshot()
         self._snapshot_offset = start
         self.replayed, counter = self._fold(txns, start, None, counter)
         return txns, counter
@@ -62,9 +62,9 @@ class TxnLog:
         if end - self._snapshot_offset < self.compact_records:
             return False
         self.store.make_durable()
-        txns, start, counter = self._snapshot()
+        txns, start, counter, current = self._snapshot()
         _n, counter = self._fold(txns, start, end, counter)
-        if start and read_snapshot(self._snapshot_path, SNAPSHOT_KIND) is not None:
+        if current:  # (a damaged one is not kept as the one to fall back on)
             os.replace(self._snapshot_path, self._snapshot_path + PREV_SUFFIX)
         write_snapshot(self._snapshot_path, SNAPSHOT_KIND, end, {
             "last_counter": counter,
@@ -86,21 +86,24 @@ class TxnLog:
     def close(self) -> None:
         self.store.close()
 
-    def _snapshot(self) -> tuple[dict[str, TxnMetadata], int, int]:
-        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND) or \
-            read_snapshot(self._snapshot_path + PREV_SUFFIX, SNAPSHOT_KIND)
+    def _snapshot(self) -> tuple[dict[str, TxnMetadata], int, int, bool]:
+        """(live state, the offset it runs to, the producer-id counter, whether it is the
+        current snapshot -- else the previous one, or none)."""
+        snap = read_snapshot(self._snapshot_path, SNAPSHOT_KIND)
+        current = snap is not None
+        snap = snap or read_snapshot(self._snapshot_path + PREV_SUFFIX, SNAPSHOT_KIND)
         if snap is None:
             if self.store.min_phys_offset > SEGMENT_HEADER_BYTES:
                 log.error("%s: no snapshot readable and the log's first segments were "
                           "deleted: transactional ids logged only there are forgotten",
                           self.store.directory)
-            return {}, 0, 0
+            return {}, 0, 0, False
         offset, state = snap
         txns = {}
         for text in state["txns"]:
             meta = TxnMetadata.from_json(text.encode())
             txns[meta.transactional_id] = meta
-        return txns, offset, state["last_counter"]
+        return txns, offset, state["last_counter"], current
 
     def _fold(self, txns: dict[str, TxnMetadata], start: int, end: int | None,
               counter: int) -> tuple[int, int]:

@@ -183,8 +183,7 @@ class HalfIndex:
             return EndOutcome.UNKNOW, [], {}
         real, done = [], {}
         for origin in end.origins:
-            half = (halves or {}).get(origin) or (
-                origin < self.store.min_phys_offset and self.latest_copy_of(origin)) or \
+            half = (halves or {}).get(origin) or self.aged_copy(origin) or \
                 stored_message(self.store, self.shard, origin)
             self._check_end_matches(end, origin, half, operator=operator)
             # (an origin named twice in one end is resolved once)
@@ -242,9 +241,8 @@ class HalfIndex:
         """The halves of many ends: kept from their send, else in one read where their sizes
         are known."""
         found = {o: self.cache[o] for o in origins if o in self.cache}
-        first = self.store.min_phys_offset
-        for o in origins:  # (first copy aged out: its latest, which the check rounds re-put)
-            if o < first and o not in found and (copy := self.latest_copy_of(o)) is not None:
+        for o in origins:
+            if o not in found and (copy := self.aged_copy(o)) is not None:
                 found[o] = copy
         known = sorted({o for o in origins if o in self.sizes and o not in found})
         if not known:
@@ -259,10 +257,13 @@ class HalfIndex:
             log.warning("shard-%d: batched half read failed: %s", self.shard, err)
         return found
 
-    def latest_copy_of(self, origin: int) -> StoredMessage | None:
-        """The latest copy of a pending half (None: none is known).  Every check round
-        re-puts the halves it passes at the head of the log, so a half outlives the
-        segment it was sent in: its end reads this copy (same origin, same contents)."""
+    def aged_copy(self, origin: int) -> StoredMessage | None:
+        """The latest copy of a pending half whose first copy aged out (None: its first
+        is still there, or no copy is known).  Every check round re-puts the halves it
+        passes at the head of the log, so a half outlives the segment it was sent in:
+        its end reads this copy (same origin, same contents)."""
+        if origin >= self.store.min_phys_offset:
+            return None
         qoff = self.pending.get(origin)
         got = self.store.read_queue(HALF_TOPIC, 0, qoff, 1) if qoff is not None else []
         return got[0] if got else None

@@ -92,17 +92,7 @@ class DelayScheduler:
             if take > 1:  # a put of at most DELIVERY_MAX_BYTES (at least one message)
                 total = np.cumsum(entries["size"][:due])
                 take = max(1, int(np.searchsorted(total, DELIVERY_MAX_BYTES, "right")))
-            msgs = self.store.messages_at(entries[:take]).messages()
-            gone = self._cancelled(level, start, take)
-            if gone:
-                msgs = [m for j, m in enumerate(msgs) if start + j not in gone]
-            msgs = for_live_topics(self.store, msgs)
-            # (all of them cancelled: a record of the skip keeps the level's progress)
-            batch = restore_real(self.shard, msgs) if msgs else \
-                RecordBatch(TIMER_DONE_TOPIC, 0, [b""])
-            self.store.put(batch, producer_id=SCHEDULER_PID_BASE + level, sequence=start + take)
-            for i in gone:
-                self.cancels.levels.discard((level, i))
+            self.pass_on(level, start, entries, take, lambda ms: restore_real(self.shard, ms))
             late = int(now - tags[:take].min())
             self.max_lateness_ms = max(self.max_lateness_ms, late)
             self.metrics.observe("delay_lateness_ms", float(late))
@@ -113,6 +103,25 @@ class DelayScheduler:
             if due < len(entries):
                 return int(tags[due] - now)
         return self.tick_ms
+
+    def pass_on(self, level: int, start: int, entries: np.ndarray, take: int,
+                batch_of: Callable[[list[StoredMessage]], RecordBatch]):
+        """Move ``level``'s progress past its first ``take`` ``entries`` (from ``start``) in
+        one put: what ``batch_of`` makes of those still wanted (neither cancelled nor for
+        a topic deleted since), or a record of the skip when none is; the cancellations
+        passed are forgotten.  (The put's result, the messages put.)"""
+        msgs = self.store.messages_at(entries[:take]).messages()
+        gone = self._cancelled(level, start, take)
+        if gone:
+            msgs = [m for j, m in enumerate(msgs) if start + j not in gone]
+        msgs = for_live_topics(self.store, msgs)
+        # (all of them passed: a record of the skip keeps the level's progress)
+        batch = batch_of(msgs) if msgs else RecordBatch(TIMER_DONE_TOPIC, 0, [b""])
+        res = self.store.put(batch, producer_id=SCHEDULER_PID_BASE + level,
+                             sequence=start + take)
+        for i in gone:
+            self.cancels.levels.discard((level, i))
+        return res, msgs
 
     def _cancelled(self, level: int, start: int, take: int) -> set[int]:
         if self.cancels is None or not self.cancels.levels:
@@ -156,11 +165,16 @@ def for_live_topics(store: MessageStore, msgs: list[StoredMessage]) -> list[Stor
     """``msgs`` but those scheduled for a topic deleted after they were (never delivered:
     a topic created again with the name is another one), and retries or dead letters of
     a message of such a topic (its ``RETRY_TOPIC``)."""
-    tomb = store.retention.tombstones
-    if not tomb:
+    if not store.retention.tombstones:
         return msgs
-    return [m for m in msgs if tomb.get(m.properties.get(Prop.REAL_TOPIC), -1) < m.phys_offset
-            and tomb.get(m.properties.get(Prop.RETRY_TOPIC), -1) < m.phys_offset]
+    return [m for m in msgs if of_live_topic(store, m)]
+
+
+def of_live_topic(store: MessageStore, m: StoredMessage) -> bool:
+    """Whether ``m`` was not written for a topic deleted since (``for_live_topics``)."""
+    tomb = store.retention.tombstones
+    return tomb.get(m.properties.get(Prop.REAL_TOPIC), -1) < m.phys_offset and \
+        tomb.get(m.properties.get(Prop.RETRY_TOPIC), -1) < m.phys_offset
 
 
 def restore_real(shard: int, msgs: list[StoredMessage]) -> RecordBatch:

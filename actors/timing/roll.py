@@ -24,8 +24,8 @@ import logging
 import numpy as np
 
 from raymq.actors.front.reads import stored_message
-from raymq.actors.protocol import SCHEDULE_TOPIC, TIMER_DONE_TOPIC, TIMER_TOPIC, Prop, make_msg_id
-from raymq.actors.timing.delay import (DELIVERY_MAX_BYTES, SCHEDULER_PID_BASE, DelayScheduler,
+from raymq.actors.protocol import SCHEDULE_TOPIC, TIMER_TOPIC, Prop, make_msg_id
+from raymq.actors.timing.delay import (DELIVERY_MAX_BYTES, DelayScheduler,
                                        for_live_topics)
 from raymq.actors.timing.timers import TimerScheduler
 from raymq.storage import RecordBatch
@@ -161,22 +161,14 @@ def roll_delays(d: DelayScheduler, below_phys: int) -> int:
                 entries = d.store.read_cq(SCHEDULE_TOPIC, lvl, start, min(1000, x - start))
                 total = np.cumsum(entries["size"])
                 take = max(1, int(np.searchsorted(total, DELIVERY_MAX_BYTES, "right")))
-                msgs = d.store.messages_at(entries[:take]).messages()
-                gone = d._cancelled(level, start, take)
                 dues = np.minimum(entries["tag"][:take], now + d.levels_ms[lvl]).tolist()
-                keep = [m for j, m in enumerate(msgs) if start + j not in gone]
-                records = [rolled_copy(d.shard, m, dues[m.queue_offset - start])
-                           for m in for_live_topics(d.store, keep)]
-                batch = RecordBatch.from_records(records) if records else \
-                    RecordBatch(TIMER_DONE_TOPIC, 0, [b""])
-                res = d.store.put(batch, producer_id=SCHEDULER_PID_BASE + level,
-                                  sequence=start + take)
+                res, msgs = d.pass_on(level, start, entries, take, lambda ms, s=start, du=dues:
+                                      RecordBatch.from_records([rolled_copy(
+                                          d.shard, m, du[m.queue_offset - s]) for m in ms]))
                 if res.status is not PutStatus.PUT_OK:
                     raise RequestTimeoutError("rolled delayed messages did not reach the disk")
-                for i in gone:
-                    d.cancels.levels.discard((level, i))
                 start += take
-                rolled += len(records)
+                rolled += len(msgs)
     if rolled:
         log.info("shard-%d: %d delayed messages rolled to the head of the log as timer "
                  "messages", d.shard, rolled)

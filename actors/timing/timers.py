@@ -35,7 +35,7 @@ from raymq.storage.fileutil import read_tree
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
-from raymq.storage.timerwheel import WHEEL_ENTRY, TimerWheel
+from raymq.storage.timerwheel import TimerWheel
 
 log = logging.getLogger("raymq.shard")
 
@@ -76,10 +76,7 @@ class Cancellations:
     def record(self, entry: dict) -> None:
         """Write one cancellation durably, then keep it."""
         with self.lock:
-            res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
-            if res.status is not PutStatus.PUT_OK:  # (as the coordinator's log write)
-                raise RequestTimeoutError("the cancellation did not reach the disk within "
-                                          "flush_timeout_ms; retry")
+            self._put(entry, "the cancellation")
             self._keep(entry)
 
     def rolled(self, below: int) -> Record:
@@ -95,10 +92,15 @@ class Cancellations:
             self.timer = {i: d for i, d in self.timer.items() if i >= self.rolled_below}
             entry = {"kind": "snapshot", "rolled_below": self.rolled_below,
                      "timer": sorted(self.timer.items()), "levels": sorted(self.levels)}
-            res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
-            if res.status is not PutStatus.PUT_OK:
-                raise RequestTimeoutError("the cancellations' snapshot did not reach the disk")
-            self.base = res.queue_offsets[0]
+            self.base = self._put(entry, "the cancellations' snapshot").queue_offsets[0]
+
+    def _put(self, entry: dict, what: str):
+        """(locked) Write one record of the timer-cancel topic, durably (its put result)."""
+        res = self.store.put(RecordBatch(TIMER_CANCEL_TOPIC, 0, [json.dumps(entry).encode()]))
+        if res.status is not PutStatus.PUT_OK:  # (as the coordinator's log write)
+            raise RequestTimeoutError(f"{what} did not reach the disk within "
+                                      f"flush_timeout_ms; retry")
+        return res
 
     def retention_pin(self) -> tuple[str, int, int]:
         return (TIMER_CANCEL_TOPIC, 0, self.base)

@@ -26,7 +26,7 @@ from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, Invalid
 from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
-from raymq.wire.records import BadRecords, from_messages, producer_of, to_batch
+from raymq.wire.records import BadRecords, from_messages, to_batch
 from raymq.wire.sequences import OUT_OF_ORDER, Sequences, new_producer_id
 
 #: Kafka's error codes for RayMQ's errors (a client retries the retriable ones).
@@ -127,14 +127,15 @@ class KafkaApis:
             routes = self._routes(t.name)
             for p in t.partition_data:
                 try:
-                    if routes is None or not 0 <= p.index < len(routes):
+                    shard = _shard_of(routes, p.index)
+                    if shard is None:
                         raise UnknownTopicError(f"{t.name}/{p.index}")
-                    batch = to_batch(t.name, p.index, p.records)
-                    pid, seq = self.sequences.check(producer_of(p.records), t.name, p.index)
+                    batch, writer = to_batch(t.name, p.index, p.records)
+                    pid, seq = self.sequences.check(writer, t.name, p.index)
                     if seq == OUT_OF_ORDER:  # (OUT_OF_ORDER_SEQUENCE_NUMBER: the client
                         started.append((t.name, p.index, 45, None, 0, 0))  # resends in order)
                         continue
-                    call = self.mq.transport.begin(routes[p.index], "send",
+                    call = self.mq.transport.begin(shard, "send",
                                                    (batch, pid, seq, None, acks), timeout_s=30)
                     started.append((t.name, p.index, None, call, pid, seq))
                 except Exception as err:  # (each partition answers alone)
@@ -231,9 +232,9 @@ class KafkaApis:
             routes = self._routes(t.topic)
             for p in t.partitions:
                 asked.append((t.topic, p.partition))
-                if routes is not None and 0 <= p.partition < len(routes):
+                if (shard := _shard_of(routes, p.partition)) is not None:
                     n = max(1, min(FETCH_MAX_MESSAGES, p.partition_max_bytes // 64))
-                    by_shard.setdefault(routes[p.partition], []).append(
+                    by_shard.setdefault(shard, []).append(
                         (t.topic, p.partition, p.fetch_offset, n))
         wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
         got: dict = {}
@@ -269,13 +270,14 @@ class KafkaApis:
             for p in t.partitions:
                 code, offset = NONE, -1
                 try:
-                    if routes is None or not 0 <= p.partition_index < len(routes):
+                    shard = _shard_of(routes, p.partition_index)
+                    if shard is None:
                         raise UnknownTopicError(f"{t.name}/{p.partition_index}")
                     q = (t.name, p.partition_index)
                     ts = None if p.timestamp < 0 else p.timestamp
                     start, end, at = self.mq.transport.call(
-                        routes[p.partition_index], "queue_bounds", [q],
-                        None if ts is None else [ts], timeout_s=30)[q]
+                        shard, "queue_bounds", [q], None if ts is None else [ts],
+                        timeout_s=30)[q]
                     offset = {-2: start, -1: end}.get(p.timestamp, -1 if at >= end else at)
                 except Exception as err:
                     code = error_code(err)
@@ -369,10 +371,10 @@ class KafkaApis:
             for p in t.partitions:
                 if error:
                     codes[p.partition_index] = error
-                elif routes is None or not 0 <= p.partition_index < len(routes):
+                elif (shard := _shard_of(routes, p.partition_index)) is None:
                     codes[p.partition_index] = UNKNOWN_TOPIC_OR_PARTITION
                 else:
-                    by_shard.setdefault(routes[p.partition_index], {})[
+                    by_shard.setdefault(shard, {})[
                         (t.name, p.partition_index)] = p.committed_offset
             for shard, offsets in by_shard.items():
                 try:
@@ -400,10 +402,10 @@ class KafkaApis:
             found: dict[int, tuple[int, int]] = {}
             by_shard: dict[int, list] = {}
             for q in indexes:
-                if routes is None or not 0 <= q < len(routes):
+                if (shard := _shard_of(routes, q)) is None:
                     found[q] = (-1, UNKNOWN_TOPIC_OR_PARTITION)
                 else:
-                    by_shard.setdefault(routes[q], []).append((name, q))
+                    by_shard.setdefault(shard, []).append((name, q))
             for shard, queues in by_shard.items():
                 try:
                     got = self.mq.transport.call(shard, "get_offsets", request.group_id,
@@ -440,6 +442,14 @@ def error_code(err: BaseException) -> int:
     return UNKNOWN_SERVER_ERROR
 
 
+
+
+def _shard_of(routes: list[int] | None, index: int) -> int | None:
+    """The shard of a topic's partition ``index`` (``routes``: its queues' shards; None:
+    no such topic), None when the topic has no such partition."""
+    if routes is None or not 0 <= index < len(routes):
+        return None
+    return routes[index]
 
 
 def _int(text: str | None) -> int | None:

@@ -34,27 +34,20 @@ class Producer:
     count: int = 0
 
 
-def producer_of(data: bytes) -> Producer:
-    """The producer fields of the first record batch of ``data`` (the batches of one
-    partition in one request come from one producer)."""
-    try:
-        batch = MemoryRecords(bytes(data)).next_batch()
-    except Exception:  # (``to_batch`` says what is wrong with it)
-        return Producer()
-    if batch is None or batch.producer_id < 0:
-        return Producer()
-    return Producer(batch.producer_id, batch.producer_epoch, batch.base_sequence,
-                    batch.last_offset_delta + 1)
-
-
-def to_batch(topic: str, queue: int, data: bytes) -> RecordBatch:
-    """The records of a Produce request's ``data`` for ``topic``/``queue`` as one batch."""
+def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer]:
+    """The records of a Produce request's ``data`` for ``topic``/``queue`` as one batch, and
+    who wrote them (the fields of its first record batch: Kafka sends one a partition)."""
     bodies, keys, props, born = [], [], [], []
+    writer = None
     try:
         records = MemoryRecords(bytes(data))
         while (batch := records.next_batch()) is not None:
             if not batch.validate_crc():
                 raise BadRecords("a record batch fails its CRC")
+            if writer is None:
+                writer = Producer(batch.producer_id, batch.producer_epoch,
+                                  batch.base_sequence, batch.last_offset_delta + 1) \
+                    if batch.producer_id >= 0 else Producer()
             for r in batch:
                 p = {}
                 key = r.key
@@ -78,7 +71,7 @@ def to_batch(topic: str, queue: int, data: bytes) -> RecordBatch:
     if not bodies:
         raise BadRecords("no record in the request")
     return RecordBatch(topic, queue, bodies, keys=keys,
-                       properties=props if any(props) else None, born_ms=born)
+                       properties=props if any(props) else None, born_ms=born), writer
 
 
 def from_messages(messages) -> bytes:

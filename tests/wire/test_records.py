@@ -23,7 +23,7 @@ def kafka_batch(codec: int, n: int = 5) -> bytes:
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
 def test_a_batch_of_each_compression_becomes_messages_and_comes_back_the_same(codec):
-    batch = to_batch("t", 3, kafka_batch(CODECS[codec]))
+    batch, _writer = to_batch("t", 3, kafka_batch(CODECS[codec]))
     assert batch.topics == "t" and batch.queue_ids == 3 and len(batch.bodies) == 5
     assert batch.bodies[1] == b"value 1" * 20 and batch.born_ms[4] == 1_700_000_000_004
     stored = [StoredMessage("t", 3, 10 + i, 0, 0, 0, batch.born_ms[i], 0, -1, 0, 0,
