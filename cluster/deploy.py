@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Mapping
@@ -41,7 +42,7 @@ from raymq.actors.metrics import replication_gauges, shard_gauges
 from raymq.metrics import GaugeReporter, RayMetrics
 from raymq.storage.fileutil import disk_usage
 from raymq.storage.errors import (BrokerUnavailableError, ConfigError, ConfigMismatchError,
-                                  NotDeployedError, NotLeaderError)
+                                  NotDeployedError, NotLeaderError, RayMQError)
 
 log = logging.getLogger("raymq.deploy")
 
@@ -627,6 +628,10 @@ def _create_helpers(config: ClusterConfig) -> None:
     _wait_in_sync(control, config, "coordinator_replicas")
 
 
+CLOSE_TIMEOUT_S = 15.0  # a replica's close waits for its heartbeat (10 s at most)
+_REPLICA = re.compile(r"(shard|coordinator)-\d+-r\d+")
+
+
 def undeploy() -> list[str]:
     """Kill RayMQ's actors (their data stays on disk); return the names killed."""
     killed = []
@@ -646,15 +651,27 @@ def undeploy() -> list[str]:
         names += [replica_name(i, k, kind) for i in range(64) for k in range(7)
                   for kind in ("shard", "coordinator")]
     # the actors that call shards go first (a check round or a marker write in flight
-    # would otherwise meet a killed shard, and Ray logs a retry), the controller last
+    # would otherwise meet a killed shard, and Ray logs a retry), the controller last;
+    # a replica is closed before it is killed: its heartbeat to the controller ends first
     order = (checker_name, coordinator_name, registry_name, shard_name)
-    names = sorted(names, key=lambda n: next(
-        (k for k, f in enumerate(order) if n.startswith(f(0)[:-1])), len(order)))
-    for name in names:
-        try:
-            rpc.kill(rpc.get_actor(name, NAMESPACE), no_restart=True)
+    rank = lambda n: next(  # noqa: E731
+        (k for k, f in enumerate(order) if n.startswith(f(0)[:-1])), len(order))
+    for k in range(len(order) + 1):
+        handles = {}
+        for name in (n for n in names if rank(n) == k):
+            try:
+                handles[name] = rpc.get_actor(name, NAMESPACE)
+            except ValueError:
+                continue
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for pending in [rpc.Pending(h.close.remote()) for n, h in handles.items()
+                        if _REPLICA.fullmatch(n)]:
+            try:
+                pending.result(max(0.0, deadline - time.monotonic()))
+            except RayMQError:  # (dead already, or hung: it is killed all the same)
+                continue
+        for name, handle in handles.items():
+            rpc.kill(handle, no_restart=True)
             killed.append(name)
-        except ValueError:
-            continue
     return killed
 

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 from raymq.actors.replication import parts
@@ -49,6 +50,7 @@ log = logging.getLogger("raymq.replica")
 #: What a leader serves that writes: refused while too few replicas are in sync, and
 #: acknowledged once every in-sync replica holds it (a commit of offsets is a record).
 WRITES = frozenset({"send", "ktx_send", "commit_offsets"})
+CLOSE_WAIT_S = 12.0  # (a heartbeat's time-out is 10 s)
 
 
 class ShardReplica:
@@ -85,9 +87,11 @@ class ShardReplica:
         self._stop = threading.Event()
         self._acting = threading.Condition()
         self._next: Assignment | None = None
-        if background:
-            for loop, what in ((self._beat_loop, "heartbeat"), (self._act_loop, "role")):
-                threading.Thread(target=loop, daemon=True, name=f"raymq-{name}-{what}").start()
+        self._threads = [threading.Thread(target=loop, daemon=True, name=f"raymq-{name}-{what}")
+                         for loop, what in ((self._beat_loop, "heartbeat"),
+                                            (self._act_loop, "role"))] if background else []
+        for t in self._threads:
+            t.start()
 
     def open_store(self) -> MessageStore:
         """This replica's store, opened as a follower uses it (recovery on open)."""
@@ -365,9 +369,15 @@ class ShardReplica:
                               self.name, a.epoch)
 
     def close(self) -> None:
+        """Stop; return once no call of this replica to the controller is in flight (a
+        teardown kills the controller next), or after a heartbeat's time-out."""
         self._stop.set()
         with self._acting:
             self._acting.notify_all()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._stop_following()
             if self.leader is not None:

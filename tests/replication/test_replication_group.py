@@ -359,3 +359,33 @@ def test_a_replica_cut_back_drops_the_snapshots_of_what_it_lost(group):
     got = old.serving().pull([("t", 0, 0, 1000)], 0, None, None, "read_uncommitted")[0][2]
     assert [m.body for m in got.messages()] == [b"kept"]
     assert old.serving().ktx.state.open == {}  # no trace of the lost transaction
+
+
+def test_a_closed_replica_has_no_heartbeat_in_flight(tmp_path):
+    """``close`` returns only once the heartbeat thread is done: RayMQ's teardown closes the
+    replicas before it kills the controller, and a heartbeat still in flight there would
+    end in a task killed by ``ray.kill`` (a line Ray prints on the user's terminal)."""
+    import threading
+    from raymq.storage.clock import SystemClock
+    cfg = ClusterConfig(data_dir=str(tmp_path), num_shards=1, replication_factor=1,
+                        replica_lease_ms=400, send_timeout_ms=4000)
+    controller = Controller(cfg, clock=SystemClock())
+    entered, in_flight = threading.Event(), []
+
+    def control(method, *args):
+        if method != "replica_heartbeat":
+            return getattr(controller, method)(*args)
+        in_flight.append(1)
+        entered.set()
+        try:
+            threading.Event().wait(0.3)  # the controller answers slowly
+            return controller.replica_heartbeat(*args)
+        finally:
+            in_flight.pop()
+
+    name = replica_name(0, 0)
+    replica = ShardReplica(0, name, cfg, str(tmp_path / name), controller=control,
+                           call_replica=lambda *a: None, make_shard=lambda d: None)
+    assert entered.wait(10)
+    replica.close()
+    assert in_flight == []
