@@ -185,6 +185,14 @@ def _queues_of(h: np.ndarray) -> list[tuple[tuple[int, int, int], np.ndarray]]:
         return []
     if (mo == mo[0]).all() and (tl == tl[0]).all() and (qi == qi[0]).all():
         return [((int(mo[0]), int(tl[0]), int(qi[0])), np.arange(len(mo)))]
+    if int(qi.max()) < 1 << 20 and int(tl.max()) < 1 << 12:  # one integer a queue: sorted
+        keys = (mo.astype(np.uint64) << np.uint64(32)) | (tl.astype(np.uint64) << np.uint64(20)) \
+            | qi.astype(np.uint64)
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        groups = np.split(order, np.flatnonzero(ordered[1:] != ordered[:-1]) + 1)
+        groups.sort(key=lambda g: g[0])
+        return [((int(mo[g[0]]), int(tl[g[0]]), int(qi[g[0]])), g) for g in groups]
     keys = np.stack([mo.astype(np.int64), tl.astype(np.int64), qi.astype(np.int64)], axis=1)
     uniq, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)

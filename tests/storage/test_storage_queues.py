@@ -256,3 +256,28 @@ def test_a_long_log_keeps_few_segments_open_and_reads_every_one(tmp_path):
         assert open_segments(tmp_path) <= 3
         assert [m.body for m in store.read_queue("t", 0, 0, N)] == [body(k, 3000)
                                                                       for k in range(N)]
+
+
+@pytest.mark.parametrize("big_queue_ids", [False, True])
+def test_a_frames_records_are_grouped_by_queue_in_the_order_each_queue_first_comes(big_queue_ids):
+    """(How a follower, a restart and retention tell a frame's queues: one sorted pass over
+    an integer a queue, or by rows where a queue id does not fit in one.)"""
+    import numpy as np
+    from raymq.storage.recovery import _queues_of
+    rng = np.random.default_rng(7)
+    h = np.zeros(300, dtype=[("meta_off", "<u4"), ("topic_len", "<u2"), ("queue_id", "<u4")])
+    topics = [(100, 5), (200, 11), (300, 5)]
+    pick = rng.integers(0, len(topics), len(h))
+    h["meta_off"] = [topics[k][0] for k in pick]
+    h["topic_len"] = [topics[k][1] for k in pick]
+    h["queue_id"] = rng.integers(0, 4, len(h)) + ((1 << 21) if big_queue_ids else 0)
+    want: dict[tuple, list[int]] = {}
+    for k, row in enumerate(h):
+        want.setdefault((int(row["meta_off"]), int(row["topic_len"]), int(row["queue_id"])),
+                        []).append(k)
+    got = _queues_of(h)
+    assert [key for key, _idx in got] == list(want)
+    assert [list(idx) for _key, idx in got] == list(want.values())
+    one = h[:1].repeat(5)  # (a batch to one queue: the common case)
+    first = (int(h["meta_off"][0]), int(h["topic_len"][0]), int(h["queue_id"][0]))
+    assert [(key, list(idx)) for key, idx in _queues_of(one)] == [(first, [0, 1, 2, 3, 4])]
