@@ -8,6 +8,7 @@ Python over an ``mq`` (the SDK's ``RayMQ`` or anything with its ``topics()``).
 from __future__ import annotations
 
 import logging
+import time
 
 from kafka.protocol.consumer import FetchResponse, ListOffsetsResponse
 from kafka.protocol.consumer.group import (HeartbeatResponse, JoinGroupResponse,
@@ -26,11 +27,14 @@ from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, Invalid
 from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
-from raymq.wire.records import BadRecords, from_messages, to_batch
+from raymq.wire.records import BadRecords, control_batch, from_messages, to_batch
 from raymq.wire.sequences import OUT_OF_ORDER, Sequences, new_producer_id
+from raymq.wire.transactions import TXN_ERRORS, Transactions, TxnRefused
+from raymq.wire.txn_apis import TxnApis, _shard_of
 
 #: Kafka's error codes for RayMQ's errors (a client retries the retriable ones).
-ERROR_CODES = ((BadRecords, 2),                 # CORRUPT_MESSAGE
+ERROR_CODES = TXN_ERRORS + (
+               (BadRecords, 2),                 # CORRUPT_MESSAGE
                (TopicExistsError, 36),          # TOPIC_ALREADY_EXISTS
                (ReservedNameError, 17),         # INVALID_TOPIC_EXCEPTION
                (QuotaExceededError, 89),        # THROTTLING_QUOTA_EXCEEDED
@@ -62,7 +66,7 @@ _OffsetsTopic = ListOffsetsResponse.ListOffsetsTopicResponse
 _OffsetsPart = _OffsetsTopic.ListOffsetsPartitionResponse
 
 
-class KafkaApis:
+class KafkaApis(TxnApis):
     """The answers of one listener, advertised as broker ``node_id`` at
     ``host:port``."""
 
@@ -72,10 +76,15 @@ class KafkaApis:
         self.host, self.port, self.node_id = host, port, node_id
         self.groups = groups or ClassicGroups()
         self.sequences = Sequences()
+        self.txns = Transactions(mq)
 
     def handle(self, request):
         """The response to ``request`` (a decoded request of a served API)."""
         return getattr(self, f"_{type(request).__name__}")(request)
+
+    @staticmethod
+    def _code(err: BaseException) -> int:
+        return err.code if isinstance(err, TxnRefused) else error_code(err)
 
     def _routes(self, topic: str) -> list[int] | None:
         """The shard of each queue of a user topic (None: no such topic)."""
@@ -123,6 +132,7 @@ class KafkaApis:
         are sent at once over the shards' data channels, then awaited."""
         acks = "all" if request.acks == -1 else "leader"
         started = []  # (topic, partition, error code or None, call or None, pid, seq)
+        transactional, writer = [], None
         for t in request.topic_data:
             routes = self._routes(t.name)
             for p in t.partition_data:
@@ -131,6 +141,10 @@ class KafkaApis:
                     if shard is None:
                         raise UnknownTopicError(f"{t.name}/{p.index}")
                     batch, writer = to_batch(t.name, p.index, p.records)
+                    if writer.transactional:  # (written below, in the producer's transaction)
+                        transactional.append((t.name, p.index, shard, batch,
+                                              writer.base_sequence, writer.count))
+                        continue
                     pid, seq = self.sequences.check(writer, t.name, p.index)
                     if seq == OUT_OF_ORDER:  # (OUT_OF_ORDER_SEQUENCE_NUMBER: the client
                         started.append((t.name, p.index, 45, None, 0, 0))  # resends in order)
@@ -141,6 +155,11 @@ class KafkaApis:
                 except Exception as err:  # (each partition answers alone)
                     started.append((t.name, p.index, error_code(err), None, 0, 0))
         topics: dict[str, list] = {}
+        done = self._produce_transactional(writer, transactional) if transactional else []
+        for name, index, code, base in done:
+            topics.setdefault(name, []).append(_ProducePart(
+                index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
+                log_start_offset=-1, record_errors=[], error_message=None))
         for name, index, code, call, pid, seq in started:
             base = -1
             if call is not None:
@@ -160,12 +179,11 @@ class KafkaApis:
 
     def _InitProducerIdRequest(self, request):
         """An idempotent producer's id: a new one (epoch 0), or the epoch after the one it
-        had (KIP-360).  Transactional ids are not served yet (issue 36)."""
+        had (KIP-360); a transactional id's from RayMQ's coordinator
+        (``TxnApis._init_transactional``)."""
         v = request.API_VERSION
         if request.transactional_id is not None:
-            return InitProducerIdResponse(version=v, throttle_time_ms=0,
-                                          error_code=UNSUPPORTED_VERSION, producer_id=-1,
-                                          producer_epoch=-1)
+            return self._init_transactional(request)
         old = getattr(request, "producer_id", -1)
         if old is not None and old >= 0:
             pid, epoch = old, (getattr(request, "producer_epoch", -1) + 1) % 32767
@@ -227,11 +245,11 @@ class KafkaApis:
         """Each partition read from its queue (one pull per shard; a long poll when the
         request names one shard), as record batches."""
         isolation = "read_committed" if request.isolation_level == 1 else "read_uncommitted"
-        asked, by_shard = [], {}
+        asked, by_shard = {}, {}
         for t in request.topics:
             routes = self._routes(t.topic)
             for p in t.partitions:
-                asked.append((t.topic, p.partition))
+                asked[(t.topic, p.partition)] = p.fetch_offset
                 if (shard := _shard_of(routes, p.partition)) is not None:
                     n = max(1, min(FETCH_MAX_MESSAGES, p.partition_max_bytes // 64))
                     by_shard.setdefault(shard, []).append(
@@ -243,18 +261,25 @@ class KafkaApis:
             timeout_s=30)) for shard, reads in by_shard.items()]
         for reads, call in calls:
             try:
-                for topic, q, batch, _next, end in call.result():
-                    got[(topic, q)] = (NONE, batch.messages(), end)
+                for topic, q, batch, next_offset, end in call.result():
+                    got[(topic, q)] = (NONE, batch.messages(), next_offset, end)
             except Exception as err:  # (that shard's partitions answer the error)
                 for topic, q, _o, _n in reads:
-                    got[(topic, q)] = (error_code(err), [], -1)
+                    got[(topic, q)] = (error_code(err), [], -1, -1)
         topics: dict[str, list] = {}
-        for topic, q in asked:
-            code, msgs, end = got.get((topic, q), (UNKNOWN_TOPIC_OR_PARTITION, [], -1))
+        now_ms = int(time.time() * 1000)
+        for (topic, q), offset in asked.items():
+            code, msgs, next_offset, end = got.get((topic, q),
+                                                   (UNKNOWN_TOPIC_OR_PARTITION, [], -1, -1))
+            records = from_messages(msgs) if msgs else b""
+            if next_offset > (msgs[-1].queue_offset + 1 if msgs else offset):
+                # what the read left out at the end (RayMQ's transaction markers, aborted
+                # records): a control batch there moves the client's position past them
+                records += control_batch(next_offset - 1, now_ms)
             topics.setdefault(topic, []).append(_FetchPart(
                 partition_index=q, error_code=code, high_watermark=end,
                 last_stable_offset=end, log_start_offset=-1, aborted_transactions=[],
-                preferred_read_replica=-1, records=from_messages(msgs) if msgs else b""))
+                preferred_read_replica=-1, records=records))
         return FetchResponse(version=request.API_VERSION, throttle_time_ms=0, error_code=NONE,
                              session_id=0, responses=[_FetchTopic(topic=t, partitions=ps)
                                                       for t, ps in topics.items()])
@@ -442,14 +467,6 @@ def error_code(err: BaseException) -> int:
     return UNKNOWN_SERVER_ERROR
 
 
-
-
-def _shard_of(routes: list[int] | None, index: int) -> int | None:
-    """The shard of a topic's partition ``index`` (``routes``: its queues' shards; None:
-    no such topic), None when the topic has no such partition."""
-    if routes is None or not 0 <= index < len(routes):
-        return None
-    return routes[index]
 
 
 def _int(text: str | None) -> int | None:

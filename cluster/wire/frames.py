@@ -20,7 +20,9 @@ from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, L
                                            SyncGroupRequest)
 from kafka.protocol.metadata import ApiVersionsRequest, FindCoordinatorRequest, MetadataRequest
 from kafka.protocol.producer import ProduceRequest
-from kafka.protocol.producer.transaction import InitProducerIdRequest
+from kafka.protocol.producer.transaction import (AddOffsetsToTxnRequest,
+                                                 AddPartitionsToTxnRequest, EndTxnRequest,
+                                                 InitProducerIdRequest, TxnOffsetCommitRequest)
 
 #: The largest request frame taken (a bigger one closes its connection).
 MAX_FRAME_BYTES = 100 << 20
@@ -40,6 +42,10 @@ SERVED = {
     OffsetCommitRequest.API_KEY: (OffsetCommitRequest, 2, 8),
     OffsetFetchRequest.API_KEY: (OffsetFetchRequest, 1, 7),
     InitProducerIdRequest.API_KEY: (InitProducerIdRequest, 0, 4),
+    AddPartitionsToTxnRequest.API_KEY: (AddPartitionsToTxnRequest, 0, 3),  # (4+: brokers')
+    AddOffsetsToTxnRequest.API_KEY: (AddOffsetsToTxnRequest, 0, 3),
+    EndTxnRequest.API_KEY: (EndTxnRequest, 0, 4),    # (5+: an epoch a transaction, KIP-890)
+    TxnOffsetCommitRequest.API_KEY: (TxnOffsetCommitRequest, 0, 3),
     CreateTopicsRequest.API_KEY: (CreateTopicsRequest, 2, 6),     # (7+ answer topic ids)
     DeleteTopicsRequest.API_KEY: (DeleteTopicsRequest, 1, 5),     # (6+ name them by id)
 }

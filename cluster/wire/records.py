@@ -12,7 +12,10 @@ import base64
 import json
 from dataclasses import dataclass
 
+import struct
+
 from kafka.record import MemoryRecords, MemoryRecordsBuilder
+from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from raymq.storage import RecordBatch
 
@@ -32,6 +35,7 @@ class Producer:
     epoch: int = -1
     base_sequence: int = -1
     count: int = 0
+    transactional: bool = False
 
 
 def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer]:
@@ -46,7 +50,8 @@ def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer
                 raise BadRecords("a record batch fails its CRC")
             if writer is None:
                 writer = Producer(batch.producer_id, batch.producer_epoch,
-                                  batch.base_sequence, batch.last_offset_delta + 1) \
+                                  batch.base_sequence, batch.last_offset_delta + 1,
+                                  batch.is_transactional) \
                     if batch.producer_id >= 0 else Producer()
             for r in batch:
                 p = {}
@@ -97,3 +102,24 @@ def from_messages(messages) -> bytes:
         builder.close()
         out.append(bytes(builder.buffer()))
     return b"".join(out)
+
+
+class _ControlBatch(DefaultRecordBatchBuilder):
+    def _get_attributes(self, include_compression_type=True):
+        return super()._get_attributes(include_compression_type) | self.CONTROL_MASK
+
+
+#: A control record's key: version 0, type 1 (a commit marker).
+_COMMIT_KEY, _MARKER_VALUE = struct.pack(">hh", 0, 1), struct.pack(">hi", 0, 0)
+
+
+def control_batch(offset: int, timestamp_ms: int) -> bytes:
+    """A control batch (a transaction marker, as Kafka writes them) at ``offset``.  Placed
+    where a read leaves offsets out -- RayMQ's own markers, aborted records -- so that a
+    Kafka consumer, which skips control batches, moves its position past them."""
+    b = _ControlBatch(magic=2, compression_type=0, is_transactional=True, producer_id=-1,
+                      producer_epoch=-1, base_sequence=-1, batch_size=1 << 16)
+    b.append(0, timestamp_ms, _COMMIT_KEY, _MARKER_VALUE, [])
+    out = b.build()
+    struct.pack_into(">q", out, 0, offset)  # (the base offset: outside the CRC)
+    return bytes(out)

@@ -1,0 +1,162 @@
+"""Kafka transactional producers through the listener (issue 36), with librdkafka
+(confluent-kafka) as applications run it: a consume-transform-produce loop with
+``send_offsets_to_transaction``, aborted transactions never read by ``read_committed``
+consumers, a zombie fenced by a newer instance, and consumers that move past RayMQ's
+own transaction markers."""
+from __future__ import annotations
+
+import pytest
+
+from raymq.wire.listener import KafkaListener
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def listener(mq):
+    lst = KafkaListener(mq, port=0).start()
+    yield lst
+    lst.stop()
+
+
+def _producer(boot: str, tid: str):
+    from confluent_kafka import Producer
+    p = Producer({"bootstrap.servers": boot, "transactional.id": tid, "linger.ms": 5,
+                  "transaction.timeout.ms": 60_000})
+    p.init_transactions(30)
+    return p
+
+
+def _read_all(boot: str, topic: str, partitions: int, isolation: str, want: int) -> list:
+    """Every record of ``topic`` a consumer of ``isolation`` reads from the start (waits
+    until it read ``want`` and reached the end)."""
+    from confluent_kafka import Consumer, TopicPartition
+    c = Consumer({"bootstrap.servers": boot, "group.id": topic + "-reader-" + isolation,
+                  "isolation.level": isolation, "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest", "enable.partition.eof": True})
+    c.assign([TopicPartition(topic, q, 0) for q in range(partitions)])
+    got, eof = [], set()
+
+    def done():
+        m = c.poll(0.5)
+        if m is not None:
+            if m.error() is None:
+                got.append(m)
+                eof.discard(m.partition())
+            elif m.error().code() == -191:  # (_PARTITION_EOF: at the end of that partition)
+                eof.add(m.partition())
+            else:
+                raise AssertionError(m.error())
+        return len(got) >= want and len(eof) == partitions
+    try:
+        wait_for(done, timeout_s=60, what=f"{want} records read {isolation}")
+    finally:
+        c.close()
+    return got
+
+
+def test_committed_transactions_are_read_and_aborted_ones_never_by_read_committed(
+        mq, name, listener):
+    boot = "%s:%d" % listener.address
+    mq.create_topic(name, 2)
+    p = _producer(boot, name + "-tx")
+    for k, commit in enumerate([True, False, True, False]):
+        p.begin_transaction()
+        for i in range(10):
+            p.produce(name, value=b"t%d-%d" % (k, i), key=b"%d" % i, partition=i % 2)
+        p.flush(30)
+        (p.commit_transaction if commit else p.abort_transaction)(30)
+    committed = _read_all(boot, name, 2, "read_committed", 20)
+    assert sorted(m.value() for m in committed) == sorted(
+        b"t%d-%d" % (k, i) for k in (0, 2) for i in range(10))
+    everything = _read_all(boot, name, 2, "read_uncommitted", 40)
+    assert len(everything) == 40  # (the aborted ones too, and no marker as a record)
+    # and the SDK's read_committed consumers see the same
+    from tests.client.test_cluster import read_to_end
+    c = mq.consumer(name + "-sdk", [name])
+    assert sorted(m.body for m in read_to_end(c, mq, [name])) == sorted(
+        m.value() for m in committed)
+    c.close()
+
+
+def test_a_copy_loop_with_its_offsets_in_the_transaction_outputs_each_input_once(
+        mq, name, listener):
+    """Consume, transform, produce, with the input's offsets sent to the transaction;
+    the loop's producer is replaced in the middle (a new instance with the id: the open
+    transaction of the one before is aborted, its late writes fenced)."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+    from raymq import Message
+    boot = "%s:%d" % listener.address
+    src, dst, group = name + "-in", name + "-out", name + "-copy"
+    mq.create_topic(src, 2)
+    mq.create_topic(dst, 2)
+    sdk = mq.producer()
+    sdk.send_batch([Message(src, b"in %d" % i, key=str(i)) for i in range(60)])
+    sdk.close()
+
+    def run(tid: str, limit: int, finish: bool = True):
+        p = _producer(boot, tid)
+        c = Consumer({"bootstrap.servers": boot, "group.id": group,
+                      "isolation.level": "read_committed", "enable.auto.commit": False,
+                      "auto.offset.reset": "earliest"})
+        c.subscribe([src])
+        copied = 0
+        p.begin_transaction()
+        while copied < limit:
+            m = c.poll(0.5)
+            if m is None or m.error() is not None:
+                continue
+            p.produce(dst, value=m.value().replace(b"in", b"out"), partition=m.partition())
+            copied += 1
+            if copied % 7 == 0 or copied == limit:
+                p.flush(30)
+                if not finish and copied == limit:
+                    return p, c  # (a transaction left open: the zombie)
+                p.send_offsets_to_transaction(c.position(c.assignment()),
+                                              c.consumer_group_metadata(), 30)
+                p.commit_transaction(30)
+                p.begin_transaction()
+        p.abort_transaction(30)
+        c.close()
+        return p, None
+
+    zombie, zc = run(name + "-loop", 25, finish=False)  # 21 committed, 4 left open
+    zc.close()
+    fresh, _ = run(name + "-loop", 39)  # fences the zombie, copies the rest
+    with pytest.raises(KafkaException) as fenced:  # (its late write: refused, fatal)
+        zombie.produce(dst, value=b"zombie", partition=0)
+        zombie.flush(10)
+        zombie.commit_transaction(30)
+    assert fenced.value.args[0].fatal() and "fenced" in str(fenced.value)
+    out = _read_all(boot, dst, 2, "read_committed", 60)
+    assert sorted(m.value() for m in out) == sorted(b"out %d" % i for i in range(60))
+    committed = mq.admin.reset_offsets(group, src, to="latest", dry_run=True)
+    assert all(before == after for before, after in committed.values()), committed
+    assert sum(after for _before, after in committed.values()) == 60
+    del fresh
+
+
+def test_a_plain_kafka_consumer_moves_past_the_markers_of_sdk_transactions(mq, name, listener):
+    """RayMQ's transaction markers take queue offsets (as Kafka's do): a Kafka consumer
+    reading past one is given a control batch there, never stuck before it."""
+    from raymq import Message
+    boot = "%s:%d" % listener.address
+    mq.create_topic(name, 1)
+    kp = mq.transactional_producer(name + "-sdk-tx")
+    with kp.transaction():
+        kp.send_batch([Message(name, b"c%d" % i) for i in range(3)])
+    with pytest.raises(RuntimeError):
+        with kp.transaction():
+            kp.send(Message(name, b"aborted"))
+            raise RuntimeError("abort it")
+    kp.close()
+    for isolation, want in (("read_committed", 3), ("read_uncommitted", 4)):
+        got = _read_all(boot, name, 1, isolation, want)
+        assert len(got) == want
+        assert [m.value() for m in got][:3] == [b"c0", b"c1", b"c2"]
+    p = mq.producer()
+    p.send(Message(name, b"after"))
+    p.close()
+    got = _read_all(boot, name, 1, "read_committed", 4)
+    assert [m.value() for m in got] == [b"c0", b"c1", b"c2", b"after"]
