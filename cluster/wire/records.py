@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import struct
 
-from kafka.record import MemoryRecords, MemoryRecordsBuilder
+from crc32c import crc32c
+from kafka.codec import gzip_decode, lz4_decode, snappy_decode, zstd_decode
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from raymq.storage import RecordBatch
@@ -43,32 +44,28 @@ def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer
     who wrote them (the fields of its first record batch: Kafka sends one a partition)."""
     bodies, keys, props, born = [], [], [], []
     writer = None
+    buf = memoryview(bytes(data))
+    pos = 0
     try:
-        records = MemoryRecords(bytes(data))
-        while (batch := records.next_batch()) is not None:
-            if not batch.validate_crc():
+        while pos < len(buf):
+            if len(buf) - pos < _BATCH.size:
+                raise BadRecords("a record batch shorter than its header")
+            (_base, length, _epoch, magic, crc, attrs, last_delta, first_ts, _max_ts, pid,
+             p_epoch, base_seq, count) = _BATCH.unpack_from(buf, pos)
+            end = pos + 12 + length
+            if magic != 2 or length < _BATCH.size - 12 or end > len(buf):
+                raise BadRecords(f"a record batch of magic {magic} and {length} bytes")
+            if crc32c(buf[pos + _CRC_FROM:end]) != crc:
                 raise BadRecords("a record batch fails its CRC")
             if writer is None:
-                writer = Producer(batch.producer_id, batch.producer_epoch,
-                                  batch.base_sequence, batch.last_offset_delta + 1,
-                                  batch.is_transactional) \
-                    if batch.producer_id >= 0 else Producer()
-            for r in batch:
-                p = {}
-                key = r.key
-                if key is not None:
-                    try:
-                        key = key.decode()
-                    except UnicodeDecodeError:
-                        p[KEY_PROP], key = base64.b64encode(key).decode(), None
-                if r.headers:
-                    p[HEADERS_PROP] = json.dumps(
-                        [[k, None if v is None else base64.b64encode(v).decode()]
-                         for k, v in r.headers])
-                bodies.append(r.value if r.value is not None else b"")
-                keys.append(key)
-                props.append(p or None)
-                born.append(int(r.timestamp))
+                writer = Producer(pid, p_epoch, base_seq, last_delta + 1,
+                                  bool(attrs & 0x10)) if pid >= 0 else Producer()
+            records = bytes(buf[pos + _BATCH.size:end])
+            if attrs & 0x07:
+                records = bytes(_DECOMPRESS[attrs & 0x07](records))
+            if not attrs & 0x20:  # (a control batch: a producer's marker, no message)
+                _records(records, count, first_ts, bodies, keys, props, born)
+            pos = end
     except BadRecords:
         raise
     except Exception as err:  # (whatever a malformed batch decodes into)
@@ -79,29 +76,150 @@ def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer
                        properties=props if any(props) else None, born_ms=born), writer
 
 
+def _records(buf, count: int, first_ts: int, bodies: list, keys: list, props: list,
+             born: list) -> None:
+    """The ``count`` records of a batch's (decompressed) bytes ``buf``, appended to the
+    columns (one tight pass; kafka-python's record objects took 3.5 us a record, this
+    takes about 1)."""
+    pos = 0
+    for _ in range(count):
+        length, pos = _varint(buf, pos)
+        nxt = pos + length
+        ts, pos = _varint(buf, pos + 1)  # (past the record's attributes)
+        _off, pos = _varint(buf, pos)
+        n, pos = _varint(buf, pos)
+        key = None
+        if n >= 0:
+            key, pos = buf[pos:pos + n], pos + n
+        n, pos = _varint(buf, pos)
+        if n >= 0:
+            bodies.append(buf[pos:pos + n])
+            pos += n
+        else:
+            bodies.append(b"")
+        n, pos = _varint(buf, pos)
+        p = None
+        if n:
+            headers = []
+            for _h in range(n):
+                k, pos = _varint(buf, pos)
+                name, pos = buf[pos:pos + k].decode(), pos + k
+                k, pos = _varint(buf, pos)
+                if k < 0:
+                    headers.append([name, None])
+                else:
+                    headers.append([name, base64.b64encode(buf[pos:pos + k]).decode()])
+                    pos += k
+            p = {HEADERS_PROP: json.dumps(headers)}
+        if key is not None:
+            try:
+                key = key.decode()
+            except UnicodeDecodeError:
+                p = p or {}
+                p[KEY_PROP], key = base64.b64encode(key).decode(), None
+        if pos != nxt:
+            raise BadRecords(f"a record's fields end at {pos}, its length says {nxt}")
+        keys.append(key)
+        props.append(p)
+        born.append(first_ts + ts)
+    if pos != len(buf):
+        raise BadRecords(f"{len(buf) - pos} bytes after the batch's {count} records")
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    """A zig-zag varint at ``pos``: (its value, the position after it)."""
+    b = buf[pos]
+    if b < 0x80:
+        return (b >> 1) ^ -(b & 1), pos + 1
+    value, shift = b & 0x7F, 7
+    while True:
+        pos += 1
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return (value >> 1) ^ -(value & 1), pos + 1
+        shift += 7
+        if shift > 63:
+            raise BadRecords("a varint longer than 10 bytes")
+
+
+#: A record batch's header (magic 2); the CRC covers from the attributes on.
+_BATCH = struct.Struct(">qiibIhiqqqhii")
+_CRC_FROM = struct.calcsize(">qiibI")
+_DECOMPRESS = {1: lambda b: gzip_decode(b), 2: lambda b: snappy_decode(bytes(b)),
+               3: lambda b: lz4_decode(bytes(b)), 4: lambda b: zstd_decode(bytes(b))}
+
+
 def from_messages(messages) -> bytes:
     """Stored messages (in queue order, gaps allowed) as Kafka record batches: one batch
-    per run of consecutive offsets."""
-    out = []
-    builder, next_offset = None, None
+    per run of consecutive offsets (uncompressed, CreateTime)."""
+    out, run = [], []
     for m in messages:
-        if builder is None or m.queue_offset != next_offset:
-            if builder is not None:
-                builder.close()
-                out.append(bytes(builder.buffer()))
-            builder = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 30,
-                                           offset=m.queue_offset)
+        if run and m.queue_offset != run[-1].queue_offset + 1:
+            out.append(_batch_of(run))
+            run = []
+        run.append(m)
+    if run:
+        out.append(_batch_of(run))
+    return b"".join(out)
+
+
+def _batch_of(run: list) -> bytes:
+    """One record batch of messages of consecutive offsets (records written in one pass,
+    then the header and its CRC)."""
+    first_ts = int(run[0].born_ms)
+    max_ts = first_ts
+    parts = []
+    for delta, m in enumerate(run):
+        ts = int(m.born_ms)
+        max_ts = ts if ts > max_ts else max_ts
         p = m.properties or {}
         key = base64.b64decode(p[KEY_PROP]) if KEY_PROP in p else (
             m.key.encode() if m.key is not None else None)
-        headers = [(k, None if v is None else base64.b64decode(v))
-                   for k, v in json.loads(p[HEADERS_PROP])] if HEADERS_PROP in p else []
-        builder.append(int(m.born_ms), key, bytes(m.body), headers)
-        next_offset = m.queue_offset + 1
-    if builder is not None:
-        builder.close()
-        out.append(bytes(builder.buffer()))
-    return b"".join(out)
+        body = bytes(m.body)
+        rec = [b"\x00", _var(ts - first_ts), _var(delta)]
+        rec += (b"\x01",) if key is None else (_var(len(key)), key)
+        rec += (_var(len(body)), body)
+        if HEADERS_PROP in p:
+            headers = json.loads(p[HEADERS_PROP])
+            rec.append(_var(len(headers)))
+            for name, value in headers:
+                name = name.encode()
+                rec += (_var(len(name)), name)
+                rec += (b"\x01",) if value is None else (
+                    _var(len(v := base64.b64decode(value))), v)
+        else:
+            rec.append(b"\x00")
+        body = b"".join(rec)
+        parts += (_var(len(body)), body)
+    records = b"".join(parts)
+    n = len(run)
+    tail = _AFTER_CRC.pack(0, n - 1, first_ts, max_ts, -1, -1, -1, n) + records
+    return _BEFORE_CRC.pack(run[0].queue_offset, len(tail) + 9, 0, 2, crc32c(tail)) + tail
+
+
+def _var(value: int) -> bytes:
+    """``value`` as a zig-zag varint."""
+    u = (value << 1) ^ (value >> 63)
+    if u < len(_VARINTS):
+        return _VARINTS[u]
+    out = bytearray()
+    while u >= 0x80:
+        out.append((u & 0x7F) | 0x80)
+        u >>= 7
+    out.append(u)
+    return bytes(out)
+
+
+def _encode_small(u: int) -> bytes:
+    return bytes([u]) if u < 0x80 else bytes([(u & 0x7F) | 0x80, u >> 7])
+
+
+#: The varints of 0 .. 2^14 - 1, made once.
+_VARINTS = [_encode_small(u) for u in range(1 << 14)]
+#: A record batch's header: before the CRC (which covers what follows it), and after.
+_BEFORE_CRC = struct.Struct(">qiibI")
+_AFTER_CRC = struct.Struct(">hiqqqhii")
 
 
 class _ControlBatch(DefaultRecordBatchBuilder):

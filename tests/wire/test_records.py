@@ -64,3 +64,28 @@ def test_sequences_take_batches_in_order_know_a_resend_and_refuse_a_gap():
     seqs.stored(seqs.check(Producer(8, 0, 0, 1), "t", 0)[0], 1)
     seqs.stored(seqs.check(Producer(9, 0, 0, 1), "t", 0)[0], 1)
     assert seqs.check(Producer(7, 0, 9, 1), "t", 0)[1] != OUT_OF_ORDER  # (forgotten: bounded)
+
+
+def test_a_batch_whose_records_lie_about_their_size_is_refused_even_with_a_good_crc():
+    """(The records are read in one pass by hand: a record length, a count or a varint
+    that does not hold is refused, never read past.)"""
+    import struct
+    from crc32c import crc32c
+
+    def recrc(raw: bytearray) -> bytes:
+        struct.pack_into(">I", raw, 17, crc32c(bytes(raw[21:])))
+        return bytes(raw)
+    good = kafka_batch(0)
+    assert len(to_batch("t", 0, good + good)[0].bodies) == 10  # (two batches: both read)
+    count_off = 57  # (the header's record count)
+    for lie in (4, 6, 10_000):
+        raw = bytearray(good)
+        struct.pack_into(">i", raw, count_off, lie)
+        with pytest.raises(BadRecords):
+            to_batch("t", 0, recrc(raw))
+    raw = bytearray(good)
+    raw[61] += 2  # (the first record's length, a varint: two bytes more than it has)
+    with pytest.raises(BadRecords):
+        to_batch("t", 0, recrc(raw))
+    with pytest.raises(BadRecords):
+        to_batch("t", 0, good[:-5])  # (cut short: the header's length says more)
