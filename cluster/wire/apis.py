@@ -27,7 +27,7 @@ from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, Invalid
 from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
-from raymq.wire.records import BadRecords, control_batch, from_messages, to_batch
+from raymq.wire.records import BadRecords, control_batch, from_spans, to_batch
 from raymq.wire.sequences import OUT_OF_ORDER, Sequences, new_producer_id
 from raymq.wire.transactions import TXN_ERRORS, Transactions, TxnRefused
 from raymq.wire.txn_apis import TxnApis, _shard_of
@@ -243,7 +243,8 @@ class KafkaApis(TxnApis):
     # ---------------------------------------------------------------- Fetch
     def _FetchRequest(self, request):
         """Each partition read from its queue (one pull per shard; a long poll when the
-        request names one shard), as record batches."""
+        request names one shard), as a record batch made from the records as they lie in
+        the log."""
         isolation = "read_committed" if request.isolation_level == 1 else "read_uncommitted"
         asked, by_shard = {}, {}
         for t in request.topics:
@@ -257,22 +258,23 @@ class KafkaApis(TxnApis):
         wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
         got: dict = {}
         calls = [(reads, self.mq.transport.begin(
-            shard, "pull", (reads, wait, None, None, isolation, "messages", "error"),
+            shard, "pull", (reads, wait, None, None, isolation, "spans", "error"),
             timeout_s=30)) for shard, reads in by_shard.items()]
         for reads, call in calls:
             try:
-                for topic, q, batch, next_offset, end in call.result():
-                    got[(topic, q)] = (NONE, batch.messages(), next_offset, end)
+                for topic, q, spans, next_offset, end in call.result():
+                    got[(topic, q)] = (NONE, spans, next_offset, end)
             except Exception as err:  # (that shard's partitions answer the error)
                 for topic, q, _o, _n in reads:
-                    got[(topic, q)] = (error_code(err), [], -1, -1)
+                    got[(topic, q)] = (error_code(err), None, -1, -1)
         topics: dict[str, list] = {}
         now_ms = int(time.time() * 1000)
         for (topic, q), offset in asked.items():
-            code, msgs, next_offset, end = got.get((topic, q),
-                                                   (UNKNOWN_TOPIC_OR_PARTITION, [], -1, -1))
-            records = from_messages(msgs) if msgs else b""
-            if next_offset > (msgs[-1].queue_offset + 1 if msgs else offset):
+            code, spans, next_offset, end = got.get((topic, q),
+                                                    (UNKNOWN_TOPIC_OR_PARTITION, None, -1, -1))
+            read = spans is not None and len(spans) > 0
+            records = from_spans(spans) if read else b""
+            if next_offset > (int(spans.queue_offsets[-1]) + 1 if read else offset):
                 # what the read left out at the end (RayMQ's transaction markers, aborted
                 # records): a control batch there moves the client's position past them
                 records += control_batch(next_offset - 1, now_ms)

@@ -3,6 +3,7 @@ Kafka client may use, binary keys and repeated headers, a corrupt batch refused.
 Ray, no sockets."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from kafka.record import MemoryRecordsBuilder
 
@@ -89,3 +90,46 @@ def test_a_batch_whose_records_lie_about_their_size_is_refused_even_with_a_good_
         to_batch("t", 0, recrc(raw))
     with pytest.raises(BadRecords):
         to_batch("t", 0, good[:-5])  # (cut short: the header's length says more)
+
+
+def test_records_read_as_spans_become_the_batch_kafka_clients_read(tmp_path):
+    """A Fetch's records straight from the log (no object per message): offsets with a gap,
+    keys and none, long bodies, born times out of order; records a Kafka client wrote
+    with headers or a binary key (their properties) the same through the slower path."""
+    import os
+    import pickle
+    from kafka.record import MemoryRecords
+    from raymq.storage import RecordBatch
+    from raymq.wire.records import from_spans
+    from tests.helpers import open_shard
+    sh = open_shard(tmp_path, [("t", 0), ("u", 0)])
+    try:
+        bodies = [os.urandom(k * 37 % 300) for k in range(40)] + [os.urandom(20_000)]
+        keys = [None if k % 3 else f"key-{k}" for k in range(41)]
+        born = [1_700_000_000_000 + (k * 7919) % 1000 - 500 for k in range(41)]
+        sh.send(RecordBatch("t", 0, bodies, keys=keys, born_ms=born))
+        [(_t, _q, spans, _n, _e)] = sh.pull([("t", 0, 3, 100)], form="spans")
+        spans = pickle.loads(pickle.dumps(spans, 5))  # (as the channel carries it)
+        keep = np.ones(len(spans), bool)
+        keep[[4, 5, 20]] = False  # (left out: as aborted records or markers are)
+        spans = spans.select(keep)
+        batches = list(iter(MemoryRecords(from_spans(spans)).next_batch, None))
+        assert len(batches) == 1 and batches[0].validate_crc()
+        records = list(batches[0])
+        want = [k for k in range(3, 41) if k - 3 not in (4, 5, 20)]
+        assert [r.offset for r in records] == want
+        assert [r.value for r in records] == [bodies[k] for k in want]
+        assert [r.key for r in records] == [None if keys[k] is None else keys[k].encode()
+                                            for k in want]
+        assert [r.timestamp for r in records] == [born[k] for k in want]
+        assert all(r.headers == [] for r in records)
+        kafka_written, _w = to_batch("u", 0, kafka_batch(0))
+        sh.send(kafka_written)
+        [(_t, _q, spans, _n, _e)] = sh.pull([("u", 0, 0, 100)], form="spans")
+        [batch] = list(iter(MemoryRecords(from_spans(spans)).next_batch, None))
+        back = list(batch)
+        assert back[3].headers == [("h", b"3"), ("h", b"again")]
+        assert [r.key for r in back][:2] == [b"key0", b"\xff1"]
+        assert from_spans(spans.select(np.zeros(len(spans), bool))) == b""
+    finally:
+        sh.close()
