@@ -255,6 +255,10 @@ class ClusterConfig(BaseModel):
     replication_factor: StrictInt = Field(
         1, ge=1, le=7, description="Replicas of each shard, each on its own Ray node "
                                    "(a STRICT_SPREAD placement group); 1: no replication.")
+    kafka_port: StrictInt = Field(
+        0, ge=0, le=65535, description="Port of a Kafka-protocol listener on each node RayMQ "
+                                       "runs on (a Ray actor per node; clients give "
+                                       "bootstrap.servers=NODE:PORT); 0: none.")
     min_insync_replicas: StrictInt = Field(
         0, ge=0, description="Replicas that must hold a write before SEND_OK (the leader "
                              "among them); 0: 2 when replication_factor >= 2, else 1. Fewer "

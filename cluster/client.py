@@ -253,6 +253,16 @@ class RayMQ:
         shard, phys = self.admin._located(msg_id)
         return self.shard(shard).call("cancel_scheduled", phys, timeout_s=60)
 
+    def kafka_bootstrap(self) -> str:
+        """``bootstrap.servers`` for Kafka clients: the Kafka listener of each node
+        (``kafka_port``), ``HOST:PORT`` comma-separated; "" when none runs."""
+        from raymq.wire.actor import LISTENER_PREFIX
+        names = [n for n in rpc.named_actors() if n.startswith(LISTENER_PREFIX)]
+        pending = [rpc.Pending(rpc.get_actor(n).address.remote()) for n in names]
+        # (one not listening, or gone meanwhile, is left out)
+        return ",".join("%s:%d" % tuple(a) for a in rpc.wait_all(pending, timeout_s=60)
+                        if not isinstance(a, Exception))
+
     def close(self) -> None:
         """Close the producers and consumers made here (the cluster keeps running)."""
         for c in reversed(self._clients):

@@ -490,7 +490,29 @@ def deploy(config: ClusterConfig) -> tuple[object, list[object]]:
     cfg = _running_config(controller)
     shards = _create_shards(control, cfg)
     _create_helpers(cfg)
+    if cfg.kafka_port:
+        kafka_listeners(cfg.kafka_port)
     return controller, shards
+
+
+def kafka_listeners(port: int) -> list[tuple[str, int]]:
+    """The Kafka listener of each alive node on ``port``, each created unless it exists
+    (``raymq.wire.actor``); their addresses."""
+    from raymq.wire.actor import KafkaListenerActor, listener_name
+    handles = [rpc.create_actor(
+        KafkaListenerActor, name=listener_name(node), namespace=NAMESPACE,
+        lifetime="detached", get_if_exists=True, max_restarts=-1, num_cpus=0,
+        max_concurrency=4, scheduling_strategy=rpc.pin_to_node(node))
+        for node in rpc.alive_nodes()]
+    answers = rpc.wait_all([rpc.Pending(h.start.remote(port)) for h in handles],
+                           timeout_s=120)
+    for handle, answer in zip(handles, answers):
+        if isinstance(answer, Exception):  # (it would only be asked again: gone)
+            rpc.kill(handle, no_restart=True)
+    failed = next((a for a in answers if isinstance(a, Exception)), None)
+    if failed is not None:
+        raise failed
+    return [tuple(a) for a in answers]
 
 
 def check_deployable(config: ClusterConfig, *, running: bool = False) -> None:
@@ -650,12 +672,15 @@ def undeploy() -> list[str]:
                   for i in range(64)]
         names += [replica_name(i, k, kind) for i in range(64) for k in range(7)
                   for kind in ("shard", "coordinator")]
+    from raymq.wire.actor import LISTENER_PREFIX
+    names += [n for n in rpc.named_actors(NAMESPACE) if n.startswith(LISTENER_PREFIX)]
     # the actors that call shards go first (a check round or a marker write in flight
     # would otherwise meet a killed shard, and Ray logs a retry), the controller last;
     # a replica is closed before it is killed: its heartbeat to the controller ends first
-    order = (checker_name, coordinator_name, registry_name, shard_name)
+    order = [LISTENER_PREFIX] + [f(0)[:-1] for f in (checker_name, coordinator_name,
+                                                     registry_name, shard_name)]
     rank = lambda n: next(  # noqa: E731
-        (k for k, f in enumerate(order) if n.startswith(f(0)[:-1])), len(order))
+        (k for k, prefix in enumerate(order) if n.startswith(prefix)), len(order))
     for k in range(len(order) + 1):
         handles = {}
         for name in (n for n in names if rank(n) == k):

@@ -1,11 +1,12 @@
 """``raymq bench kafka``: Kafka clients through the Kafka listener against the SDK (issue 36).
 
-On an embedded RayMQ (two shards, sync flush) with a listener in this process:
+On an embedded RayMQ (two shards, sync flush) with its node's Kafka listener (an actor of
+its own, as ``kafka_port`` deploys it), the clients in this process:
 
 - ``kafka.produce_ratio``: confluent-kafka (librdkafka) producing 256 B messages with its
   default batching (``acks=all``) over the SDK's ``send_batch`` of the same messages, in
   alternating slices (target >= 0.5);
-- ``kafka.consume_ratio``: confluent-kafka reading a partition to its end over the SDK's
+- ``kafka.consume_ratio``: confluent-kafka reading the topic to its end over the SDK's
   consumer reading the same (target >= 0.5);
 - ``kafka.p99_send_ms``: the p99 latency of single acknowledged sends through the
   listener (reported).
@@ -31,12 +32,12 @@ _SIZE = 256
 def bench_kafka(b: Bench) -> None:
     from confluent_kafka import Producer
 
+    from raymq.deploy import kafka_listeners
     from raymq.message import Message
-    from raymq.wire.listener import KafkaListener
     mq, data = _bench_cluster(b, "kafka")
-    listener = KafkaListener(mq, port=0).start()
-    boot = "%s:%d" % listener.address
     try:
+        [(host, port)] = kafka_listeners(_free_port())  # (its own process, as deployed)
+        boot = f"{host}:{port}"
         mq.create_topic("bench", queues=2)
         body = os.urandom(_SIZE)
         n, slices = b.n(100_000, 5_000), 3
@@ -72,24 +73,35 @@ def bench_kafka(b: Bench) -> None:
         b.emit("kafka.produce_sdk", total / took["sdk"], "msgs/s", n=total, size=_SIZE,
                batch=1000)
         b.ratio("kafka.produce_ratio", "kafka.produce_confluent", "kafka.produce_sdk")
-        _consume(b, mq, boot, n)
+        _consume(b, mq, boot)
         _p99(b, kp, b.n(2000, 200))
-        _eos(b, mq, boot, b.n(40_000, 4_000))
+        del kp  # (its connection closed before the listener goes)
+        _eos(b, mq, boot, b.n(200_000, 10_000))
         sdk.close()
     finally:
-        listener.stop()
         _teardown_cluster(data)
 
 
-def _consume(b: Bench, mq, boot: str, n: int) -> None:
-    """Partition 0 read to its end by confluent-kafka, then by the SDK's consumer."""
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _consume(b: Bench, mq, boot: str) -> None:
+    """The topic read to its end (both partitions) by confluent-kafka, then by the SDK's
+    consumer."""
     from confluent_kafka import Consumer, TopicPartition
-    [(_t, _q, _b, _n, end)] = mq.shard(mq.routes_for({"bench"})["bench"][0]).call(
-        "pull", [("bench", 0, 0, 1)], 0, None, None, "read_uncommitted", timeout_s=60)
-    b.progress(f"kafka: partition 0 ({end} messages) read by confluent-kafka and the SDK")
+    end = 0
+    for q in range(2):
+        [(_t, _q, _b, _n, e)] = mq.shard(mq.routes_for({"bench"})["bench"][q]).call(
+            "pull", [("bench", q, 0, 1)], 0, None, None, "read_uncommitted", timeout_s=60)
+        end += e
+    b.progress(f"kafka: the topic ({end} messages) read by confluent-kafka and the SDK")
     c = Consumer({"bootstrap.servers": boot, "group.id": "bench-kafka",
                   "enable.auto.commit": False})
-    c.assign([TopicPartition("bench", 0, 0)])
+    c.assign([TopicPartition("bench", q, 0) for q in range(2)])
     got, t0 = 0, time.perf_counter()
     while got < end:
         got += len(c.consume(10_000, 1.0))
@@ -97,15 +109,12 @@ def _consume(b: Bench, mq, boot: str, n: int) -> None:
     c.close()
     sdk = mq.consumer("bench-sdk", ["bench"], isolation="read_uncommitted")
     got, t0 = 0, time.perf_counter()
-    while got < end:
-        got += sum(1 for m in sdk.poll(10_000, 1.0) if m.queue_id == 0)
-        if time.perf_counter() - t0 > 300:
-            break
+    while got < end and time.perf_counter() - t0 < 300:
+        got += len(sdk.poll(10_000, 1.0))
     sdk_s = time.perf_counter() - t0
     sdk.close()
-    b.emit("kafka.consume_confluent", end / kafka_s, "msgs/s", n=end)
-    b.emit("kafka.consume_sdk", end / sdk_s, "msgs/s", n=end,
-           note="the SDK's group consumer reads both queues; partition 0's are counted")
+    b.emit("kafka.consume_confluent", end / kafka_s, "msgs/s", n=end, partitions=2)
+    b.emit("kafka.consume_sdk", end / sdk_s, "msgs/s", n=end, queues=2)
     b.ratio("kafka.consume_ratio", "kafka.consume_confluent", "kafka.consume_sdk")
 
 

@@ -90,9 +90,13 @@ def _cmd_up(args) -> int:
         settings["replication_factor"] = args.replication_factor
     if args.min_insync_replicas:
         settings["min_insync_replicas"] = args.min_insync_replicas
+    if args.kafka_port is not None:
+        settings["kafka_port"] = args.kafka_port
     mq = _connect(args, settings=settings)
     print(f"RayMQ is up: controller + {mq.num_shards} shards "
           f"(data under {mq.config.resolved_data_dir()} on each node)")
+    if mq.config.kafka_port:
+        print(f"Kafka clients: bootstrap.servers={mq.kafka_bootstrap()}")
     return 0
 
 
@@ -142,6 +146,8 @@ def _cmd_status(args) -> int:
         _print_json(st)
         return 0
     print(f"transport: {st['transport']['name']} -- {st['transport']['why']}")
+    if mq.config.kafka_port:
+        print(f"kafka listeners: {mq.kafka_bootstrap() or 'none answering'}")
     print(f"shards: {len(st['shards'])}")
     for s in st["shards"]:
         info = s["info"]
@@ -568,6 +574,16 @@ def _cmd_kafka(args) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -651,6 +667,10 @@ def _build_parser() -> argparse.ArgumentParser:
                          "refused when the cluster has fewer alive nodes")
     up.add_argument("--min-insync-replicas", type=int,
                     help="replicas holding a write before SEND_OK (default 2 when replicated)")
+    up.add_argument("--kafka-port", type=_port,
+                    help="a Kafka-protocol listener on each node on this port (anyone "
+                         "who reaches it reads and writes every topic); 0: none "
+                         "(default: 0)")
     up.set_defaults(func=_cmd_up)
     for kind, line in (("shard", "replicated shards: move leadership"),
                        ("coordinator", "replicated transaction coordinators: move "
