@@ -108,7 +108,10 @@ def _consume(b: Bench, mq, boot: str) -> None:
     kafka_s = time.perf_counter() - t0
     c.close()
     sdk = mq.consumer("bench-sdk", ["bench"], isolation="read_uncommitted")
-    got, t0 = 0, time.perf_counter()
+    got = 0
+    while not got:  # (its group joined first: confluent-kafka's partitions are assigned)
+        got = len(sdk.poll(1, 1.0))
+    t0 = time.perf_counter()
     while got < end and time.perf_counter() - t0 < 300:
         got += len(sdk.poll(10_000, 1.0))
     sdk_s = time.perf_counter() - t0
@@ -130,8 +133,9 @@ def _p99(b: Bench, kp, n: int) -> None:
            p50_ms=round(1000 * float(np.percentile(lat, 50)), 3))
 
 
-def _eos(b: Bench, mq, boot: str, n: int) -> None:
-    """The copy loop of ``n`` messages, through the listener and through the SDK."""
+def _eos(b: Bench, mq, boot: str, n: int, slices: int = 4) -> None:
+    """The copy loop of ``n`` messages, through the listener and through the SDK, in
+    alternating slices (a change of the machine's pace hits both)."""
     from raymq.message import Message
     mq.create_topic("eos-in", queues=2)
     for name in ("eos-out-kafka", "eos-out-sdk"):
@@ -142,73 +146,101 @@ def _eos(b: Bench, mq, boot: str, n: int) -> None:
         p.send_batch([Message("eos-in", body, key=str(k * 1000 + i)) for i in range(1000)])
     p.close()
     b.progress(f"kafka: a copy loop of {n} messages committing every 100 ms, with "
-               f"confluent-kafka through the listener and with the SDK")
-    kafka_s, kafka_txns = _eos_kafka(boot, n)
-    sdk_s, sdk_txns = _eos_sdk(mq, n)
-    b.emit("kafka.eos_confluent", n / kafka_s, "msgs/s", n=n, transactions=kafka_txns,
-           commit_interval_ms=100)
-    b.emit("kafka.eos_sdk", n / sdk_s, "msgs/s", n=n, transactions=sdk_txns,
-           commit_interval_ms=100)
+               f"confluent-kafka through the listener and with the SDK, {slices} "
+               f"alternating slices")
+    loops = {"kafka": _KafkaCopy(boot), "sdk": _SdkCopy(mq)}
+    took = dict.fromkeys(loops, 0.0)
+    for _ in range(slices):
+        for name, loop in loops.items():
+            took[name] += loop.copy(n // slices)
+    for name, loop in loops.items():
+        b.emit(f"kafka.eos_{'confluent' if name == 'kafka' else 'sdk'}", n / took[name],
+               "msgs/s", n=n, transactions=loop.txns, commit_interval_ms=100, slices=slices)
+        loop.close()
     b.ratio("kafka.eos_ratio", "kafka.eos_confluent", "kafka.eos_sdk")
 
 
-def _eos_kafka(boot: str, n: int) -> tuple[float, int]:
-    from confluent_kafka import Consumer, Producer, TopicPartition
-    c = Consumer({"bootstrap.servers": boot, "group.id": "bench-eos-kafka",
-                  "isolation.level": "read_committed", "enable.auto.commit": False})
-    c.assign([TopicPartition("eos-in", q, 0) for q in range(2)])
-    p = Producer({"bootstrap.servers": boot, "transactional.id": "bench-eos-kafka"})
-    p.init_transactions(60)
-    p.begin_transaction()
-    copied, txns, t0, last = 0, 0, None, 0.0
-    while copied < n:
-        msgs = [m for m in c.consume(1000, 0.2) if m.error() is None]
-        if t0 is None and msgs:
-            t0 = last = time.perf_counter()
-        for m in msgs:
-            while True:
-                try:
-                    p.produce("eos-out-kafka", value=m.value(), partition=m.partition())
-                    break
-                except BufferError:  # (its queue full: let it send)
-                    p.poll(0.01)
-        copied += len(msgs)
-        if msgs and (time.perf_counter() - last >= 0.1 or copied >= n):
-            p.send_offsets_to_transaction(c.position(c.assignment()),
-                                          c.consumer_group_metadata(), 60)
-            p.commit_transaction(60)
-            txns += 1
-            p.begin_transaction()
-            last = time.perf_counter()
-    took = time.perf_counter() - t0
-    p.abort_transaction(60)
-    c.close()
-    return took, txns
+class _KafkaCopy:
+    """confluent-kafka's consume-transform-produce loop (read_committed in, the output and
+    the input's offsets in a transaction committed every 100 ms)."""
 
+    def __init__(self, boot: str):
+        from confluent_kafka import Consumer, Producer, TopicPartition
+        self.c = Consumer({"bootstrap.servers": boot, "group.id": "bench-eos-kafka",
+                           "isolation.level": "read_committed", "enable.auto.commit": False})
+        self.c.assign([TopicPartition("eos-in", q, 0) for q in range(2)])
+        self.p = Producer({"bootstrap.servers": boot, "transactional.id": "bench-eos-kafka"})
+        self.p.init_transactions(60)
+        self.txns = 0
 
-def _eos_sdk(mq, n: int) -> tuple[float, int]:
-    from raymq.message import Message
-    c = mq.consumer("bench-eos-sdk", ["eos-in"], auto_commit=False)
-    kp = mq.transactional_producer("bench-eos-sdk")
-    kp.begin()
-    copied, txns, t0, last, offsets = 0, 0, None, 0.0, {}
-    while copied < n:
-        msgs = c.poll(1000, 0.2)
-        if t0 is None and msgs:
-            t0 = last = time.perf_counter()
-        if msgs:
-            kp.send_batch([Message("eos-out-sdk", m.body) for m in msgs])
+    def copy(self, n: int) -> float:
+        """Copy ``n`` more; the seconds it took from the first one read."""
+        p, c = self.p, self.c
+        p.begin_transaction()
+        copied, t0, last = 0, None, 0.0
+        while copied < n:
+            msgs = [m for m in c.consume(min(1000, n - copied), 0.2) if m.error() is None]
+            if t0 is None and msgs:
+                t0 = last = time.perf_counter()
             for m in msgs:
-                offsets[(m.topic, m.queue_id)] = m.queue_offset + 1
-        copied += len(msgs)
-        if msgs and (time.perf_counter() - last >= 0.1 or copied >= n):
-            kp.send_offsets(offsets, group="bench-eos-sdk")
-            kp.commit()
-            txns += 1
-            kp.begin()
-            last = time.perf_counter()
-    took = time.perf_counter() - t0
-    kp.abort()
-    kp.close()
-    c.close()
-    return took, txns
+                while True:
+                    try:
+                        p.produce("eos-out-kafka", value=m.value(), partition=m.partition())
+                        break
+                    except BufferError:  # (its queue full: let it send)
+                        p.poll(0.01)
+            copied += len(msgs)
+            if msgs and (time.perf_counter() - last >= 0.1 or copied >= n):
+                p.send_offsets_to_transaction(c.position(c.assignment()),
+                                              c.consumer_group_metadata(), 60)
+                p.commit_transaction(60)
+                self.txns += 1
+                if copied < n:
+                    p.begin_transaction()
+                last = time.perf_counter()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.c.close()
+        del self.p
+
+
+class _SdkCopy:
+    """The same loop through the SDK: a group consumer, ``transactional_producer``,
+    ``send_offsets``."""
+
+    def __init__(self, mq):
+        self.c = mq.consumer("bench-eos-sdk", ["eos-in"], auto_commit=False)
+        self.kp = mq.transactional_producer("bench-eos-sdk")
+        self.txns = 0
+        self._early: list = []
+
+    def copy(self, n: int) -> float:
+        from raymq.message import Message
+        c, kp = self.c, self.kp
+        kp.begin()
+        copied, t0, last, offsets = 0, None, 0.0, {}
+        while copied < n:
+            msgs = self._early or c.poll(min(1000, n - copied), 0.2)
+            self._early = []
+            if len(msgs) > n - copied:  # (a poll may give more: the rest for the next slice)
+                msgs, self._early = msgs[:n - copied], msgs[n - copied:]
+            if t0 is None and msgs:
+                t0 = last = time.perf_counter()
+            if msgs:
+                kp.send_batch([Message("eos-out-sdk", m.body) for m in msgs])
+                for m in msgs:
+                    offsets[(m.topic, m.queue_id)] = m.queue_offset + 1
+            copied += len(msgs)
+            if msgs and (time.perf_counter() - last >= 0.1 or copied >= n):
+                kp.send_offsets(offsets, group="bench-eos-sdk")
+                kp.commit()
+                self.txns += 1
+                if copied < n:
+                    kp.begin()
+                last = time.perf_counter()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.kp.close()
+        self.c.close()

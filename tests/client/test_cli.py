@@ -350,7 +350,8 @@ def test_elect_help_explains_unclean_and_shows_the_defaults(monkeypatch):
 def test_bench_kafka_prints_the_issues_metric_names(tmp_path):
     got = _bench_figures("kafka", tmp_path, "0.05")
     for ratio, num, den in (("produce_ratio", "produce_confluent", "produce_sdk"),
-                            ("consume_ratio", "consume_confluent", "consume_sdk")):
+                            ("consume_ratio", "consume_confluent", "consume_sdk"),
+                            ("eos_ratio", "eos_confluent", "eos_sdk")):
         assert got[f"kafka.{num}"]["value"] > 0 and got[f"kafka.{den}"]["value"] > 0
         assert got[f"kafka.{ratio}"]["value"] == pytest.approx(
             got[f"kafka.{num}"]["value"] / got[f"kafka.{den}"]["value"], abs=0.001)
