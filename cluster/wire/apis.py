@@ -24,6 +24,7 @@ from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, Invalid
                                   NotEnoughReplicasError, NotLeaderError, OffsetOutOfRangeError,
                                   QuotaExceededError, ReservedNameError, RequestTimeoutError,
                                   TopicExistsError, UnknownTopicError)
+from raymq.wire.admin_apis import AdminApis
 from raymq.wire.groups import ClassicGroups
 from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
     api_versions_table
@@ -66,7 +67,7 @@ _OffsetsTopic = ListOffsetsResponse.ListOffsetsTopicResponse
 _OffsetsPart = _OffsetsTopic.ListOffsetsPartitionResponse
 
 
-class KafkaApis(TxnApis):
+class KafkaApis(TxnApis, AdminApis):
     """The answers of one listener, advertised as broker ``node_id`` at
     ``host:port``."""
 
@@ -353,12 +354,7 @@ class KafkaApis(TxnApis):
 
     def _sdk_members(self, group: str) -> list[str]:
         """The SDK's live consumers of ``group`` (the cluster's membership)."""
-        try:
-            members = self.mq.control.call("groups", timeout_s=30).get(group, {})
-        except Exception as err:  # (the controller away: the join goes on)
-            log.info("kafka listener: the SDK's groups not known: %s", err)
-            return []
-        return sorted(members.get("members") or [])
+        return self._sdk_groups().get(group, [])
 
     def _SyncGroupRequest(self, request):
         error, assignment = self.groups.sync(

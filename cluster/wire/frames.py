@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import struct
 
+from kafka.protocol.admin.cluster import DescribeClusterRequest
+from kafka.protocol.admin.configs import DescribeConfigsRequest
+from kafka.protocol.admin.groups import DescribeGroupsRequest, ListGroupsRequest
 from kafka.protocol.admin.topics import CreateTopicsRequest, DeleteTopicsRequest
+from kafka.protocol.admin.transactions import (DescribeTransactionsRequest,
+                                               ListTransactionsRequest)
 from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, LeaveGroupRequest,
                                            OffsetCommitRequest, OffsetFetchRequest,
@@ -48,6 +53,12 @@ SERVED = {
     TxnOffsetCommitRequest.API_KEY: (TxnOffsetCommitRequest, 0, 3),
     CreateTopicsRequest.API_KEY: (CreateTopicsRequest, 2, 6),     # (7+ answer topic ids)
     DeleteTopicsRequest.API_KEY: (DeleteTopicsRequest, 1, 5),     # (6+ name them by id)
+    DescribeClusterRequest.API_KEY: (DescribeClusterRequest, 0, 1),
+    DescribeConfigsRequest.API_KEY: (DescribeConfigsRequest, 1, 4),
+    ListGroupsRequest.API_KEY: (ListGroupsRequest, 0, 4),    # (5+: group types, KIP-848)
+    DescribeGroupsRequest.API_KEY: (DescribeGroupsRequest, 0, 5),
+    ListTransactionsRequest.API_KEY: (ListTransactionsRequest, 0, 1),
+    DescribeTransactionsRequest.API_KEY: (DescribeTransactionsRequest, 0, 0),
 }
 
 #: Kafka's error codes used here (``kafka.errors`` names them).

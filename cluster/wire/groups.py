@@ -248,6 +248,21 @@ class ClassicGroups:
                     "protocol_type": g.protocol_type, "leader": g.leader,
                     "members": sorted(g.members)}
 
+    def listed(self) -> list[tuple[str, str | None, str]]:
+        """Every group: ``(id, protocol type, state)``."""
+        with self._cond:
+            return [(g.id, g.protocol_type, g.state) for g in self._groups.values()]
+
+    def members_of(self, group_id: str) -> list[tuple[str, bytes, bytes]]:
+        """The members of a group: ``(member id, its metadata of the group's protocol, its
+        assignment)``."""
+        with self._cond:
+            g = self._groups.get(group_id)
+            if g is None:
+                return []
+            return [(m.id, dict(m.protocols).get(g.protocol, b""), m.assignment)
+                    for m in g.members.values()]
+
     # ---------------------------------------------------------------- inside
     def _check(self, g: Group | None, generation: int, member_id: str) -> int:
         if g is None or member_id not in g.members:

@@ -120,6 +120,11 @@ class Transactions:
             s = self._sessions.get(tid) if tid is not None else None
         return self._checked(s, tid or "?", kafka_pid, kafka_epoch)
 
+    def known(self, tid: str) -> Session | None:
+        """The session of ``tid``, if this listener holds one (no check)."""
+        with self._lock:
+            return self._sessions.get(tid)
+
     def _checked(self, s: Session | None, tid: str, kafka_pid: int,
                  kafka_epoch: int) -> Session:
         if s is None or s.kafka_pid != kafka_pid:

@@ -160,3 +160,63 @@ def test_a_plain_kafka_consumer_moves_past_the_markers_of_sdk_transactions(mq, n
     p.close()
     got = _read_all(boot, name, 1, "read_committed", 4)
     assert [m.value() for m in got] == [b"c0", b"c1", b"c2", b"after"]
+
+
+def test_an_admin_client_describes_the_cluster_topics_groups_and_transactions(
+        mq, name, listener):
+    """confluent-kafka's AdminClient: the cluster, a topic's retention, a Kafka group and
+    its members; kafka-python's admin: every group (the SDK's too, as protocol type
+    ``raymq``), and the transactions RayMQ's coordinators hold."""
+    from confluent_kafka import Consumer
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+    from kafka.admin import KafkaAdminClient
+    boot = "%s:%d" % listener.address
+    mq.create_topic(name, 2, retention_ms=3_600_000)
+    admin = AdminClient({"bootstrap.servers": boot})
+    cluster = admin.describe_cluster(request_timeout=30).result(30)
+    assert cluster.cluster_id == "raymq" and [n.port for n in cluster.nodes] == \
+        [listener.address[1]]
+    [future] = admin.describe_configs([ConfigResource(ResourceType.TOPIC, name)]).values()
+    configs = future.result(30)
+    assert configs["retention.ms"].value == "3600000"
+    assert configs["retention.bytes"].value == "-1"
+    ka = KafkaAdminClient(bootstrap_servers=boot, request_timeout_ms=30_000)
+    c = Consumer({"bootstrap.servers": boot, "group.id": name + "-kafka",
+                  "auto.offset.reset": "earliest"})
+    c.subscribe([name])
+    sdk = mq.consumer(name + "-sdk", [name])
+    sdk.poll(1, 0.5)
+    try:
+        def both_listed():
+            c.poll(0.2)
+            groups = {g["group_id"]: g for g in ka.list_groups()}
+            return name + "-kafka" in groups and name + "-sdk" in groups and groups
+        groups = wait_for(both_listed, timeout_s=60, what="both groups listed")
+        assert groups[name + "-kafka"]["protocol_type"] == "consumer"
+        assert groups[name + "-sdk"]["protocol_type"] == "raymq"
+        [described] = admin.describe_consumer_groups([name + "-kafka"]).values()
+        group = described.result(30)
+        assert len(group.members) == 1 and {tp.partition for tp in
+                                            group.members[0].assignment.topic_partitions} \
+            == {0, 1}
+        [listed] = [g for g in admin.list_consumer_groups(request_timeout=30).result(30).valid
+                    if g.group_id == name + "-kafka"]
+        assert str(listed.state).endswith("STABLE")
+    finally:
+        c.close()
+        sdk.close()
+    p = _producer(boot, name + "-tx")
+    p.begin_transaction()
+    p.produce(name, value=b"open", partition=1)
+    p.flush(30)
+    try:
+        listed = {t.transactional_id: t for rows in ka.list_transactions().values()
+                  for t in rows}
+        assert listed[name + "-tx"].state == "Ongoing"
+        described = ka.describe_transactions([name + "-tx"])[name + "-tx"]
+        assert described.state == "Ongoing" and described.producer_id == \
+            listed[name + "-tx"].producer_id
+        assert {(tp.topic, tp.partition) for tp in described.topic_partitions} == {(name, 1)}
+    finally:
+        ka.close()
+    p.abort_transaction(30)
