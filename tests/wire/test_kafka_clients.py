@@ -287,3 +287,94 @@ def test_a_group_name_live_in_the_sdk_is_refused_to_kafka_consumers_in_one_line(
     finally:
         c.close()
         sdk.close()
+
+
+@pytest.mark.slow
+def test_a_cooperative_sticky_group_rebalances_as_members_join_and_leave(mq, name, listener):
+    """Three librdkafka members with the cooperative-sticky assignor (incremental
+    rebalances over the classic protocol): a third joins, the first leaves; every message
+    is handled once (each member commits what it handled), and the partitions are always
+    split between the members present."""
+    import threading
+    from confluent_kafka import Consumer
+    from raymq import Message
+    mq.create_topic(name, 4)
+    boot, group = "%s:%d" % listener.address, name + "-coop"
+    p = mq.producer()
+    handled: list = []
+    lock = threading.Lock()
+
+    class Member:
+        def __init__(self):
+            self.c = Consumer({"bootstrap.servers": boot, "group.id": group,
+                               "partition.assignment.strategy": "cooperative-sticky",
+                               "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                               "session.timeout.ms": 6000, "heartbeat.interval.ms": 300})
+            self.c.subscribe([name])
+            self.stop = threading.Event()
+            self.owned: set = set()
+            self.t = threading.Thread(target=self.run, daemon=True)
+            self.t.start()
+
+        def run(self):
+            while not self.stop.is_set():
+                m = self.c.poll(0.2)
+                self.owned = {tp.partition for tp in self.c.assignment()}
+                if m is None or m.error() is not None:
+                    continue
+                with lock:
+                    handled.append(m.value())
+                self.c.commit(m, asynchronous=False)
+            self.c.close()  # (leaves the group)
+
+        def leave(self):
+            self.stop.set()
+            self.t.join(30)
+
+    def wave(k: int, members: list) -> None:
+        p.send_batch([Message(name, b"w%d-%02d" % (k, i), key=str(i)) for i in range(40)])
+        wait_for(lambda: sum(v.startswith(b"w%d-" % k) for v in handled) >= 40 and
+                 set().union(*(m.owned for m in members)) == {0, 1, 2, 3} and
+                 sum(len(m.owned) for m in members) == 4 and all(m.owned for m in members),
+                 timeout_s=90, what=f"wave {k} handled, the partitions split")
+
+    a, b = Member(), Member()
+    try:
+        wave(0, [a, b])
+        c = Member()
+        wave(1, [a, b, c])
+        a.leave()
+        wave(2, [b, c])
+    finally:
+        for m in (a, b, c):
+            m.leave()
+        p.close()
+    assert sorted(handled) == sorted(b"w%d-%02d" % (k, i) for k in range(3) for i in range(40))
+    committed = mq.admin.reset_offsets(group, name, to="latest", dry_run=True)
+    assert all(before == after for before, after in committed.values()), committed
+
+
+@pytest.mark.slow
+def test_ray_data_reads_a_topic_through_the_listener_and_writes_one(mq, name, listener):
+    """``ray.data.read_kafka`` over a RayMQ topic (its read tasks on the cluster's workers)
+    and ``Dataset.write_kafka`` into another, which the SDK reads."""
+    import json
+    import ray
+    from raymq import Message
+    from tests.client.test_cluster import read_to_end
+    boot = "%s:%d" % listener.address
+    mq.create_topic(name, 2)
+    mq.create_topic(name + "-out", 2)
+    p = mq.producer()
+    p.send_batch([Message(name, b"row %d" % i, key=f"k{i}") for i in range(50)])
+    p.close()
+    ds = ray.data.read_kafka(name, bootstrap_servers=boot)
+    rows = ds.take_all()
+    assert sorted(r["value"] for r in rows) == sorted(b"row %d" % i for i in range(50))
+    assert {r["key"] for r in rows} == {b"k%d" % i for i in range(50)}
+    assert {r["partition"] for r in rows} == {0, 1} and all(r["topic"] == name for r in rows)
+    ray.data.from_items([{"n": i} for i in range(20)]).write_kafka(name + "-out", boot)
+    c = mq.consumer(name + "-g", [name + "-out"])
+    got = read_to_end(c, mq, [name + "-out"])
+    c.close()
+    assert sorted(json.loads(m.body)["n"] for m in got) == list(range(20))
