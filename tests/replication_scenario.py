@@ -671,6 +671,79 @@ def retention_replicated() -> int:
         h.close()
 
 
+def kafka_idempotent_failover() -> int:
+    """librdkafka's idempotent producer (its defaults: acks=all, enable.idempotence)
+    through the Kafka listener while the leader's node is lost: every message delivered
+    once, in order, no gap."""
+    import threading
+    from confluent_kafka import Consumer, Producer, TopicPartition
+    from raymq.wire.listener import KafkaListener
+    h = Harness(workers=3)
+    try:
+        mq = h.deploy()
+        mq.create_topic("k", queues=2)
+        listener = KafkaListener(mq, port=0).start()
+        boot = "%s:%d" % listener.address
+        p = Producer({"bootstrap.servers": boot, "enable.idempotence": True, "linger.ms": 2,
+                      "message.timeout.ms": 120_000})
+        failed, n, sent = [], 4000, [0]
+        done = threading.Event()
+
+        def produce():
+            for i in range(n):
+                while True:
+                    try:
+                        p.produce("k", value=b"%05d" % i, partition=i % 2,
+                                  on_delivery=lambda e, _m: e is not None and failed.append(e))
+                        break
+                    except BufferError:
+                        p.poll(0.01)
+                sent[0] = i + 1
+                if i % 100 == 0:
+                    p.poll(0)
+                    time.sleep(0.05)  # (spread over the failover)
+            p.flush(180)
+            done.set()
+        t = threading.Thread(target=produce, daemon=True)
+        t.start()
+        time.sleep(0.5)
+        before = mq.admin.replicas()[0]
+        print(f"the leader's node removed after {sent[0]} of {n} sent", flush=True)
+        h.remove(before["leader_node"], replace=False)
+        h.add()
+        done.wait(300)
+        after = mq.admin.replicas()[0]
+        print(f"failover: epoch {before['epoch']} -> {after['epoch']}; produced "
+              f"{n}, failed {len(failed)}", flush=True)
+        c = Consumer({"bootstrap.servers": boot, "group.id": "check",
+                      "enable.auto.commit": False, "enable.partition.eof": True})
+        c.assign([TopicPartition("k", q, 0) for q in range(2)])
+        got: dict[int, list] = {0: [], 1: []}
+        eof: set = set()
+        deadline = time.monotonic() + 120
+        while len(eof) < 2 and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            if m.error() is None:
+                got[m.partition()].append(int(m.value()))
+                eof.discard(m.partition())
+            elif m.error().code() == -191:
+                eof.add(m.partition())
+        c.close()
+        listener.stop()
+        ok = True
+        for q in (0, 1):
+            want = list(range(q, n, 2))
+            dup = len(got[q]) - len(set(got[q]))
+            print(f"partition {q}: read {len(got[q])}/{len(want)} duplicates {dup} "
+                  f"in order {got[q] == sorted(got[q])} complete {got[q] == want}", flush=True)
+            ok = ok and got[q] == want
+        return 0 if ok and not failed and after["epoch"] > before["epoch"] else 1
+    finally:
+        h.close()
+
+
 def _print_console_overview(mq) -> None:
     """What the web console's overview shows of a replicated cluster (its JSON)."""
     from raymq.tools.console_pages import Pages

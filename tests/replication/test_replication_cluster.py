@@ -155,3 +155,17 @@ def test_retention_on_a_group_of_three_survives_a_wiped_follower_and_a_lost_lead
     m2 = re.search(r"^new leader: log start (\d+) \(was (\d+)\) t/0 from (\d+)", out, re.M)
     assert m2 and int(m2.group(1)) >= int(m2.group(2))
     assert re.search(r"^read from \d+ to 130: gaps False bodies True", out, re.M)
+
+
+@pytest.mark.slow
+def test_an_idempotent_kafka_producer_through_a_leader_failover_loses_and_repeats_nothing():
+    """(issue 36) librdkafka's idempotent producer over the Kafka listener; the shard's
+    leader node lost in the middle: its resends are stored once, nothing is missing."""
+    out = run("kafka_idempotent_failover")
+    sent = int(re.search(r"^the leader's node removed after (\d+) of 4000 sent", out, re.M)
+               .group(1))
+    assert 0 < sent < 4000
+    m = re.search(r"^failover: epoch (\d+) -> (\d+); produced 4000, failed 0", out, re.M)
+    assert m and int(m.group(2)) > int(m.group(1))
+    for q in (0, 1):
+        assert f"partition {q}: read 2000/2000 duplicates 0 in order True complete True" in out
