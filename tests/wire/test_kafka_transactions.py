@@ -220,3 +220,33 @@ def test_an_admin_client_describes_the_cluster_topics_groups_and_transactions(
     finally:
         ka.close()
     p.abort_transaction(30)
+
+
+def test_the_readmes_kafka_examples_run_as_shown(mq, name, listener):
+    """The README's Kafka clients section: its producer/consumer and its transactional copy
+    loop, run as written (the address and the topic names made this test's own)."""
+    import contextlib
+    import io
+    import re
+    from tests.client.test_cluster import read_to_end
+    from tests.helpers import ROOT
+    with open(f"{ROOT}/README.md") as f:
+        readme = f.read()
+    section = readme[readme.index("### Kafka clients"):readme.index("### The web console")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    mq.create_topic(name, 2)
+    mq.create_topic(name + "-copy", 2)
+    boot = "%s:%d" % listener.address
+    out = io.StringIO()
+    for code in blocks:
+        code = code.replace("127.0.0.1:9092", boot).replace('"orders-copy"', f'"{name}-copy"') \
+            .replace('"orders"', f'"{name}"').replace('"copier-1"', f'"{name}-copier"') \
+            .replace('"billing"', f'"{name}-billing"').replace('"copier"', f'"{name}-copier"')
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "README.md", "exec"), {})
+    assert out.getvalue().strip() == "b'order-7' b'{\"total\": 42}' [('source', b'shop')]"
+    c = mq.consumer(name + "-check", [name + "-copy"])
+    copied = read_to_end(c, mq, [name + "-copy"])
+    c.close()
+    assert [(m.key, bytes(m.body)) for m in copied] == [("order-7", b'{"total": 42}')]
