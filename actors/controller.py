@@ -177,20 +177,35 @@ class Controller:
                     "retention_ms": retention.ms, "retention_bytes": retention.bytes}
 
     def alter_topic(self, name: str, *, retention_ms: int | None = None,
-                    retention_bytes: int | None = None) -> dict:
-        """Set a topic's own retention (a setting left None stays as it is)."""
+                    retention_bytes: int | None = None, queues: int | None = None) -> dict:
+        """Set a topic's own retention (a setting left None stays as it is), or grow it to
+        ``queues`` queues (a topic never shrinks: each queue keeps its messages and
+        offsets; the new ones are spread over the shards after the last)."""
         retention = check_retention(retention_ms, retention_bytes)
+        if queues is not None and (isinstance(queues, bool) or not isinstance(queues, int)
+                                   or not 1 <= queues <= MAX_QUEUES):
+            raise InvalidMessageError(f"queues must be 1..{MAX_QUEUES}, got {queues!r}")
         with self._lock:
             self._check_meta_known()
             t = self._topics.get(name)
             if t is None:
                 raise UnknownTopicError(f"topic {name!r} does not exist")
+            have = len(t["routes"])
+            if queues is not None and (queues < have or t.get("system")):
+                raise InvalidMessageError(
+                    f"topic {name!r} is RayMQ's own: its queues are fixed" if t.get("system")
+                    else f"topic {name!r} has {have} queues: a topic grows, never shrinks")
             t.update(retention)
+            if queues is not None and queues > have:
+                n = self.config.num_shards
+                t["routes"] = t["routes"] + [(t["routes"][-1] + 1 + i) % n
+                                             for i in range(queues - have)]
             self._meta_version += 1
             self._save()
             version = self._meta_version
         self._wait_kept(version, f"topic {name!r}")
-        log.info("controller: topic %s retention now %s", name, retention)
+        log.info("controller: topic %s now %s%s", name, retention,
+                 f", {queues} queues" if queues else "")
         return self.describe_topic(name)
 
     def delete_topic(self, name: str) -> dict:

@@ -146,10 +146,28 @@ class RayMQ:
         return info
 
     def alter_topic(self, name: str, *, retention_ms: int | None = None,
-                    retention_bytes: int | None = None) -> dict:
-        """Change a topic's own retention (a setting left None stays as it is)."""
-        return self.control.call("alter_topic", name, retention_ms=retention_ms,
-                                 retention_bytes=retention_bytes, timeout_s=30)
+                    retention_bytes: int | None = None, queues: int | None = None) -> dict:
+        """Change a topic's own retention (a setting left None stays as it is), or grow it
+        to ``queues`` queues (never fewer; consumers get the new queues at their next
+        heartbeat, producers that know the topic use them once they ask again:
+        ``refresh_routes``)."""
+        info = self.control.call("alter_topic", name, retention_ms=retention_ms,
+                                 retention_bytes=retention_bytes, queues=queues, timeout_s=30)
+        with self._lock:
+            self._routes[name] = info["routes"]
+        return info
+
+    def learn_routes(self, routes: dict[str, list[int]]) -> None:
+        """Routes of topics just read from the controller (``topics()``): kept as known."""
+        with self._lock:
+            self._routes.update(routes)
+
+    def refresh_routes(self, topics) -> dict[str, list[int]]:
+        """``routes_for``, asked of the controller again (a topic grown since)."""
+        with self._lock:
+            for t in topics:
+                self._routes.pop(t, None)
+        return self.routes_for(topics)
 
     def delete_topic(self, name: str) -> dict:
         """Delete a topic: its routes go at once (sends and polls get ``UnknownTopicError``),

@@ -154,6 +154,9 @@ class Consumer:
         return rpc.ControllerClient(self._mq.controller)
 
     def _acquire(self, queues: list[tuple[str, int]]) -> None:
+        grown = {t for t, q in queues if q >= len(self._routes[t])}
+        if grown:  # (a topic grown since this consumer learned its routes)
+            self._routes.update(self._mq.refresh_routes(grown))
         by_shard = defaultdict(list)
         for topic, qid in queues:
             by_shard[self._routes[topic][qid]].append((topic, qid))

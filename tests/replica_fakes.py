@@ -40,7 +40,8 @@ class Scene:
                        for kind in ("shard", "coordinator")}
         self.forgotten: list[tuple[str, int]] = []
         mq = SimpleNamespace(num_shards=1,
-                             config=SimpleNamespace(num_coordinators=1, replication_factor=3),
+                             config=SimpleNamespace(num_coordinators=1, replication_factor=3,
+                                                    kafka_port=0),
                              control=FakeControl(self.groups),
                              forget_leader=lambda i: self.forgotten.append(("shard", i)),
                              forget_coordinator=lambda i: self.forgotten.append(

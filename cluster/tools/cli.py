@@ -234,7 +234,8 @@ def _cmd_topic(args) -> int:
                                           retention_bytes=args.retention_bytes)))
     elif args.topic_cmd == "alter":
         print(_topic_line(mq.alter_topic(args.name, retention_ms=args.retention,
-                                         retention_bytes=args.retention_bytes)))
+                                         retention_bytes=args.retention_bytes,
+                                         queues=args.queues)))
     elif args.topic_cmd == "describe":
         print(_topic_line(mq.describe_topic(args.name)))
     elif args.topic_cmd == "delete":
@@ -686,8 +687,10 @@ def _build_parser() -> argparse.ArgumentParser:
     tc = tsub.add_parser("create", help="create a topic")
     tc.add_argument("name")
     tc.add_argument("--queues", type=int, help="number of queues (default: cluster default)")
-    ta = tsub.add_parser("alter", help="change a topic's retention")
+    ta = tsub.add_parser("alter", help="change a topic's retention, or add queues")
     ta.add_argument("name")
+    ta.add_argument("--queues", type=_positive_int, metavar="N",
+                    help="grow the topic to N queues (never fewer; default: as it is)")
     for p in (tc, ta):
         p.add_argument("--retention", type=duration_ms, metavar="DURATION",
                        help="how long its messages are kept, e.g. 6h, 3d (default: the "

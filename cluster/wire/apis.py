@@ -14,7 +14,8 @@ from kafka.protocol.consumer import FetchResponse, ListOffsetsResponse
 from kafka.protocol.consumer.group import (HeartbeatResponse, JoinGroupResponse,
                                            LeaveGroupResponse, OffsetCommitResponse,
                                            OffsetFetchResponse, SyncGroupResponse)
-from kafka.protocol.admin.topics import CreateTopicsResponse, DeleteTopicsResponse
+from kafka.protocol.admin.topics import (CreatePartitionsResponse, CreateTopicsResponse,
+                                         DeleteTopicsResponse)
 from kafka.protocol.metadata import ApiVersionsResponse, FindCoordinatorResponse, MetadataResponse
 from kafka.protocol.producer import ProduceResponse
 from kafka.protocol.producer.transaction import InitProducerIdResponse
@@ -104,6 +105,7 @@ class KafkaApis(TxnApis, AdminApis):
     def _MetadataRequest(self, request):
         v = request.API_VERSION
         listed = {name: t for name, t in self.mq.topics().items() if not is_system_topic(name)}
+        self.mq.learn_routes({n: t["routes"] for n, t in listed.items()})  # (grown ones)
         every = request.topics is None or (v == 0 and not request.topics)  # (v0: [] is all)
         wanted = sorted(listed) if every else [t.name for t in request.topics]
         topics = []
@@ -225,6 +227,30 @@ class KafkaApis(TxnApis, AdminApis):
                 topic_config_error_code=NONE, num_partitions=queues, replication_factor=-1,
                 configs=[]))
         return CreateTopicsResponse(version=v, throttle_time_ms=0, topics=out)
+
+    def _CreatePartitionsRequest(self, request):
+        """A topic grown to ``count`` partitions (queues); fewer than it has is refused
+        (INVALID_PARTITIONS), and so are replica assignments (RayMQ places them)."""
+        out = []
+        for t in request.topics:
+            code, message = NONE, None
+            try:
+                routes = self._routes(t.name)
+                if t.assignments:
+                    code, message = 39, "replica assignments are RayMQ's own (raymq up)"
+                elif routes is None:
+                    raise UnknownTopicError(f"topic {t.name!r} does not exist")
+                elif t.count <= len(routes):
+                    code, message = 37, f"topic {t.name!r} has {len(routes)} partitions: " \
+                                        f"it only grows"
+                elif not request.validate_only:
+                    self.mq.alter_topic(t.name, queues=t.count)
+            except Exception as err:
+                code, message = error_code(err), str(err)[:500]
+            out.append(CreatePartitionsResponse.CreatePartitionsTopicResult(
+                name=t.name, error_code=code, error_message=message))
+        return CreatePartitionsResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                        results=out)
 
     def _DeleteTopicsRequest(self, request):
         out = []

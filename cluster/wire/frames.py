@@ -16,7 +16,8 @@ import struct
 from kafka.protocol.admin.cluster import DescribeClusterRequest
 from kafka.protocol.admin.configs import DescribeConfigsRequest
 from kafka.protocol.admin.groups import DescribeGroupsRequest, ListGroupsRequest
-from kafka.protocol.admin.topics import CreateTopicsRequest, DeleteTopicsRequest
+from kafka.protocol.admin.topics import (CreatePartitionsRequest, CreateTopicsRequest,
+                                         DeleteTopicsRequest)
 from kafka.protocol.admin.transactions import (DescribeTransactionsRequest,
                                                ListTransactionsRequest)
 from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
@@ -53,6 +54,7 @@ SERVED = {
     TxnOffsetCommitRequest.API_KEY: (TxnOffsetCommitRequest, 0, 3),
     CreateTopicsRequest.API_KEY: (CreateTopicsRequest, 2, 6),     # (7+ answer topic ids)
     DeleteTopicsRequest.API_KEY: (DeleteTopicsRequest, 1, 5),     # (6+ name them by id)
+    CreatePartitionsRequest.API_KEY: (CreatePartitionsRequest, 0, 3),
     DescribeClusterRequest.API_KEY: (DescribeClusterRequest, 0, 1),
     DescribeConfigsRequest.API_KEY: (DescribeConfigsRequest, 1, 4),
     ListGroupsRequest.API_KEY: (ListGroupsRequest, 0, 4),    # (5+: group types, KIP-848)

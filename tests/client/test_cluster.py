@@ -753,3 +753,27 @@ def test_latest_start_is_kept_for_the_next_owner_of_the_queue(mq, name):
     assert [m.body for m in got] == [b"new-0", b"new-1", b"new-2"]  # from a's start on
     b.close()
     p.close()
+
+
+def test_a_topic_grows_and_its_consumers_and_new_producers_use_the_new_queues(mq, name):
+    """``alter_topic(queues=)`` (``raymq topic alter --queues``, Kafka's CreatePartitions):
+    a topic only grows; a consumer made before reads the new queues from its next
+    heartbeat; every message stays where it was."""
+    from raymq import Message
+    from raymq.storage.errors import InvalidMessageError
+    mq.create_topic(name, 2)
+    p = mq.producer()
+    p.send_batch([Message(name, b"before %d" % i, key=str(i)) for i in range(20)])
+    c = mq.consumer(name + "g", [name])
+    first = read_to_end(c, mq, [name])
+    info = mq.alter_topic(name, queues=5)
+    assert info["queues"] == 5 and info["routes"][:2] == mq.describe_topic(name)["routes"][:2]
+    with pytest.raises(InvalidMessageError, match="never shrinks"):
+        mq.alter_topic(name, queues=3)
+    p.send_batch([Message(name, b"after %d" % i, key=str(i)) for i in range(50)])
+    later = read_to_end(c, mq, [name])
+    c.close()
+    p.close()
+    assert sorted(m.body for m in first) == sorted(b"before %d" % i for i in range(20))
+    assert sorted(m.body for m in later) == sorted(b"after %d" % i for i in range(50))
+    assert {m.queue_id for m in later} == {0, 1, 2, 3, 4}  # (keys spread over all five)

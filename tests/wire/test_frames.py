@@ -24,6 +24,9 @@ class Topics:
     def topics(self):
         return self._topics
 
+    def learn_routes(self, routes):
+        self.learned = routes
+
 
 @pytest.fixture
 def listener():

@@ -263,6 +263,20 @@ def test_topics_are_created_and_deleted_through_kafkas_admin_client(mq, name, li
         again[name].result(30)
     info = mq.describe_topic(name)
     assert len(info["routes"]) == 3 and info["retention_ms"] == 3600_000
+    from confluent_kafka import Consumer, Producer, TopicPartition
+    from confluent_kafka.admin import NewPartitions
+    admin.create_partitions([NewPartitions(name, 5)])[name].result(30)  # (it grows)
+    with pytest.raises(Exception, match="INVALID_PARTITIONS"):
+        admin.create_partitions([NewPartitions(name, 4)])[name].result(30)
+    assert mq.describe_topic(name)["queues"] == 5
+    p = Producer({"bootstrap.servers": "%s:%d" % listener.address})
+    p.produce(name, value=b"in a new partition", partition=4)
+    assert p.flush(30) == 0
+    c = Consumer({"bootstrap.servers": "%s:%d" % listener.address, "group.id": name})
+    c.assign([TopicPartition(name, 4, 0)])
+    assert wait_for(lambda: c.poll(0.5), what="the new partition read").value() == \
+        b"in a new partition"
+    c.close()
     admin.delete_topics([name])[name].result(30)
     wait_for(lambda: name not in mq.topics(), what="the topic deleted")
     gone = admin.delete_topics([name])
