@@ -32,7 +32,7 @@ import os
 import threading
 from typing import Callable, Iterable
 
-from raymq.actors.front.admission import readable_topic, refusals, select
+from raymq.actors.front.admission import refusals, select
 from raymq.actors.rocketmq_tx.checkback import CheckRounds
 from raymq.actors.config import ClusterConfig
 from raymq.actors.groups.dead_letters import DLQ_RESEND_PID_BASE, DeadLetters  # noqa: F401 (tests)
@@ -45,9 +45,9 @@ from raymq.actors.groups.offsets import GroupOffsets
 from raymq.actors.retention import Janitor, drop_topic
 from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
 from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
-from raymq.actors.protocol import (HALF_TOPIC, ISOLATIONS, RETRY_PREFIX, SCHEDULE_TOPIC,
-                                   SYSTEM_PROPERTIES, TIMER_TOPIC, CheckRequest, EndOutcome,
-                                   EndRequest, EndResult, SendReply, check_group, retry_topic)
+from raymq.actors.protocol import (HALF_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
+                                   TIMER_TOPIC, CheckRequest, EndOutcome, EndRequest,
+                                   EndResult, SendReply, check_group)
 from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_pull_options, check_queues, check_send)
 from raymq.actors.front.reads import QueueReads, as_delivered, stored_message
@@ -56,7 +56,7 @@ from raymq.actors.timing.roll import scheduled_message
 from raymq.actors.timing.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock, SystemClock
-from raymq.storage.errors import InvalidMessageError, OffsetOutOfRangeError, ReservedNameError
+from raymq.storage.errors import InvalidMessageError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 from raymq.storage.records import Record, StoredMessage
 from raymq.storage.store import PutStatus
@@ -305,28 +305,23 @@ class BrokerShard:
         queue's log start, ``earliest``, ``latest`` or ``error`` (``QueueReads._reset``)."""
         check_pull(requests, wait_ms, tags)
         check_pull_options(group, isolation, form, tags, reset)
-        self._check_readable({(t, q) for t, q, _o, _n in requests}, group)
+        self.routes.check_readable({(t, q) for t, q, _o, _n in requests}, group)
         return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed",
                                form == "spans", reset, group)
-
-    def _check_readable(self, queues: set, group: str | None) -> None:
-        for topic, qid in queues:
-            if not readable_topic(topic):
-                raise ReservedNameError(f"topic {topic!r} is RayMQ's own: clients do not "
-                                        "read it (operators: raymq half|dlq)")
-            if topic.startswith(RETRY_PREFIX) and topic != retry_topic(group or ""):
-                raise ReservedNameError(f"topic {topic!r} is the retry topic of group "
-                                        f"{topic[len(RETRY_PREFIX):]!r}: only that group's "
-                                        f"consumers read it or commit its offsets")
-            if isinstance(qid, bool) or not isinstance(qid, int) or qid < 0:
-                raise OffsetOutOfRangeError(f"invalid queue id {qid!r} for {topic}")
-        self.routes.check(queues)
 
     def commit_offsets(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
         check_offsets(offsets, group)
-        self._check_readable(set(offsets), group)
+        self.routes.check_readable(set(offsets), group)
         self.offsets.commit(group, offsets)
+
+    def delete_offsets(self, group: str, queues: list[tuple[str, int]]) -> None:
+        """Forget a group's committed offsets of ``queues`` (its next reader starts as a new
+        group's would)."""
+        check_group(group)
+        check_queues(queues)
+        self.routes.check_readable(set(queues), group)
+        self.offsets.delete(group, queues)
 
     def get_offsets(self, group: str, queues: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Committed offsets (-1: none yet)."""
@@ -437,7 +432,7 @@ class BrokerShard:
     def ktx_offsets(self, producer_id: int, epoch: int, group: str, offsets: dict, wait_ms=0):
         """A group's next offsets, to commit with the producer's transaction."""
         check_offsets(offsets, group)
-        self._check_readable(set(offsets), group)
+        self.routes.check_readable(set(offsets), group)
         self.offsets.values(group, offsets)  # (each in its queue's range)
         self.ktx.add_offsets(producer_id, epoch, group, dict(offsets), wait_ms,
                              self.config.send_timeout_ms)

@@ -1,13 +1,16 @@
 """Which (topic, queue) pairs a shard serves: its routes, refreshed from the controller.
 
-A send to a queue the shard does not know refetches once (a new topic), then refuses.
+A send to a queue the shard does not know refetches once (a new topic), then refuses; a
+read or an offset of a queue clients may not read is refused (``check_readable``).
 """
 from __future__ import annotations
 
 import threading
 from typing import Callable, Iterable
 
-from raymq.storage.errors import UnknownTopicError
+from raymq.actors.front.admission import readable_topic
+from raymq.actors.protocol import RETRY_PREFIX, retry_topic
+from raymq.storage.errors import OffsetOutOfRangeError, ReservedNameError, UnknownTopicError
 
 
 class RouteTable:
@@ -41,3 +44,19 @@ class RouteTable:
             topic, qid = sorted(missing)[0]
             raise UnknownTopicError(f"queue {topic}/{qid} is not served by shard-{self.shard} "
                                     "(unknown topic, or a stale route: refresh and retry)")
+
+    def check_readable(self, queues: set, group: str | None) -> None:
+        """Refuse unless every queue is a client's to read (user topics, and the retry
+        topic of the consumer's own ``group``; RayMQ's other topics have operator calls)
+        and served here."""
+        for topic, qid in queues:
+            if not readable_topic(topic):
+                raise ReservedNameError(f"topic {topic!r} is RayMQ's own: clients do not "
+                                        "read it (operators: raymq half|dlq)")
+            if topic.startswith(RETRY_PREFIX) and topic != retry_topic(group or ""):
+                raise ReservedNameError(f"topic {topic!r} is the retry topic of group "
+                                        f"{topic[len(RETRY_PREFIX):]!r}: only that group's "
+                                        f"consumers read it or commit its offsets")
+            if isinstance(qid, bool) or not isinstance(qid, int) or qid < 0:
+                raise OffsetOutOfRangeError(f"invalid queue id {qid!r} for {topic}")
+        self.check(queues)

@@ -57,16 +57,41 @@ class GroupOffsets:
         self.store.offsets.update(
             {**values, APPLIED_KEY: result.queue_offsets[-1] + 1}, durable=False)
 
+    def delete(self, group: str, queues: list[tuple[str, int]]) -> None:
+        """Forget a group's committed offsets of ``queues`` (Kafka's OffsetDelete): a
+        record of the log as a commit is, then applied to the table."""
+        keys = [offset_key(group, t, q) for t, q in queues]
+        if not keys:
+            return
+        self.store.make_durable()
+        body = json.dumps({"g": group, "o": {}, "d": keys}, separators=(",", ":")).encode()
+        result = self.store.put(RecordBatch(OFFSETS_TOPIC, 0, [body]))
+        if result.status is not PutStatus.PUT_OK:
+            raise RequestTimeoutError(f"shard-{self.shard}: deleting group {group!r}'s "
+                                      f"offsets was not acknowledged ({result.status.name}); "
+                                      f"delete again")
+        self.store.make_durable()
+        self.store.offsets.delete(keys)
+        self.store.offsets.update({APPLIED_KEY: result.queue_offsets[-1] + 1}, durable=False)
+
     def replay(self) -> int:
-        """Apply the commit records the table does not hold yet; how many."""
+        """Apply the commit (and delete) records the table does not hold yet; how many."""
         start = self.store.offsets.get(APPLIED_KEY, 0)
         end = self.store.max_queue_offset(OFFSETS_TOPIC, 0)
         if start >= end:
             return 0
         values: dict[str, int] = {}
+        gone: set[str] = set()
         for m in self.store.scan_queue(OFFSETS_TOPIC, 0, start):
-            values.update(json.loads(bytes(m.body))["o"])
+            record = json.loads(bytes(m.body))
+            values.update(record["o"])
+            gone -= set(record["o"])
+            for key in record.get("d", ()):  # (in the log's order: a later commit wins)
+                values.pop(key, None)
+                gone.add(key)
         values[APPLIED_KEY] = end
+        if gone:
+            self.store.offsets.delete(gone)
         self.store.offsets.update(values)
         log.info("shard-%d: applied %d commits of offsets from the log", self.shard,
                  end - start)

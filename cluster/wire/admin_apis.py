@@ -1,7 +1,8 @@
 """What the Kafka describe and list APIs answer (an admin client's view of RayMQ):
 DescribeCluster, DescribeConfigs (a topic's retention), ListGroups and DescribeGroups
 (the listener's Kafka groups, and the SDK's groups as protocol type ``raymq``),
-ListTransactions and DescribeTransactions (RayMQ's coordinators).  A mixin of
+ListTransactions and DescribeTransactions (RayMQ's coordinators), OffsetDelete (a
+group's committed offsets forgotten, in RayMQ's offsets store).  A mixin of
 ``KafkaApis``: pure Python over an ``mq``.
 """
 from __future__ import annotations
@@ -13,12 +14,14 @@ from kafka.protocol.admin.configs import DescribeConfigsResponse
 from kafka.protocol.admin.groups import DescribeGroupsResponse, ListGroupsResponse
 from kafka.protocol.admin.transactions import (DescribeTransactionsResponse,
                                                ListTransactionsResponse)
+from kafka.protocol.consumer.group import OffsetDeleteResponse
 
 from raymq.actors.protocol import is_system_topic
 
 log = logging.getLogger("raymq.kafka")
 
 NONE, UNKNOWN_TOPIC_OR_PARTITION, TRANSACTIONAL_ID_NOT_FOUND = 0, 3, 105
+GROUP_SUBSCRIBED_TO_TOPIC = 86
 #: DescribeConfigs' resource types.
 TOPIC, BROKER = 2, 4
 #: The protocol type the SDK's own groups are listed with.
@@ -112,6 +115,42 @@ class AdminApis:
                                       group_state="Dead", protocol_type="", protocol_data="",
                                       members=[]))
         return DescribeGroupsResponse(version=v, throttle_time_ms=0, groups=out)
+
+    def _OffsetDeleteRequest(self, request):
+        """A group's committed offsets of the partitions named forgotten, one delete per
+        shard; refused (GROUP_SUBSCRIBED_TO_TOPIC) while the group has members -- the
+        Kafka group's or the SDK's -- as they would commit again."""
+        from raymq.wire.txn_apis import _shard_of
+        group = request.group_id
+        d = self.groups.describe(group)
+        busy = bool(d and d["members"]) or bool(self._sdk_groups().get(group))
+        codes, by_shard = {}, {}
+        for t in request.topics:
+            routes = self._routes(t.name)
+            for p in t.partitions:
+                key = (t.name, p.partition_index)
+                shard = _shard_of(routes, p.partition_index)
+                if busy:
+                    codes[key] = GROUP_SUBSCRIBED_TO_TOPIC
+                elif shard is None:
+                    codes[key] = UNKNOWN_TOPIC_OR_PARTITION
+                else:
+                    by_shard.setdefault(shard, []).append(key)
+        for shard, queues in by_shard.items():
+            try:
+                self.mq.transport.call(shard, "delete_offsets", group, queues, timeout_s=30)
+                code = NONE
+            except Exception as err:
+                code = self._code(err)
+            codes.update(dict.fromkeys(queues, code))
+        T = OffsetDeleteResponse.OffsetDeleteResponseTopic
+        by_topic: dict = {}
+        for (topic, q), code in codes.items():
+            by_topic.setdefault(topic, []).append(
+                T.OffsetDeleteResponsePartition(partition_index=q, error_code=code))
+        return OffsetDeleteResponse(version=request.API_VERSION, error_code=NONE,
+                                    throttle_time_ms=0, topics=[
+                                        T(name=k, partitions=ps) for k, ps in by_topic.items()])
 
     def _sdk_groups(self) -> dict[str, list[str]]:
         try:

@@ -22,8 +22,8 @@ from kafka.protocol.admin.transactions import (DescribeTransactionsRequest,
                                                ListTransactionsRequest)
 from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, LeaveGroupRequest,
-                                           OffsetCommitRequest, OffsetFetchRequest,
-                                           SyncGroupRequest)
+                                           OffsetCommitRequest, OffsetDeleteRequest,
+                                           OffsetFetchRequest, SyncGroupRequest)
 from kafka.protocol.metadata import ApiVersionsRequest, FindCoordinatorRequest, MetadataRequest
 from kafka.protocol.producer import ProduceRequest
 from kafka.protocol.producer.transaction import (AddOffsetsToTxnRequest,
@@ -47,6 +47,7 @@ SERVED = {
     LeaveGroupRequest.API_KEY: (LeaveGroupRequest, 0, 4),
     OffsetCommitRequest.API_KEY: (OffsetCommitRequest, 2, 8),
     OffsetFetchRequest.API_KEY: (OffsetFetchRequest, 1, 7),
+    OffsetDeleteRequest.API_KEY: (OffsetDeleteRequest, 0, 0),
     InitProducerIdRequest.API_KEY: (InitProducerIdRequest, 0, 4),
     AddPartitionsToTxnRequest.API_KEY: (AddPartitionsToTxnRequest, 0, 3),  # (4+: brokers')
     AddOffsetsToTxnRequest.API_KEY: (AddOffsetsToTxnRequest, 0, 3),

@@ -389,3 +389,39 @@ def test_a_closed_replica_has_no_heartbeat_in_flight(tmp_path):
     assert entered.wait(10)
     replica.close()
     assert in_flight == []
+
+
+def test_deleted_offsets_stay_deleted_on_a_new_leader_and_after_a_restart(group, tmp_path):
+    """(Kafka's OffsetDelete) A delete is a record of the offsets log as a commit is: a new
+    leader, and a shard opened again from its files, hold what the log says last."""
+    from tests.helpers import open_shard
+    old = group.leader
+    for i in range(5):
+        assert send(old, [b"m%d" % i], pid=7, seq=i + 1).status == "SEND_OK"
+    shard = old.serving()
+    shard.commit_offsets("g", {("t", 0): 3, ("t", 1): 0})
+    shard.delete_offsets("g", [("t", 0), ("t", 1)])
+    shard.commit_offsets("g", {("t", 1): 0})  # (committed again after its delete)
+    assert shard.get_offsets("g", [("t", 0), ("t", 1)]) == {("t", 0): -1, ("t", 1): 0}
+    send(old, [b"after"], pid=7, seq=6)
+    group.kill(old.name)
+    group.clock.advance(LEASE_MS + 1)
+    group.beat()
+    new = group.leader
+    assert new.name != old.name
+    assert new.serving().get_offsets("g", [("t", 0), ("t", 1)]) == {("t", 0): -1, ("t", 1): 0}
+    sh = open_shard(tmp_path / "one", [("t", 0), ("t", 1)])
+    try:
+        sh.send(RecordBatch("t", 0, [b"x"] * 4))
+        sh.commit_offsets("h", {("t", 0): 4})
+        sh.delete_offsets("h", [("t", 0)])
+        sh.commit_offsets("h", {("t", 0): 2})
+        sh.delete_offsets("h", [("t", 0)])
+        sh.store.offsets.update({"offsets-log@applied": 0})  # (as a crash before applying)
+    finally:
+        sh.close()
+    again = open_shard(tmp_path / "one", [("t", 0), ("t", 1)])
+    try:
+        assert again.get_offsets("h", [("t", 0)]) == {("t", 0): -1}
+    finally:
+        again.close()

@@ -392,3 +392,35 @@ def test_ray_data_reads_a_topic_through_the_listener_and_writes_one(mq, name, li
     got = read_to_end(c, mq, [name + "-out"])
     c.close()
     assert sorted(json.loads(m.body)["n"] for m in got) == list(range(20))
+
+
+def test_a_groups_offsets_are_deleted_through_the_admin_client_once_it_has_no_member(
+        mq, name, listener):
+    """OffsetDelete: refused while the group has members (they would commit again), done
+    once it has none: the next reader starts as a new group's would."""
+    from kafka import TopicPartition
+    from kafka.admin import KafkaAdminClient
+    from raymq import Message
+    mq.create_topic(name, 2)
+    p = mq.producer()
+    p.send_batch([Message(name, b"m%d" % i, key=str(i)) for i in range(10)])
+    p.close()
+    from tests.client.test_cluster import read_to_end
+    c = mq.consumer(name + "g", [name])
+    read_to_end(c, mq, [name])
+    c.commit()
+    tps = [TopicPartition(name, 0), TopicPartition(name, 1)]
+    ka = KafkaAdminClient(bootstrap_servers="%s:%d" % listener.address,
+                          request_timeout_ms=30_000)
+    try:
+        busy = ka.delete_group_offsets(name + "g", tps)
+        assert {e.__name__ for e in busy.values()} == {"GroupSubscribedToTopicError"}
+        c.close()
+        wait_for(lambda: not mq.control.call("groups", timeout_s=30).get(name + "g", {})
+                 .get("members"), what="the group empty")
+        done = ka.delete_group_offsets(name + "g", tps[:1])
+        assert {e.__name__ for e in done.values()} == {"NoError"}
+    finally:
+        ka.close()
+    left = mq.admin.reset_offsets(name + "g", name, to="latest", dry_run=True)
+    assert left[(name, 0)][0] == -1 and left[(name, 1)][0] > 0
