@@ -112,10 +112,12 @@ class ClassicGroups:
             m.joined = True
             start = g.generation
             while True:
+                self._expire(g)  # (one that died meanwhile holds it for its session only)
                 self._maybe_complete(g)
                 if g.generation != start or member_id not in g.members:
                     break
-                self._cond.wait(max(0.01, g.deadline_s - self.clock()))
+                self._cond.wait(max(0.01, min(g.deadline_s, self._next_expiry(g))
+                                    - self.clock()))
             if member_id not in g.members:
                 return Joined(UNKNOWN_MEMBER_ID, member_id)
             return self._joined(g, member_id)
@@ -281,6 +283,12 @@ class ClassicGroups:
             del g.members[mid]
         if gone:
             self._rebalance_or_empty(g)
+
+    @staticmethod
+    def _next_expiry(g: Group) -> float:
+        """(locked) When the first member that did not join again yet runs out of session."""
+        return min((m.seen_s + m.session_ms / 1000.0 for m in g.members.values()
+                    if not m.joined), default=g.deadline_s)
 
     def _rebalance_or_empty(self, g: Group) -> None:
         if g.members:

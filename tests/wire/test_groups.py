@@ -74,3 +74,19 @@ def test_a_member_silent_past_its_session_is_dropped_and_the_group_rebalances():
     other = g.join("grp", "d", "consumer", P, 6000, 1000)
     assert other.error == G.NONE and other.generation == 2
     assert g.join("grp", "e", "other-type", P, 6000, 1000).error == G.INCONSISTENT_GROUP_PROTOCOL
+
+
+def test_a_member_that_died_holds_a_rebalance_only_for_its_session_not_the_rebalance_timeout():
+    """A member killed (no LeaveGroup, no more heartbeats) while a new one joins: the join
+    completes once the dead one's session ran out (6 s), not after the rebalance timeout
+    its client asked for (librdkafka's max.poll.interval.ms: 5 minutes)."""
+    import time
+    g = G.ClassicGroups(initial_delay_s=0.0)
+    first = g.join("grp", "dead", "consumer", P, 1000, 300_000)
+    assert first.generation == 1
+    assert g.sync("grp", 1, "dead", {"dead": b"A"}) == (G.NONE, b"A")
+    t0 = time.monotonic()
+    late = g.join("grp", "new", "consumer", P, 6000, 300_000)
+    assert late.error == G.NONE and late.generation == 2 and late.leader == "new"
+    assert time.monotonic() - t0 < 10  # (1 s session: not 300 s)
+    assert g.describe("grp")["members"] == ["new"]

@@ -250,3 +250,56 @@ def test_the_readmes_kafka_examples_run_as_shown(mq, name, listener):
     copied = read_to_end(c, mq, [name + "-copy"])
     c.close()
     assert [(m.key, bytes(m.body)) for m in copied] == [("order-7", b'{"total": 42}')]
+
+
+@pytest.mark.slow
+def test_a_copy_loop_killed_at_random_points_outputs_each_input_exactly_once(
+        mq, name, listener):
+    """The transactional copy loop (a process of its own) SIGKILLed at random points, four
+    times, then let run to the end: read_committed readers see every input once in the
+    output, and nothing of the transactions the kills left open."""
+    import random
+    import subprocess
+    import sys
+    import threading
+    import time
+    from raymq import Message
+    from tests.helpers import ROOT
+    boot = "%s:%d" % listener.address
+    src, dst, group = name + "-in", name + "-out", name + "-copy"
+    mq.create_topic(src, 2)
+    mq.create_topic(dst, 2)
+    p = mq.producer()
+    p.send_batch([Message(src, b"in %03d" % i, key=str(i)) for i in range(300)])
+    p.close()
+    rnd = random.Random(5)
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-m", "tests.kafka_copy_process", boot, src,
+                                 dst, group, name + "-tid", "0.05"], cwd=ROOT,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        proc.lines = []
+        threading.Thread(target=lambda: proc.lines.extend(iter(proc.stdout.readline, "")),
+                         daemon=True).start()
+        return proc
+
+    def copied() -> int:
+        done = mq.admin.reset_offsets(group, src, to="latest", dry_run=True)
+        return sum(max(0, before) for before, _after in done.values())
+    for _ in range(4):
+        proc = start()
+        wait_for(lambda: any(line.startswith("committed") for line in proc.lines),
+                 timeout_s=60, what="a commit of the loop")
+        time.sleep(rnd.uniform(0.0, 0.3))  # (then killed: mid-transaction, most often)
+        proc.kill()
+        proc.wait()
+    assert 0 < copied() < 300  # (killed in the middle of the work)
+    proc = start()
+    try:
+        wait_for(lambda: copied() == 300, timeout_s=120, what="every input copied")
+    finally:
+        proc.kill()
+        proc.wait()
+    out = _read_all(boot, dst, 2, "read_committed", 300)
+    assert sorted(m.value() for m in out) == sorted(b"IN %03d" % i for i in range(300))
