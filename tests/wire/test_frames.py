@@ -8,8 +8,7 @@ import socket
 import struct
 
 import pytest
-from kafka.protocol.metadata import (ApiVersionsRequest, ApiVersionsResponse, MetadataRequest,
-                                     MetadataResponse)
+from kafka.protocol.metadata import ApiVersionsRequest, ApiVersionsResponse, MetadataRequest
 
 from raymq.wire.frames import SERVED, BadFrame, UnsupportedVersion, decode_request, frame_size
 from raymq.wire.listener import KafkaListener

@@ -6,17 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from raymq.wire.listener import KafkaListener
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def listener(mq):
-    lst = KafkaListener(mq, port=0).start()
-    yield lst
-    lst.stop()
 
 
 def test_a_kafka_client_bootstraps_and_sees_the_topics_as_raymq_has_them(mq, name, listener):

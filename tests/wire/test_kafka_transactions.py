@@ -7,17 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from raymq.wire.listener import KafkaListener
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def listener(mq):
-    lst = KafkaListener(mq, port=0).start()
-    yield lst
-    lst.stop()
 
 
 def _producer(boot: str, tid: str):
@@ -26,6 +18,19 @@ def _producer(boot: str, tid: str):
                   "transaction.timeout.ms": 60_000})
     p.init_transactions(30)
     return p
+
+
+def _copy_topics(mq, name: str, bodies: list[bytes]) -> tuple[str, str, str]:
+    """A copy loop's input topic holding ``bodies`` (spread by key over its 2 partitions),
+    its output topic and its group's name."""
+    from raymq import Message
+    src, dst, group = name + "-in", name + "-out", name + "-copy"
+    mq.create_topic(src, 2)
+    mq.create_topic(dst, 2)
+    p = mq.producer()
+    p.send_batch([Message(src, body, key=str(i)) for i, body in enumerate(bodies)])
+    p.close()
+    return src, dst, group
 
 
 def _read_all(boot: str, topic: str, partitions: int, isolation: str, want: int) -> list:
@@ -85,15 +90,9 @@ def test_a_copy_loop_with_its_offsets_in_the_transaction_outputs_each_input_once
     """Consume, transform, produce, with the input's offsets sent to the transaction;
     the loop's producer is replaced in the middle (a new instance with the id: the open
     transaction of the one before is aborted, its late writes fenced)."""
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
-    from raymq import Message
+    from confluent_kafka import Consumer, KafkaException
     boot = "%s:%d" % listener.address
-    src, dst, group = name + "-in", name + "-out", name + "-copy"
-    mq.create_topic(src, 2)
-    mq.create_topic(dst, 2)
-    sdk = mq.producer()
-    sdk.send_batch([Message(src, b"in %d" % i, key=str(i)) for i in range(60)])
-    sdk.close()
+    src, dst, group = _copy_topics(mq, name, [b"in %d" % i for i in range(60)])
 
     def run(tid: str, limit: int, finish: bool = True):
         p = _producer(boot, tid)
@@ -263,15 +262,9 @@ def test_a_copy_loop_killed_at_random_points_outputs_each_input_exactly_once(
     import sys
     import threading
     import time
-    from raymq import Message
     from tests.helpers import ROOT
     boot = "%s:%d" % listener.address
-    src, dst, group = name + "-in", name + "-out", name + "-copy"
-    mq.create_topic(src, 2)
-    mq.create_topic(dst, 2)
-    p = mq.producer()
-    p.send_batch([Message(src, b"in %03d" % i, key=str(i)) for i in range(300)])
-    p.close()
+    src, dst, group = _copy_topics(mq, name, [b"in %03d" % i for i in range(300)])
     rnd = random.Random(5)
 
     def start():
