@@ -1,7 +1,9 @@
 """What the Kafka describe and list APIs answer (an admin client's view of RayMQ):
 DescribeCluster, DescribeConfigs (a topic's retention), ListGroups and DescribeGroups
 (the listener's Kafka groups, and the SDK's groups as protocol type ``raymq``),
-ListTransactions and DescribeTransactions (RayMQ's coordinators), OffsetDelete (a
+ListTransactions and DescribeTransactions (RayMQ's coordinators), DescribeProducers (the
+open transactions of each partition, with where each began: what Kafka's tools look for
+in a hanging transaction), OffsetDelete (a
 group's committed offsets forgotten, in RayMQ's offsets store).  A mixin of
 ``KafkaApis``: pure Python over an ``mq``.
 """
@@ -12,7 +14,8 @@ import logging
 from kafka.protocol.admin.cluster import DescribeClusterResponse
 from kafka.protocol.admin.configs import DescribeConfigsResponse
 from kafka.protocol.admin.groups import DescribeGroupsResponse, ListGroupsResponse
-from kafka.protocol.admin.transactions import (DescribeTransactionsResponse,
+from kafka.protocol.admin.transactions import (DescribeProducersResponse,
+                                               DescribeTransactionsResponse,
                                                ListTransactionsResponse)
 from kafka.protocol.consumer.group import OffsetDeleteResponse
 
@@ -151,6 +154,39 @@ class AdminApis:
         return OffsetDeleteResponse(version=request.API_VERSION, error_code=NONE,
                                     throttle_time_ms=0, topics=[
                                         T(name=k, partitions=ps) for k, ps in by_topic.items()])
+
+    def _DescribeProducersRequest(self, request):
+        """Per partition, the producers with a transaction open in it and the offset it
+        began at (RayMQ's shards hold that; an idempotent producer's sequences are not
+        kept per partition there: not listed)."""
+        from raymq.wire.txn_apis import _shard_of
+        T = DescribeProducersResponse.TopicResponse
+        P = T.PartitionResponse
+        open_txns: dict = {}
+        for held in self.mq.admin.tx_hanging():
+            topic, q = held["queue"].rsplit("/", 1)  # ("TOPIC/QUEUE")
+            open_txns.setdefault((topic, int(q)), []).append(held)
+        out = []
+        for t in request.topics:
+            routes = self._routes(t.name)
+            parts = []
+            for q in t.partition_indexes:
+                if _shard_of(routes, q) is None:
+                    parts.append(P(partition_index=q, error_code=UNKNOWN_TOPIC_OR_PARTITION,
+                                   error_message="no such partition", active_producers=[]))
+                    continue
+                active = []
+                for held in open_txns.get((t.name, q), []):
+                    pid, epoch = self._kafka_ids(held)
+                    active.append(P.ProducerState(
+                        producer_id=pid, producer_epoch=epoch, last_sequence=-1,
+                        last_timestamp=-1, coordinator_epoch=-1,
+                        current_txn_start_offset=held["lso"]))
+                parts.append(P(partition_index=q, error_code=NONE, error_message=None,
+                               active_producers=active))
+            out.append(T(name=t.name, partitions=parts))
+        return DescribeProducersResponse(version=request.API_VERSION, throttle_time_ms=0,
+                                         topics=out)
 
     def _sdk_groups(self) -> dict[str, list[str]]:
         try:

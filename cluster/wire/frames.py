@@ -18,7 +18,8 @@ from kafka.protocol.admin.configs import DescribeConfigsRequest
 from kafka.protocol.admin.groups import DescribeGroupsRequest, ListGroupsRequest
 from kafka.protocol.admin.topics import (CreatePartitionsRequest, CreateTopicsRequest,
                                          DeleteTopicsRequest)
-from kafka.protocol.admin.transactions import (DescribeTransactionsRequest,
+from kafka.protocol.admin.transactions import (DescribeProducersRequest,
+                                               DescribeTransactionsRequest,
                                                ListTransactionsRequest)
 from kafka.protocol.consumer import FetchRequest, ListOffsetsRequest
 from kafka.protocol.consumer.group import (HeartbeatRequest, JoinGroupRequest, LeaveGroupRequest,
@@ -62,6 +63,7 @@ SERVED = {
     DescribeGroupsRequest.API_KEY: (DescribeGroupsRequest, 0, 5),
     ListTransactionsRequest.API_KEY: (ListTransactionsRequest, 0, 1),
     DescribeTransactionsRequest.API_KEY: (DescribeTransactionsRequest, 0, 0),
+    DescribeProducersRequest.API_KEY: (DescribeProducersRequest, 0, 0),
 }
 
 #: Kafka's error codes used here (``kafka.errors`` names them).

@@ -165,7 +165,8 @@ def test_an_admin_client_describes_the_cluster_topics_groups_and_transactions(
         mq, name, listener):
     """confluent-kafka's AdminClient: the cluster, a topic's retention, a Kafka group and
     its members; kafka-python's admin: every group (the SDK's too, as protocol type
-    ``raymq``), and the transactions RayMQ's coordinators hold."""
+    ``raymq``), the transactions RayMQ's coordinators hold, and a partition's producers
+    with a transaction open in it."""
     from confluent_kafka import Consumer
     from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
     from kafka.admin import KafkaAdminClient
@@ -216,6 +217,12 @@ def test_an_admin_client_describes_the_cluster_topics_groups_and_transactions(
         assert described.state == "Ongoing" and described.producer_id == \
             listed[name + "-tx"].producer_id
         assert {(tp.topic, tp.partition) for tp in described.topic_partitions} == {(name, 1)}
+        from kafka import TopicPartition
+        producers = ka.describe_producers([TopicPartition(name, 0), TopicPartition(name, 1)])
+        [active] = producers[TopicPartition(name, 1)].active_producers
+        assert producers[TopicPartition(name, 0)].active_producers == []
+        assert (active.producer_id, active.current_transaction_start_offset) == \
+            (described.producer_id, 0)  # (what a hanging transaction is found by)
     finally:
         ka.close()
     p.abort_transaction(30)
