@@ -8,7 +8,10 @@ each (producer id, topic, partition) is a RayMQ producer of its own (its id deri
 from the three), whose put sequence is the batch's sequence after its last record: the
 shard's producer table answers a resend with the first put's offsets, and the listener
 keeps the sequence each partition expects next to refuse gaps (after a listener restart
-the first batch of a producer sets it).
+the first batch of a producer sets it).  Put sequences never wrap: a Kafka sequence that
+wrapped past 2^31 - 1 continues the put's count; a new producer epoch is a new RayMQ
+producer.  (Not covered: a listener restart after a producer wrapped its sequences on a
+partition -- 2^31 records in one epoch -- takes its next batch for a resend.)
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from raymq.wire.records import Producer
 
 #: ``check``'s answer to a batch past a gap.
 OUT_OF_ORDER = -1
+#: Kafka's sequences: 0 .. 2^31 - 1, then 0 again.
+SEQUENCE_SPACE = 1 << 31
 #: (producer, partition) pairs whose next sequence is remembered (least recent dropped).
 REMEMBERED = 100_000
 
@@ -32,10 +37,12 @@ def new_producer_id() -> int:
     return random.getrandbits(48) + 1
 
 
-def raymq_producer(pid: int, topic: str, queue: int) -> int:
-    """The RayMQ producer id of Kafka producer ``pid`` on ``topic``/``queue`` (a client's:
-    below the broker's own)."""
-    digest = hashlib.blake2b(f"{pid}/{topic}/{queue}".encode(), digest_size=8).digest()
+def raymq_producer(pid: int, epoch: int, topic: str, queue: int) -> int:
+    """The RayMQ producer id of Kafka producer ``pid`` at ``epoch`` on ``topic``/``queue``
+    (a client's: below the broker's own).  A new epoch numbers from 0 again (KIP-360): a
+    producer of its own here."""
+    digest = hashlib.blake2b(f"{pid}/{epoch}/{topic}/{queue}".encode(),
+                             digest_size=8).digest()
     return (int.from_bytes(digest, "big") % (INTERNAL_PRODUCER_BASE - 1)) + 1
 
 
@@ -50,13 +57,16 @@ class Sequences:
         sequence ``OUT_OF_ORDER``: a batch past a gap)."""
         if writer.id < 0 or writer.base_sequence < 0:
             return 0, 0
-        pid = raymq_producer(writer.id, topic, queue)
-        end = writer.base_sequence + writer.count  # (the put's sequence: past its records)
+        pid = raymq_producer(writer.id, writer.epoch, topic, queue)
+        base = writer.base_sequence
         with self._lock:
             expected = self._next.get(pid)
-        if expected is not None and writer.base_sequence > expected:
-            return pid, OUT_OF_ORDER
-        return pid, end
+        if expected is not None:  # (Kafka's sequences wrap past 2^31 - 1; the put's do not)
+            ahead = (base - expected) % SEQUENCE_SPACE
+            if 0 < ahead < SEQUENCE_SPACE // 2:
+                return pid, OUT_OF_ORDER
+            base = expected - (SEQUENCE_SPACE - ahead if ahead else 0)
+        return pid, base + writer.count  # (the put's sequence: past its records)
 
     def stored(self, pid: int, sequence: int) -> None:
         """A put of ``pid`` up to ``sequence`` is stored (or was: a resend)."""

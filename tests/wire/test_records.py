@@ -133,3 +133,24 @@ def test_records_read_as_spans_become_the_batch_kafka_clients_read(tmp_path):
         assert from_spans(spans.select(np.zeros(len(spans), bool))) == b""
     finally:
         sh.close()
+
+
+def test_a_bumped_epoch_or_a_wrapped_sequence_is_never_taken_for_a_resend():
+    """Kafka's sequences start again at 0 with a new producer epoch (KIP-360) and wrap past
+    2^31 - 1: either must give a put sequence the shard has not stored yet (else it would
+    answer a new batch as a resend of an old one, and drop it)."""
+    from raymq.wire.records import Producer
+    from raymq.wire.sequences import OUT_OF_ORDER, Sequences
+    seqs = Sequences()
+    pid, seq = seqs.check(Producer(7, 0, 0, 10), "t", 0)
+    seqs.stored(pid, seq)
+    bumped, again = seqs.check(Producer(7, 1, 0, 10), "t", 0)  # (epoch 1: from 0 again)
+    assert bumped != pid and again == 10
+    top = (1 << 31) - 5
+    pid, seq = seqs.check(Producer(9, 0, top, 5), "t", 0)  # (the last five of the space)
+    seqs.stored(pid, seq)
+    wrapped, put = seqs.check(Producer(9, 0, 0, 3), "t", 0)  # (then 0, 1, 2)
+    assert wrapped == pid and put == seq + 3  # (past what was stored: a new put)
+    seqs.stored(wrapped, put)
+    assert seqs.check(Producer(9, 0, 0, 3), "t", 0) == (pid, put)  # (a resend of it)
+    assert seqs.check(Producer(9, 0, 7, 1), "t", 0)[1] == OUT_OF_ORDER  # (a gap)
