@@ -46,16 +46,9 @@ class GroupOffsets:
         if not values:
             return
         self.admit(group)
-        self.store.make_durable()  # (what the offsets pass, first: ``save_offsets``)
-        body = json.dumps({"g": group, "o": values}, separators=(",", ":")).encode()
-        result = self.store.put(RecordBatch(OFFSETS_TOPIC, 0, [body]))
-        if result.status is not PutStatus.PUT_OK:  # (written; a retry writes it again)
-            raise RequestTimeoutError(f"shard-{self.shard}: the commit of group {group!r}'s "
-                                      f"offsets was not acknowledged ({result.status.name}); "
-                                      f"commit again")
-        self.store.make_durable()  # (a commit is durable in every flush mode, as before)
-        self.store.offsets.update(
-            {**values, APPLIED_KEY: result.queue_offsets[-1] + 1}, durable=False)
+        applied = self._logged({"g": group, "o": values},
+                               f"the commit of group {group!r}'s offsets", "commit again")
+        self.store.offsets.update({**values, APPLIED_KEY: applied}, durable=False)
 
     def delete(self, group: str, queues: list[tuple[str, int]]) -> None:
         """Forget a group's committed offsets of ``queues`` (Kafka's OffsetDelete): a
@@ -63,16 +56,22 @@ class GroupOffsets:
         keys = [offset_key(group, t, q) for t, q in queues]
         if not keys:
             return
-        self.store.make_durable()
-        body = json.dumps({"g": group, "o": {}, "d": keys}, separators=(",", ":")).encode()
-        result = self.store.put(RecordBatch(OFFSETS_TOPIC, 0, [body]))
-        if result.status is not PutStatus.PUT_OK:
-            raise RequestTimeoutError(f"shard-{self.shard}: deleting group {group!r}'s "
-                                      f"offsets was not acknowledged ({result.status.name}); "
-                                      f"delete again")
-        self.store.make_durable()
+        applied = self._logged({"g": group, "o": {}, "d": keys},
+                               f"deleting group {group!r}'s offsets", "delete again")
         self.store.offsets.delete(keys)
-        self.store.offsets.update({APPLIED_KEY: result.queue_offsets[-1] + 1}, durable=False)
+        self.store.offsets.update({APPLIED_KEY: applied}, durable=False)
+
+    def _logged(self, record: dict, what: str, again: str) -> int:
+        """Write ``record`` to the offsets log, durable (and held by every in-sync replica);
+        the index of the next record to apply after it."""
+        self.store.make_durable()  # (what the offsets pass, first: ``save_offsets``)
+        body = json.dumps(record, separators=(",", ":")).encode()
+        result = self.store.put(RecordBatch(OFFSETS_TOPIC, 0, [body]))
+        if result.status is not PutStatus.PUT_OK:  # (written; a retry writes it again)
+            raise RequestTimeoutError(f"shard-{self.shard}: {what} was not acknowledged "
+                                      f"({result.status.name}); {again}")
+        self.store.make_durable()  # (durable in every flush mode, as a commit was before)
+        return result.queue_offsets[-1] + 1
 
     def replay(self) -> int:
         """Apply the commit (and delete) records the table does not hold yet; how many."""

@@ -20,10 +20,11 @@ from kafka.protocol.admin.transactions import (DescribeProducersResponse,
 from kafka.protocol.consumer.group import OffsetDeleteResponse
 
 from raymq.actors.protocol import is_system_topic
+from raymq.wire.frames import CLUSTER_ID, NONE, UNKNOWN_TOPIC_OR_PARTITION, shard_of
 
 log = logging.getLogger("raymq.kafka")
 
-NONE, UNKNOWN_TOPIC_OR_PARTITION, TRANSACTIONAL_ID_NOT_FOUND = 0, 3, 105
+TRANSACTIONAL_ID_NOT_FOUND = 105
 GROUP_SUBSCRIBED_TO_TOPIC = 86
 #: DescribeConfigs' resource types.
 TOPIC, BROKER = 2, 4
@@ -43,7 +44,6 @@ class AdminApis:
     and ``node_id``)"""
 
     def _DescribeClusterRequest(self, request):
-        from raymq.wire.apis import CLUSTER_ID
         B = DescribeClusterResponse.DescribeClusterBroker
         return DescribeClusterResponse(
             version=request.API_VERSION, throttle_time_ms=0, error_code=NONE,
@@ -123,7 +123,6 @@ class AdminApis:
         """A group's committed offsets of the partitions named forgotten, one delete per
         shard; refused (GROUP_SUBSCRIBED_TO_TOPIC) while the group has members -- the
         Kafka group's or the SDK's -- as they would commit again."""
-        from raymq.wire.txn_apis import _shard_of
         group = request.group_id
         d = self.groups.describe(group)
         busy = bool(d and d["members"]) or bool(self._sdk_groups().get(group))
@@ -132,7 +131,7 @@ class AdminApis:
             routes = self._routes(t.name)
             for p in t.partitions:
                 key = (t.name, p.partition_index)
-                shard = _shard_of(routes, p.partition_index)
+                shard = shard_of(routes, p.partition_index)
                 if busy:
                     codes[key] = GROUP_SUBSCRIBED_TO_TOPIC
                 elif shard is None:
@@ -159,7 +158,6 @@ class AdminApis:
         """Per partition, the producers with a transaction open in it and the offset it
         began at (RayMQ's shards hold that; an idempotent producer's sequences are not
         kept per partition there: not listed)."""
-        from raymq.wire.txn_apis import _shard_of
         T = DescribeProducersResponse.TopicResponse
         P = T.PartitionResponse
         open_txns: dict = {}
@@ -171,7 +169,7 @@ class AdminApis:
             routes = self._routes(t.name)
             parts = []
             for q in t.partition_indexes:
-                if _shard_of(routes, q) is None:
+                if shard_of(routes, q) is None:
                     parts.append(P(partition_index=q, error_code=UNKNOWN_TOPIC_OR_PARTITION,
                                    error_message="no such partition", active_producers=[]))
                     continue

@@ -27,12 +27,12 @@ from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, Invalid
                                   TopicExistsError, UnknownTopicError)
 from raymq.wire.admin_apis import AdminApis
 from raymq.wire.groups import ClassicGroups
-from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION, \
-    api_versions_table
+from raymq.wire.frames import (CLUSTER_ID, NONE, UNKNOWN_TOPIC_OR_PARTITION,
+                               UNSUPPORTED_VERSION, api_versions_table, shard_of)
 from raymq.wire.records import BadRecords, control_batch, from_spans, to_batch
 from raymq.wire.sequences import OUT_OF_ORDER, Sequences, new_producer_id
 from raymq.wire.transactions import TXN_ERRORS, Transactions, TxnRefused
-from raymq.wire.txn_apis import TxnApis, _shard_of
+from raymq.wire.txn_apis import TxnApis
 
 #: Kafka's error codes for RayMQ's errors (a client retries the retriable ones).
 ERROR_CODES = TXN_ERRORS + (
@@ -54,8 +54,6 @@ FETCH_MAX_MESSAGES = 5000
 
 log = logging.getLogger("raymq.kafka")
 
-#: The cluster id Metadata answers (one RayMQ behind a listener).
-CLUSTER_ID = "raymq"
 
 _Topic = MetadataResponse.MetadataResponseTopic
 _Partition = _Topic.MetadataResponsePartition
@@ -140,7 +138,7 @@ class KafkaApis(TxnApis, AdminApis):
             routes = self._routes(t.name)
             for p in t.partition_data:
                 try:
-                    shard = _shard_of(routes, p.index)
+                    shard = shard_of(routes, p.index)
                     if shard is None:
                         raise UnknownTopicError(f"{t.name}/{p.index}")
                     batch, writer = to_batch(t.name, p.index, p.records)
@@ -157,12 +155,7 @@ class KafkaApis(TxnApis, AdminApis):
                     started.append((t.name, p.index, None, call, pid, seq))
                 except Exception as err:  # (each partition answers alone)
                     started.append((t.name, p.index, error_code(err), None, 0, 0))
-        topics: dict[str, list] = {}
-        done = self._produce_transactional(writer, transactional) if transactional else []
-        for name, index, code, base in done:
-            topics.setdefault(name, []).append(_ProducePart(
-                index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
-                log_start_offset=-1, record_errors=[], error_message=None))
+        answered = self._produce_transactional(writer, transactional) if transactional else []
         for name, index, code, call, pid, seq in started:
             base = -1
             if call is not None:
@@ -174,6 +167,9 @@ class KafkaApis(TxnApis, AdminApis):
                     code, base = NONE, reply.queue_offsets[0] if reply.queue_offsets else -1
                 except Exception as err:
                     code = error_code(err)
+            answered.append((name, index, code, base))
+        topics: dict[str, list] = {}
+        for name, index, code, base in answered:
             topics.setdefault(name, []).append(_ProducePart(
                 index=index, error_code=code, base_offset=base, log_append_time_ms=-1,
                 log_start_offset=-1, record_errors=[], error_message=None))
@@ -278,7 +274,7 @@ class KafkaApis(TxnApis, AdminApis):
             routes = self._routes(t.topic)
             for p in t.partitions:
                 asked[(t.topic, p.partition)] = p.fetch_offset
-                if (shard := _shard_of(routes, p.partition)) is not None:
+                if (shard := shard_of(routes, p.partition)) is not None:
                     n = max(1, min(FETCH_MAX_MESSAGES, p.partition_max_bytes // 64))
                     by_shard.setdefault(shard, []).append(
                         (t.topic, p.partition, p.fetch_offset, n))
@@ -324,7 +320,7 @@ class KafkaApis(TxnApis, AdminApis):
             for p in t.partitions:
                 code, offset = NONE, -1
                 try:
-                    shard = _shard_of(routes, p.partition_index)
+                    shard = shard_of(routes, p.partition_index)
                     if shard is None:
                         raise UnknownTopicError(f"{t.name}/{p.partition_index}")
                     q = (t.name, p.partition_index)
@@ -420,7 +416,7 @@ class KafkaApis(TxnApis, AdminApis):
             for p in t.partitions:
                 if error:
                     codes[p.partition_index] = error
-                elif (shard := _shard_of(routes, p.partition_index)) is None:
+                elif (shard := shard_of(routes, p.partition_index)) is None:
                     codes[p.partition_index] = UNKNOWN_TOPIC_OR_PARTITION
                 else:
                     by_shard.setdefault(shard, {})[
@@ -451,7 +447,7 @@ class KafkaApis(TxnApis, AdminApis):
             found: dict[int, tuple[int, int]] = {}
             by_shard: dict[int, list] = {}
             for q in indexes:
-                if (shard := _shard_of(routes, q)) is None:
+                if (shard := shard_of(routes, q)) is None:
                     found[q] = (-1, UNKNOWN_TOPIC_OR_PARTITION)
                 else:
                     by_shard.setdefault(shard, []).append((name, q))

@@ -5,7 +5,8 @@ no Ray.
 ``decode_request`` gives the request (its header attached) or raises ``BadFrame``
 (the connection is closed: Kafka answers a request it cannot parse by closing it);
 ``encode_response`` frames a response (built at its request's version) with the
-request's correlation id.
+request's correlation id; what every API's answer shares (error codes, the cluster id,
+a partition's shard: ``shard_of``) is here too.
 Only the APIs and versions in ``SERVED`` are decoded -- the same table ApiVersions
 advertises, so a client never uses an API this listener does not serve.
 """
@@ -68,6 +69,8 @@ SERVED = {
 
 #: Kafka's error codes used here (``kafka.errors`` names them).
 NONE, UNKNOWN_TOPIC_OR_PARTITION, UNSUPPORTED_VERSION = 0, 3, 35
+#: The cluster id Metadata and DescribeCluster answer (one RayMQ behind a listener).
+CLUSTER_ID = "raymq"
 
 _KEY_VERSION = struct.Struct(">hh")
 _SIZE = struct.Struct(">i")
@@ -125,3 +128,11 @@ def api_versions_table() -> list[tuple[int, int, int]]:
     """``(api key, least, greatest version)`` of every API served (what ApiVersions
     advertises)."""
     return [(key, low, high) for key, (_cls, low, high) in sorted(SERVED.items())]
+
+
+def shard_of(routes: list[int] | None, index: int) -> int | None:
+    """The shard of a topic's partition ``index`` (``routes``: its queues' shards; None:
+    no such topic), None when the topic has no such partition."""
+    if routes is None or not 0 <= index < len(routes):
+        return None
+    return routes[index]

@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from raymq.actors.kafka_tx.coordinator import coordinator_for
 from raymq.storage import RecordBatch
 from raymq.storage.errors import (ConcurrentTransactionsError, InvalidTxnStateError,
                                   ProducerFencedError, RayMQError, TransactionAbortedError)
@@ -229,14 +230,13 @@ class Transactions:
                        self._sessions.get(tid))
 
     def _ask(self, method: str, tid: str, *args):
-        from raymq.actors.kafka_tx.coordinator import coordinator_for
         index = coordinator_for(tid, self.mq.config.num_coordinators)
         return self.mq.coordinator_transport.call(index, method, tid, *args, timeout_s=60)
 
 
-def kafka_sequence(s: Session, topic: str, queue: int, base: int, count: int):
-    """(under ``s.lock``) Where a transactional batch of Kafka sequences ``base`` ..
-    ``base + count - 1`` stands: ``None`` to write it, or the base offset it was stored
+def kafka_sequence(s: Session, topic: str, queue: int, base: int):
+    """(under ``s.lock``) Where a transactional batch whose first Kafka sequence is
+    ``base`` stands: ``None`` to write it, or the base offset it was stored
     at (a resend); ``TxnRefused`` past a gap or for a resend too old to answer."""
     expected, kept = s.kafka_seqs.get((topic, queue), (None, None))
     if expected is None or base == expected:

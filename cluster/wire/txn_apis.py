@@ -12,11 +12,11 @@ from kafka.protocol.producer.transaction import (AddOffsetsToTxnResponse,
                                                  TxnOffsetCommitResponse)
 
 from raymq.storage import RecordBatch
+from raymq.wire.frames import NONE, UNKNOWN_TOPIC_OR_PARTITION, shard_of
 from raymq.wire.transactions import (INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING,
                                      INVALID_TXN_STATE, OUT_OF_ORDER_SEQUENCE, PRODUCER_FENCED,
                                      Transactions, TxnRefused, kafka_sequence, stored_sequence)
 
-NONE, UNKNOWN_TOPIC_OR_PARTITION = 0, 3
 _AddTopic = AddPartitionsToTxnResponse.AddPartitionsToTxnTopicResult
 _AddPart = _AddTopic.AddPartitionsToTxnPartitionResult
 _OffTopic = TxnOffsetCommitResponse.TxnOffsetCommitResponseTopic
@@ -59,7 +59,7 @@ class TxnApis:
                                   request.v3_and_below_producer_epoch)
             queues = set()
             for topic, q in asked:
-                shard = _shard_of(self._routes(topic), q)
+                shard = shard_of(self._routes(topic), q)
                 if shard is None:
                     codes[(topic, q)] = UNKNOWN_TOPIC_OR_PARTITION
                 else:
@@ -100,7 +100,7 @@ class TxnApis:
             routes = self._routes(t.name)
             for p in t.partitions:
                 asked.append((t.name, p.partition_index))
-                shard = _shard_of(routes, p.partition_index)
+                shard = shard_of(routes, p.partition_index)
                 if shard is None:
                     codes[(t.name, p.partition_index)] = UNKNOWN_TOPIC_OR_PARTITION
                 else:
@@ -167,7 +167,7 @@ class TxnApis:
                                                             f"transaction")
                     if s.unknown is not None:
                         raise TxnRefused(OUT_OF_ORDER_SEQUENCE, s.unknown)
-                    stored = kafka_sequence(s, topic, q, base, count)
+                    stored = kafka_sequence(s, topic, q, base)
                     if stored is not None:
                         out.append((topic, q, NONE, stored))
                     else:
@@ -194,10 +194,3 @@ class TxnApis:
                     at += len(batch)
         return out
 
-
-def _shard_of(routes: list[int] | None, index: int) -> int | None:
-    """The shard of a topic's partition ``index`` (``routes``: its queues' shards; None:
-    no such topic), None when the topic has no such partition."""
-    if routes is None or not 0 <= index < len(routes):
-        return None
-    return routes[index]
