@@ -22,24 +22,28 @@ from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC, 
                                    is_system_topic, make_msg_id, parse_msg_id, retry_topic)
 from raymq.storage.records import (MAX_KEY_BYTES, MAX_TAGS_BYTES, MessageBatch, RecordBatch,
                                    StoredMessage, SysFlag, check_user_properties,
-                                   decode_properties, shared_value)
+                                   decode_properties, encode_headers, shared_value)
 
 # --- application messages ----------------------------------------------------------
 @dataclass
 class Message:
     """A message to send.  One of ``delay_level`` (1-based), ``deliver_at_ms`` (epoch ms;
     a time not ahead delivers now) or ``deliver_after_ms`` (from when the shard stores it,
-    or from the commit of a transactional message) delays it, up to ``max_delay_ms``."""
+    or from the commit of a transactional message) delays it, up to ``max_delay_ms``.
+    ``key`` is text or bytes (a Kafka client's binary key); ``headers`` are
+    ``[(name, value bytes or None)]``, repeats and order kept (what Kafka clients see as a
+    record's headers)."""
 
     topic: str
     body: bytes
-    key: str | None = None
+    key: str | bytes | None = None
     tags: str | None = None
     properties: dict[str, str] | None = None
     delay_level: int = 0
     deliver_at_ms: int | None = None
     deliver_after_ms: int | None = None
     transaction_id: str | None = None  # set by the transaction producer
+    headers: list[tuple[str, bytes | None]] | None = None
 
     def validate(self, max_bytes: int, num_levels: int,
                  max_delay_ms: int = DEFAULT_MAX_DELAY_MS) -> None:
@@ -53,9 +57,15 @@ class Message:
         # a request shared with other callers' messages
         for what, value, limit in (("key", self.key, MAX_KEY_BYTES),
                                    ("tags", self.tags, MAX_TAGS_BYTES)):
-            why = text_problem(value, limit, what)
+            if what == "key" and isinstance(value, (bytes, bytearray)):
+                why = f"key of {len(value)} bytes is longer than {limit} bytes" \
+                    if len(value) > limit else None
+            else:
+                why = text_problem(value, limit, what)
             if why:
                 raise InvalidMessageError(why)
+        if self.headers:
+            encode_headers(self.headers)  # (raises saying what is wrong)
         if self.properties:
             if not isinstance(self.properties, dict):
                 raise InvalidMessageError("properties must be a dict of str to str")
@@ -96,7 +106,7 @@ def check_schedule(delay_level, deliver_at_ms, deliver_after_ms, max_delay_ms: i
 
 
 _ATTRS = ("topic", "body", "key", "tags", "properties", "delay_level", "deliver_at_ms",
-          "deliver_after_ms")
+          "deliver_after_ms", "headers")
 _GETTERS = {name: attrgetter(name) for name in _ATTRS}
 _NONE = type(None)
 
@@ -128,7 +138,7 @@ def validate_messages(messages: list["Message"], max_bytes: int, num_levels: int
                   or (cols.has("key") and not _plain_texts(cols.key, MAX_KEY_BYTES))
                   or (cols.has("tags") and not _plain_texts(cols.tags, MAX_TAGS_BYTES))
                   or cols.properties.count(None) + cols.properties.count({}) != cols.n
-                  or cols.has("delay_level", 0))
+                  or cols.has("delay_level", 0) or cols.has("headers"))
     if suspicious:
         for m in messages:
             m.validate(max_bytes, num_levels, max_delay_ms)
@@ -205,10 +215,11 @@ class MessageExt:
 
     __slots__ = ("topic", "queue_id", "queue_offset", "body", "key", "tags", "_props",
                  "reconsume_count", "born_ms", "store_ms", "shard", "phys", "source_topic",
-                 "source_queue", "source_offset")
+                 "source_queue", "source_offset", "headers")
 
     def __init__(self, topic, queue_id, queue_offset, body, key, tags, props, reconsume_count,
-                 born_ms, store_ms, shard, phys, source_topic, source_queue, source_offset):
+                 born_ms, store_ms, shard, phys, source_topic, source_queue, source_offset,
+                 headers=None):
         self.topic = topic
         self.queue_id = queue_id
         self.queue_offset = queue_offset
@@ -224,6 +235,7 @@ class MessageExt:
         self.source_topic = source_topic
         self.source_queue = source_queue
         self.source_offset = source_offset
+        self.headers = headers  # [(name, bytes or None)], or None
 
     @property
     def properties(self) -> dict[str, str]:
@@ -281,11 +293,13 @@ def messages_ext(shard: int, msgs) -> list[MessageExt]:
         out = list(map(MessageExt, topics, qids, qoffs, msgs.bodies, msgs.keys or [None] * n,
                        msgs.tags or [None] * n, msgs.properties or [b""] * n,
                        h["reconsume"].tolist(), h["born_ms"].tolist(), h["store_ms"].tolist(),
-                       [shard] * n, msgs.phys_offsets, topics, qids, qoffs))
+                       [shard] * n, msgs.phys_offsets, topics, qids, qoffs,
+                       msgs.record_headers or [None] * n))
     else:
         out = [MessageExt(m.topic, m.queue_id, m.queue_offset, m.body, m.key, m.tags,
                           m.properties, m.reconsume_count, m.born_ms, m.store_ms, shard,
-                          m.phys_offset, m.topic, m.queue_id, m.queue_offset) for m in msgs]
+                          m.phys_offset, m.topic, m.queue_id, m.queue_offset, m.headers)
+               for m in msgs]
     topics = set(msgs.topics) if isinstance(msgs, MessageBatch) else {m.topic for m in msgs}
     if not any(t.startswith(RETRY_PREFIX) for t in topics):
         return out
@@ -298,9 +312,10 @@ def messages_ext(shard: int, msgs) -> list[MessageExt]:
     return out
 
 
-def key_queue(key: str, num_queues: int) -> int:
-    """Same key -> same queue (stable across processes)."""
-    return zlib.crc32(key.encode()) % num_queues
+def key_queue(key: str | bytes, num_queues: int) -> int:
+    """Same key -> same queue (stable across processes; a text key and its UTF-8 bytes go
+    to the same queue)."""
+    return zlib.crc32(key.encode() if isinstance(key, str) else key) % num_queues
 
 
 def assign_queues(cols: Columns, routes: dict[str, list[int]], next_rr, chunk: int):
@@ -385,7 +400,8 @@ def columns_to_batch(cols: Columns, idx: list[int], queue_ids: list[int],
     return RecordBatch(shared_value(pick(cols.topic)), shared_value(queue_ids), pick(cols.body),
                        keys=pick(cols.key) if cols.has("key") else None,
                        tags=pick(cols.tags) if cols.has("tags") else None,
-                       properties=props_col, born_ms=born_ms, flags=int(SysFlag.NONE))
+                       properties=props_col, born_ms=born_ms, flags=int(SysFlag.NONE),
+                       headers=pick(cols.headers) if cols.has("headers") else None)
 
 
 def to_batch(messages: list[Message], queue_ids: list[int], born_ms: int) -> RecordBatch:

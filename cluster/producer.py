@@ -64,11 +64,13 @@ class _Pending:
 
 
 def _rows_batch(rows: list[tuple]) -> RecordBatch:
-    """One batch of single sends' rows: (topic, queue, body, key, tags, properties, born)."""
-    topics, qids, bodies, keys, tags, props, born = map(list, zip(*rows))
+    """One batch of single sends' rows: (topic, queue, body, key, tags, properties, born,
+    headers)."""
+    topics, qids, bodies, keys, tags, props, born, headers = map(list, zip(*rows))
     return RecordBatch(shared_value(topics), shared_value(qids), bodies,
                        keys=none_if_empty(keys), tags=none_if_empty(tags),
-                       properties=none_if_empty(props), born_ms=shared_value(born))
+                       properties=none_if_empty(props), born_ms=shared_value(born),
+                       headers=none_if_empty(headers))
 
 
 def _request_batch(parts: list) -> RecordBatch:
@@ -325,7 +327,7 @@ class Producer:
                                        system_props, m.deliver_after_ms)]
         body = m.body if type(m.body) is bytes else bytes(m.body)
         row = (m.topic, qid, body, m.key or None, m.tags or None, props and props[0],
-               self._now_ms())
+               self._now_ms(), m.headers or None)
         fut = Outcome()
         key = (shard, qid % self.lanes)
         with self._lock:

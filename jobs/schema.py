@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from raymq.actors.protocol import Prop
 from raymq.storage.buffers import fresh_bytes
-from raymq.storage.records import RecordSpans
+from raymq.storage.records import RecordSpans, SysFlag
 
 MESSAGE_SCHEMA = pa.schema([
     ("topic", pa.string()), ("queue_id", pa.int32()), ("queue_offset", pa.int64()),
@@ -122,10 +122,18 @@ def message_record_batch(shard: int, topic: str, queue_id: int, spans: RecordSpa
     return pa.record_batch([
         pa.repeat(pa.scalar(topic, pa.string()), n), pa.array(np.full(n, queue_id, np.int32)),
         ints("queue_offset", np.int64), msg_id,
-        text(at.key, at.tags, h["key_len"]), text(at.tags, at.props, h["tags_len"]),
+        text(at.key, _text_key_ends(h, at), h["key_len"]),
+        text(at.tags, at.props, h["tags_len"]),
         props, _cut(data, at.body, at.body_end, pa.binary()),
         ints("born_ms", np.int64), ints("store_ms", np.int64), transaction_id],
         schema=MESSAGE_SCHEMA)
+
+
+def _text_key_ends(h: np.ndarray, at) -> np.ndarray:
+    """Where each record's key ends, as text: a binary key (a Kafka client's, not UTF-8)
+    reads as null in the ``key`` column, which is a string."""
+    binary = (h["flags"] & SysFlag.BINARY_KEY) != 0
+    return np.where(binary, at.key, at.tags) if binary.any() else at.tags
 
 
 def to_ipc_bytes(batches) -> bytes:

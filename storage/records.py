@@ -11,8 +11,16 @@ that encoding is a handful of C-level operations whatever the record count:
         producer_id i64 (0: none), sequence i64 (the producer's put number)
     record headers: count x 78 bytes (layout ``REC_DTYPE``)
     meta region: topic, key, tags and properties of each record (a topic
-        shared by every record of the frame is stored once)
+        shared by every record of the frame is stored once), then its header
+        block when it has headers (flag HEADERS: ``HEADER_BLOCK`` below)
     body region: the bodies, back to back
+
+Version 2 frames (written when a record of the frame has a binary key or headers;
+version 1 otherwise, as before) add two record flags: BINARY_KEY (the key field holds
+bytes that are not text) and HEADERS (a block of repeated binary headers, as Kafka's,
+follows the record's properties: u32 block length, u16 count, then per header u16 name
+length, the UTF-8 name, i32 value length -- -1: a null value -- and the value).  Both
+versions read.
 
 A record's *physical offset* is the commit-log offset of its header; its
 *size* runs from there to the end of its body, so ``[phys, phys + size)``
@@ -38,6 +46,8 @@ from raymq.storage.errors import InvalidMessageError
 
 FRAME_MAGIC = 0x31514D52  # b"RMQ1" little-endian
 FRAME_VERSION = 1
+#: The version of a frame that has a record with a binary key or headers.
+FRAME_VERSION_HEADERS = 2
 FRAME = struct.Struct("<IIIBBHIqqq")
 FRAME_HEADER_BYTES = FRAME.size  # 44
 FRAME_ATTR_LAST = 1  # the last frame of a put
@@ -75,6 +85,13 @@ class SysFlag(enum.IntFlag):
     CONTROL = 16               # Kafka-style commit/abort marker
     SCHEDULED = 32             # waiting in the schedule topic; tag_code is the deliver time
     TRANSACTIONAL = 64         # data record of a Kafka-style transaction
+    BINARY_KEY = 128           # the key is bytes, not text (frame version 2)
+    HEADERS = 256              # a header block follows the properties (frame version 2)
+
+
+#: The flags the encoder sets from a record's own key and headers.
+FIELD_FLAGS = int(SysFlag.BINARY_KEY | SysFlag.HEADERS)
+MAX_HEADERS_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -92,24 +109,27 @@ class Record:
     reconsume_count: int = 0
     prepared_offset: int = -1
     tag_code: int | None = None  # None: hash of tags; set for scheduled records
+    headers: list | None = None  # [(name, bytes or None)], repeats and order kept
 
 
 class StoredMessage:
     """A record read back from the commit log, with where it lives.
 
-    ``properties`` is decoded on first access: most readers never look.
+    ``properties`` is decoded on first access: most readers never look.  ``key`` is
+    bytes for a binary key (``SysFlag.BINARY_KEY``); ``headers`` the record's
+    ``[(name, value bytes or None)]`` (None: none).
     """
 
     __slots__ = ("topic", "queue_id", "queue_offset", "phys_offset", "size", "flags",
                  "born_ms", "store_ms", "prepared_offset", "tag_code",
-                 "reconsume_count", "key", "tags", "_props", "body")
+                 "reconsume_count", "key", "tags", "_props", "body", "headers")
     FIELDS = ("topic", "queue_id", "queue_offset", "phys_offset", "size", "flags",
               "born_ms", "store_ms", "prepared_offset", "tag_code", "reconsume_count",
-              "key", "tags", "properties", "body")
+              "key", "tags", "properties", "body", "headers")
 
     def __init__(self, topic, queue_id, queue_offset, phys_offset, size, flags, born_ms,
                  store_ms, prepared_offset, tag_code, reconsume_count, key, tags,
-                 properties, body):
+                 properties, body, headers=None):
         self.topic = topic
         self.queue_id = queue_id
         self.queue_offset = queue_offset
@@ -125,6 +145,7 @@ class StoredMessage:
         self.tags = tags
         self._props = properties  # dict, or encoded bytes until first access
         self.body = body
+        self.headers = headers
 
     @property
     def properties(self) -> dict[str, str]:
@@ -157,7 +178,7 @@ class StoredMessage:
         return Record(self.topic, self.queue_id, self.body, self.key, self.tags,
                       dict(self.properties) or None, self.flags,
                       self.born_ms, self.reconsume_count, self.prepared_offset,
-                      self.tag_code)
+                      self.tag_code, self.headers)
 
 
 def tags_hash(tags: str | None) -> int:
@@ -256,11 +277,11 @@ class RecordBatch:
     """
 
     __slots__ = ("topics", "queue_ids", "bodies", "keys", "tags", "properties", "flags",
-                 "born_ms", "reconsume", "prepared_offsets", "tag_codes")
+                 "born_ms", "reconsume", "prepared_offsets", "tag_codes", "headers")
 
     def __init__(self, topics, queue_ids, bodies: list, *, keys=None, tags=None,
                  properties=None, flags=0, born_ms=0, reconsume=0, prepared_offsets=-1,
-                 tag_codes=None):
+                 tag_codes=None, headers=None):
         self.topics = topics
         self.queue_ids = queue_ids
         self.bodies = bodies if isinstance(bodies, list) else list(bodies)
@@ -272,6 +293,7 @@ class RecordBatch:
         self.reconsume = reconsume
         self.prepared_offsets = prepared_offsets
         self.tag_codes = tag_codes
+        self.headers = headers
         n = len(self.bodies)
         for name in self.__slots__:
             col = getattr(self, name)
@@ -295,7 +317,8 @@ class RecordBatch:
             born_ms=shared_value(list(map(_get_born, records))),
             reconsume=shared_value(list(map(_get_recon, records))),
             prepared_offsets=shared_value(list(map(_get_prep, records))),
-            tag_codes=none_if_empty(list(map(_get_tagcode, records))))
+            tag_codes=none_if_empty(list(map(_get_tagcode, records))),
+            headers=none_if_empty(list(map(_get_headers, records))))
 
     def column(self, name: str) -> list:
         col = getattr(self, name)
@@ -315,7 +338,7 @@ class RecordBatch:
                            **{s: (c[lo:hi] if isinstance(c, list) else c)
                               for s, c in ((s, getattr(self, s)) for s in self.__slots__[3:])})
 
-    _OPTIONAL = ("keys", "tags", "properties", "tag_codes")
+    _OPTIONAL = ("keys", "tags", "properties", "tag_codes", "headers")
 
     def with_records(self, records: Sequence[Record]) -> "RecordBatch":
         """This batch's records, then ``records``: ``concat`` without a batch of them first."""
@@ -359,13 +382,12 @@ class RecordBatch:
         return cls(cols.pop("topics"), cols.pop("queue_ids"), cols.pop("bodies"), **cols)
 
 
-def _rebuild_batch(topics, queue_ids, bodies, keys, tags, properties, flags, born_ms,
-                   reconsume, prepared_offsets, tag_codes):
+def _rebuild_batch(*columns):
     batch = RecordBatch.__new__(RecordBatch)
-    for name, value in zip(RecordBatch.__slots__, (topics, queue_ids, bodies, keys, tags,
-                                                  properties, flags, born_ms, reconsume,
-                                                  prepared_offsets, tag_codes)):
+    for name, value in zip(RecordBatch.__slots__, columns):
         setattr(batch, name, value)
+    if len(columns) < len(RecordBatch.__slots__):  # (pickled before headers were a column)
+        batch.headers = None
     return batch
 
 
@@ -394,10 +416,11 @@ _get_born = attrgetter("born_ms")
 _get_recon = attrgetter("reconsume_count")
 _get_prep = attrgetter("prepared_offset")
 _get_tagcode = attrgetter("tag_code")
+_get_headers = attrgetter("headers")
 #: Each column of a RecordBatch, with how to read it from a Record.
 _RECORD_GETTERS = tuple(zip(RecordBatch.__slots__, (
     _get_topic, _get_qid, _get_body, _get_key, _get_tags, _get_props, _get_flags, _get_born,
-    _get_recon, _get_prep, _get_tagcode)))
+    _get_recon, _get_prep, _get_tagcode, _get_headers)))
 _TOPIC_DECODE: dict[bytes, str] = {}
 
 
@@ -425,6 +448,104 @@ def _optional_texts(values: list | None, n: int, limit: int, what: str):
     return out, np.fromiter(map(len, out), np.int64, n)
 
 
+def _keys(values: list | None, n: int):
+    """The key column encoded: (list or None, lengths or 0, which are binary or None).  A
+    ``bytes`` key is kept as it is (``SysFlag.BINARY_KEY``), a ``str`` as UTF-8."""
+    if values is None:
+        return None, 0, None
+    out, binary = [], None
+    for i, v in enumerate(values):
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            v = bytes(v)
+            if len(v) > MAX_KEY_BYTES:
+                raise InvalidMessageError(f"key of {len(v)} bytes is longer than "
+                                          f"{MAX_KEY_BYTES} bytes")
+            if binary is None:
+                binary = [False] * n
+            binary[i] = True
+            out.append(v)
+        else:
+            out.append(_encode_text(v, MAX_KEY_BYTES, "key") if v else b"")
+    return out, np.fromiter(map(len, out), np.int64, n), binary
+
+
+_HEADER_BLOCK = struct.Struct("<IH")
+_HEADER_NAME = struct.Struct("<H")
+_HEADER_VALUE = struct.Struct("<i")
+
+
+def encode_headers(headers) -> bytes:
+    """A record's header block (``HEADER_BLOCK`` in the module's docstring); b"" for none.
+    Bad headers raise ``InvalidMessageError`` saying which."""
+    if not headers:
+        return b""
+    if isinstance(headers, (str, bytes, dict)) or not hasattr(headers, "__iter__"):
+        raise InvalidMessageError("headers must be a list of (name, value) pairs, got "
+                                  f"{type(headers).__name__}")
+    parts, count = [], 0
+    for item in headers:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidMessageError(f"a header must be a (name, value) pair, got {item!r:.60}")
+        name, value = item
+        if not isinstance(name, str):
+            raise InvalidMessageError(f"a header's name must be a str, got {name!r:.60}")
+        name_b = name.encode()
+        if len(name_b) > 0xFFFF:
+            raise InvalidMessageError(f"header name {name[:40]!r}... is over 65535 bytes")
+        parts += (_HEADER_NAME.pack(len(name_b)), name_b)
+        if value is None:
+            parts.append(_HEADER_VALUE.pack(-1))
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            parts += (_HEADER_VALUE.pack(len(value)), bytes(value))
+        else:
+            raise InvalidMessageError(f"header {name!r}'s value must be bytes or None, got "
+                                      f"{type(value).__name__}")
+        count += 1
+    body = b"".join(parts)
+    size = _HEADER_BLOCK.size + len(body)
+    if size > MAX_HEADERS_BYTES or count > 0xFFFF:
+        raise InvalidMessageError(f"headers take {size} bytes, more than {MAX_HEADERS_BYTES}")
+    return _HEADER_BLOCK.pack(size, count) + body
+
+
+def decode_headers(buf, pos: int) -> list[tuple[str, bytes | None]]:
+    """The headers of the block at ``buf[pos:]``."""
+    size, count = _HEADER_BLOCK.unpack_from(buf, pos)
+    end, pos, out = pos + size, pos + _HEADER_BLOCK.size, []
+    for _ in range(count):
+        (k,) = _HEADER_NAME.unpack_from(buf, pos)
+        name = bytes(buf[pos + 2:pos + 2 + k]).decode()
+        (v,) = _HEADER_VALUE.unpack_from(buf, pos + 2 + k)
+        pos += 6 + k
+        if v < 0:
+            out.append((name, None))
+        else:
+            out.append((name, bytes(buf[pos:pos + v])))
+            pos += v
+    if pos != end:
+        raise FrameError(f"a header block's {count} headers end at {pos}, its length says {end}")
+    return out
+
+
+def _header_blocks(headers: list | None):
+    """The headers column encoded: (blocks or None, lengths or 0)."""
+    if headers is None:
+        return None, 0
+    blocks = [encode_headers(h) for h in headers]
+    return blocks, np.fromiter(map(len, blocks), np.int64, len(blocks))
+
+
+def _field_flags(flags: np.ndarray, binary: list | None, blocks: list | None) -> np.ndarray:
+    """``flags`` with BINARY_KEY and HEADERS set as the records' own key and headers say
+    (a copy of a stored record may come with either set)."""
+    out = flags & ~np.uint32(FIELD_FLAGS)
+    if binary is not None:
+        out |= np.where(binary, np.uint32(SysFlag.BINARY_KEY), np.uint32(0))
+    if blocks is not None:
+        out |= np.where([bool(b) for b in blocks], np.uint32(SysFlag.HEADERS), np.uint32(0))
+    return out
+
+
 def _topic_texts(topics: list[str]) -> list[bytes]:
     """A per-record topic column encoded (each distinct topic once)."""
     cache = {t: _encode_text(t, MAX_TOPIC_BYTES, "topic") for t in set(topics)}
@@ -440,13 +561,14 @@ def _join_bodies(bodies: list) -> bytes:
 
 
 def _frame_header(n: int, frame_len: int, store_ms: int, producer_id: int, sequence: int,
-                  last: bool, headers: bytes, meta: bytes, body_blob: bytes) -> bytes:
+                  last: bool, headers: bytes, meta: bytes, body_blob: bytes,
+                  version: int = FRAME_VERSION) -> bytes:
     """The frame header: its CRC covers the header fields after the CRC and every region."""
     attrs = FRAME_ATTR_LAST if last else 0
-    tail = FRAME.pack(0, 0, 0, FRAME_VERSION, attrs, 0, n, store_ms, producer_id,
+    tail = FRAME.pack(0, 0, 0, version, attrs, 0, n, store_ms, producer_id,
                       sequence)[FRAME_CRC_START:]
     crc = zlib.crc32(body_blob, zlib.crc32(meta, zlib.crc32(headers, zlib.crc32(tail))))
-    return FRAME.pack(FRAME_MAGIC, frame_len, crc, FRAME_VERSION, attrs, 0, n, store_ms,
+    return FRAME.pack(FRAME_MAGIC, frame_len, crc, version, attrs, 0, n, store_ms,
                       producer_id, sequence)
 
 
@@ -495,8 +617,9 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
     bodies = batch.bodies
     if body_lens is None:
         body_lens = np.array(list(map(len, bodies)), np.int64)
-    keys_b, key_lens = _optional_texts(batch.keys, n, MAX_KEY_BYTES, "key")
+    keys_b, key_lens, binary = _keys(batch.keys, n)
     tags_b, tags_lens = _optional_texts(batch.tags, n, MAX_TAGS_BYTES, "tags")
+    blocks, block_lens = _header_blocks(batch.headers)
     props = batch.properties
     if props is None:
         props_b, props_lens = None, 0
@@ -507,8 +630,8 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
 
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
     meta, meta_off, topic_lens = _column_meta(batch.topics, n, headers_end,
-                                              (keys_b, tags_b, props_b),
-                                              (key_lens, tags_lens, props_lens))
+                                              (keys_b, tags_b, props_b, blocks),
+                                              (key_lens, tags_lens, props_lens, block_lens))
     body_blob = _join_bodies(bodies)
     bodies_start = headers_end + len(meta)
     body_off = _starts(body_lens, bodies_start, n)
@@ -526,10 +649,14 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
     _set_optional_columns(h, batch, n, tag_codes, (("key_len", key_lens),
                                                    ("tags_len", tags_lens),
                                                    ("props_len", props_lens)))
+    version = FRAME_VERSION
+    if binary is not None or blocks is not None or (h["flags"] & FIELD_FLAGS).any():
+        h["flags"] = _field_flags(h["flags"], binary, blocks)
+        version = FRAME_VERSION_HEADERS if (h["flags"] & FIELD_FLAGS).any() else version
     headers = h.tobytes()
     frame_len = bodies_start + len(body_blob)
     header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers, meta,
-                           body_blob)
+                           body_blob, version)
     rec_lens = body_off + body_lens - rel
     return EncodedFrame((header, headers, meta, body_blob), frame_len, rel, rec_lens, tag_codes)
 
@@ -537,8 +664,8 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
 def _column_meta(topics, n: int, headers_end: int, optional: tuple, optional_lens: tuple):
     """The meta region of a column frame: (bytes, each record's meta offset, topic lengths).
 
-    ``optional`` are the encoded keys, tags and properties (None: absent),
-    ``optional_lens`` their lengths (0 when absent).
+    ``optional`` are the encoded keys, tags, properties and header blocks (None:
+    absent), ``optional_lens`` their lengths (0 when absent).
     """
     shared_topic = isinstance(topics, str)
     if shared_topic:
@@ -549,14 +676,12 @@ def _column_meta(topics, n: int, headers_end: int, optional: tuple, optional_len
         topics_b = _topic_texts(topics)
         topic_lens = np.fromiter(map(len, topics_b), np.int64, n)
 
-    keys_b, tags_b, props_b = optional
-    if shared_topic and keys_b is None and tags_b is None and props_b is None:
+    if shared_topic and all(c is None for c in optional):
         return topic_b, headers_end, topic_lens  # every record points at the one copy
-    columns = [c for c in ([topic_b] * n if shared_topic else topics_b, keys_b, tags_b,
-                           props_b) if c is not None]
+    columns = [c for c in ([topic_b] * n if shared_topic else topics_b, *optional)
+               if c is not None]
     meta = b"".join(chain.from_iterable(zip(*columns)))
-    key_lens, tags_lens, props_lens = optional_lens
-    meta_lens = topic_lens + key_lens + tags_lens + props_lens
+    meta_lens = topic_lens + sum(optional_lens)
     return meta, _starts(meta_lens, headers_end, n), topic_lens
 
 
@@ -622,21 +747,13 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
     else:
         topics_b = _topic_texts(batch.topics)
         shared_topic = False
-    keys_b = _texts(batch.keys, MAX_KEY_BYTES, "key")
+    keys_b, _lens, binary = _keys(batch.keys, n)
     tags_b = _texts(batch.tags, MAX_TAGS_BYTES, "tags")
     props_b = None if batch.properties is None else encode_properties_list(batch.properties)
+    blocks, _lens = _header_blocks(batch.headers)
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
-    if shared_topic and keys_b is None and tags_b is None and props_b is None:
-        meta = topics_b[0]  # every record points at the one copy
-        meta_offs = [headers_end] * n
-    else:
-        columns = [c for c in (topics_b, keys_b, tags_b, props_b) if c is not None]
-        per_record = [b"".join(parts) for parts in zip(*columns)]
-        meta = b"".join(per_record)
-        meta_offs, at = [], headers_end
-        for m in per_record:
-            meta_offs.append(at)
-            at += len(m)
+    meta, meta_offs = _small_meta(shared_topic, topics_b, (keys_b, tags_b, props_b, blocks),
+                                  headers_end, n)
     body_blob = _join_bodies(bodies)
     tags_list = batch.tags if batch.tags is not None else [None] * n
     if batch.tag_codes is None:
@@ -645,6 +762,10 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
         tag_codes = [t if t is not None else tags_hash(s)
                      for t, s in zip(batch.tag_codes, tags_list)]
     qids, flags, born = batch.column("queue_ids"), batch.column("flags"), batch.column("born_ms")
+    version = FRAME_VERSION
+    if binary is not None or blocks is not None or any(f & FIELD_FLAGS for f in flags):
+        flags = _field_flags(np.array(flags, np.uint32), binary, blocks).tolist()
+        version = FRAME_VERSION_HEADERS if any(f & FIELD_FLAGS for f in flags) else version
     prepared, reconsume = batch.column("prepared_offsets"), batch.column("reconsume")
     qoffs = queue_offsets.tolist() if isinstance(queue_offsets, np.ndarray) else queue_offsets
     body_at = headers_end + len(meta)
@@ -663,10 +784,24 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
     headers_b = b"".join(headers)
     frame_len = headers_end + len(meta) + len(body_blob)
     header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers_b, meta,
-                           body_blob)
+                           body_blob, version)
     return EncodedFrame((header, headers_b, meta, body_blob), frame_len,
                         np.array(rel, np.int64), np.array(rec_lens, np.int64),
                         np.array(tag_codes, np.int64))
+
+
+def _small_meta(shared_topic: bool, topics_b: list, optional: tuple, headers_end: int,
+                n: int) -> tuple[bytes, list[int]]:
+    """The meta region of a small frame and where each record's meta starts."""
+    if shared_topic and all(c is None for c in optional):
+        return topics_b[0], [headers_end] * n  # every record points at the one copy
+    columns = [c for c in (topics_b, *optional) if c is not None]
+    per_record = [b"".join(parts) for parts in zip(*columns)]
+    meta_offs, at = [], headers_end
+    for m in per_record:
+        meta_offs.append(at)
+        at += len(m)
+    return b"".join(per_record), meta_offs
 
 
 class FrameError(Exception):
@@ -686,7 +821,7 @@ def check_frame(buf, pos: int, end: int) -> tuple[int, int]:
         FRAME.unpack_from(buf, pos)
     if magic != FRAME_MAGIC:
         raise FrameError(f"bad frame magic {magic:#x}")
-    if version != FRAME_VERSION:
+    if version != FRAME_VERSION and version != FRAME_VERSION_HEADERS:
         raise FrameError(f"unknown frame version {version}", frame_len)
     if frame_len < FRAME_HEADER_BYTES or pos + frame_len > end:
         raise FrameError(f"frame length {frame_len} runs past the end ({end - pos} bytes left)",
@@ -721,9 +856,11 @@ class MessageBatch:
     only when a reader asks (``messages()``, indexing, iteration).
     """
 
-    __slots__ = ("headers", "phys_offsets", "topics", "keys", "tags", "properties", "bodies")
+    __slots__ = ("headers", "phys_offsets", "topics", "keys", "tags", "properties", "bodies",
+                 "record_headers")
 
-    def __init__(self, headers, phys_offsets, topics, keys, tags, properties, bodies):
+    def __init__(self, headers, phys_offsets, topics, keys, tags, properties, bodies,
+                 record_headers=None):
         self.headers = headers
         self.phys_offsets = phys_offsets
         self.topics = topics
@@ -731,6 +868,7 @@ class MessageBatch:
         self.tags = tags
         self.properties = properties
         self.bodies = bodies
+        self.record_headers = record_headers  # each record's own headers (None: none has)
 
     def __reduce__(self):
         return (MessageBatch, tuple(getattr(self, s) for s in self.__slots__))
@@ -753,7 +891,8 @@ class MessageBatch:
             int(h["body_off"]) + int(h["body_len"]) - int(h["frame_delta"]), int(h["flags"]), int(h["born_ms"]), int(h["store_ms"]),
             int(h["prepared_offset"]), int(h["tag_code"]), int(h["reconsume"]),
             self.keys[i] if self.keys else None, self.tags[i] if self.tags else None,
-            self.properties[i] if self.properties else b"", self.bodies[i])
+            self.properties[i] if self.properties else b"", self.bodies[i],
+            self.record_headers[i] if self.record_headers else None)
 
     def messages(self) -> list[StoredMessage]:
         n = len(self.bodies)
@@ -764,7 +903,8 @@ class MessageBatch:
                         h["flags"].tolist(), h["born_ms"].tolist(), h["store_ms"].tolist(),
                         h["prepared_offset"].tolist(), h["tag_code"].tolist(),
                         h["reconsume"].tolist(), self.keys or [None] * n,
-                        self.tags or [None] * n, self.properties or [b""] * n, self.bodies))
+                        self.tags or [None] * n, self.properties or [b""] * n, self.bodies,
+                        self.record_headers or [None] * n))
 
     __iter__ = lambda self: iter(self.messages())  # noqa: E731
 
@@ -786,11 +926,22 @@ def _decode(buf: bytes, h: np.ndarray, at: "FieldBounds", phys_offsets) -> Messa
                     for a, b in zip(starts.tolist(), ends.tolist())]
         return [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
     topics = _decode_topics(np.frombuffer(buf, np.uint8), buf, at.topic, h["topic_len"])
-    keys = cut(at.key, at.tags, True) if h["key_len"].any() else None
+    field_flags = h["flags"] & FIELD_FLAGS
+    binary = np.flatnonzero(field_flags & SysFlag.BINARY_KEY) if field_flags.any() else ()
+    if len(binary):
+        keys = [buf[a:b] for a, b in zip(at.key.tolist(), at.tags.tolist())]
+        for i in set(range(len(keys))) - set(binary.tolist()):
+            keys[i] = keys[i].decode() if keys[i] else None
+    else:
+        keys = cut(at.key, at.tags, True) if h["key_len"].any() else None
     tags = cut(at.tags, at.props, True) if h["tags_len"].any() else None
     props = cut(at.props, at.props_end, False) if h["props_len"].any() else None
+    record_headers = None
+    if field_flags.any() and (field_flags & SysFlag.HEADERS).any():
+        record_headers = [decode_headers(buf, a) if f & SysFlag.HEADERS else None
+                          for a, f in zip(at.props_end.tolist(), field_flags.tolist())]
     return MessageBatch(h, list(phys_offsets), topics, keys, tags, props,
-                        cut(at.body, at.body_end, False))
+                        cut(at.body, at.body_end, False), record_headers)
 
 
 @dataclass(frozen=True)

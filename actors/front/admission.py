@@ -2,7 +2,8 @@
 
 A producer request's records are checked one by one: user topics only, the system
 properties the SDK itself sets (with values the shard can parse), keys, tags and
-properties the store can encode.  A bad record is refused alone; the others go on.
+properties and headers the store can encode.  A bad record is refused alone; the others
+go on.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from raymq.actors.protocol import RETRY_PREFIX, Prop, check_group, is_system_top
 from raymq.storage.errors import RayMQError
 from raymq.storage.records import (MAX_KEY_BYTES, MAX_TAGS_BYTES, MAX_USER_PROPERTIES_BYTES,
                                    PROP_NAME_VALUE_SEP, PROP_SEP, RecordBatch,
-                                   check_user_properties)
+                                   check_user_properties, encode_headers)
 
 #: System properties a client may set (the SDK sets these, and only these).
 CLIENT_PROPERTIES = frozenset({Prop.DELAY, Prop.DELIVER_AT, Prop.DELIVER_AFTER, Prop.TRAN_MSG,
@@ -49,9 +50,20 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
         col = getattr(batch, name)
         if col is not None:
             for i, v in enumerate(col):
-                why = text_problem(v, limit, name[:-1] if name == "keys" else name)
+                if name == "keys" and isinstance(v, bytes):  # (a binary key)
+                    why = f"key of {len(v)} bytes is longer than {limit} bytes" \
+                        if len(v) > limit else None
+                else:
+                    why = text_problem(v, limit, name[:-1] if name == "keys" else name)
                 if why and i not in out:
                     out[i] = why
+    if batch.headers is not None:
+        for i, h in enumerate(batch.headers):
+            if h and i not in out:
+                try:
+                    encode_headers(h)
+                except RayMQError as err:
+                    out[i] = str(err)
     if batch.properties is not None:
         seen: dict[int, str | None] = {}  # a dict shared by many records: checked once
         for i, p in enumerate(batch.properties):

@@ -74,7 +74,7 @@ def divert_to_system_topics(batch: RecordBatch, levels_ms: tuple[int, ...],
     return RecordBatch(topics, qids, batch.bodies, keys=batch.keys, tags=batch.tags,
                        properties=new_props, flags=flags, born_ms=batch.born_ms,
                        reconsume=batch.reconsume, prepared_offsets=batch.prepared_offsets,
-                       tag_codes=tag_codes)
+                       tag_codes=tag_codes, headers=batch.headers)
 
 
 def _divert_shared_timer(batch: RecordBatch, p: dict, now_ms: int) -> RecordBatch:
@@ -86,7 +86,7 @@ def _divert_shared_timer(batch: RecordBatch, p: dict, now_ms: int) -> RecordBatc
         return RecordBatch(batch.topics, batch.queue_ids, batch.bodies, keys=batch.keys,
                            tags=batch.tags, properties=[q] * n, flags=batch.flags,
                            born_ms=batch.born_ms, reconsume=batch.reconsume,
-                           prepared_offsets=batch.prepared_offsets, tag_codes=batch.tag_codes)
+                           prepared_offsets=batch.prepared_offsets, tag_codes=batch.tag_codes, headers=batch.headers)
     topics, qids, flags = batch.column("topics"), batch.column("queue_ids"), \
         batch.column("flags")
     real: dict[tuple, dict] = {}
@@ -99,7 +99,7 @@ def _divert_shared_timer(batch: RecordBatch, p: dict, now_ms: int) -> RecordBatc
     return RecordBatch(TIMER_TOPIC, 0, batch.bodies, keys=batch.keys, tags=batch.tags,
                        properties=new_props, flags=int(SysFlag.SCHEDULED),
                        born_ms=batch.born_ms, reconsume=batch.reconsume,
-                       prepared_offsets=batch.prepared_offsets, tag_codes=[due] * n)
+                       prepared_offsets=batch.prepared_offsets, tag_codes=[due] * n, headers=batch.headers)
 
 
 def _timer_props(p: dict, now_ms: int) -> tuple[int, dict]:

@@ -210,7 +210,7 @@ def _select(batch: MessageBatch, keep: list[int]) -> MessageBatch:
     pick = lambda col: None if col is None else [col[i] for i in keep]  # noqa: E731
     return MessageBatch(batch.headers[keep], pick(batch.phys_offsets), pick(batch.topics),
                         pick(batch.keys), pick(batch.tags), pick(batch.properties),
-                        pick(batch.bodies))
+                        pick(batch.bodies), pick(batch.record_headers))
 
 
 def stored_message(store: MessageStore, shard: int, phys: int) -> StoredMessage:
@@ -251,7 +251,7 @@ def as_delivered(shard: int, m: StoredMessage) -> StoredMessage:
         qid = -1
     return StoredMessage(m.properties[Prop.REAL_TOPIC], qid, -1, m.phys_offset, m.size, m.flags,
                          m.born_ms, m.store_ms, m.prepared_offset, m.tag_code,
-                         m.reconsume_count, m.key, m.tags, p, m.body)
+                         m.reconsume_count, m.key, m.tags, p, m.body, m.headers)
 
 
 #: What a diverted copy carries for the broker only.

@@ -15,7 +15,7 @@ from raymq.actors.timing.delay import for_live_topics, of_live_topic
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.errors import InvalidMessageError, StorageError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
-from raymq.storage.records import StoredMessage
+from raymq.storage.records import StoredMessage, none_if_empty
 
 #: Dead-letter resends: this plus a 56-bit hash of the group (``dlq_resend_pid``).
 DLQ_RESEND_PID_BASE = INTERNAL_PRODUCER_BASE + (1 << 61)
@@ -81,7 +81,8 @@ class DeadLetters:
                 props[Prop.DELAY] = str(level)
             self.metrics.inc("retries", 1, group=group)
         batch = RecordBatch(topic, self.shard, [m.body], keys=[m.key], tags=[m.tags],
-                            properties=[props], born_ms=m.born_ms, reconsume=count)
+                            properties=[props], born_ms=m.born_ms, reconsume=count,
+                            headers=none_if_empty([m.headers]))
         reply = self._store_request(batch, 0, 0, None)
         return {"topic": topic, "reconsume_count": count, "phys": reply.phys[0]}
 
@@ -148,7 +149,8 @@ class DeadLetters:
         sent = self._store_request(
             RecordBatch(retry_topic(group), self.shard, [m.body for m in msgs],
                         keys=[m.key for m in msgs], tags=[m.tags for m in msgs],
-                        properties=props, born_ms=[m.born_ms for m in msgs]),
+                        properties=props, born_ms=[m.born_ms for m in msgs],
+                        headers=none_if_empty([m.headers for m in msgs])),
             pid, sequence, None)
         if sent.status != "SEND_OK":
             raise StorageError(f"dead letters of {group!r} resent but not durable "

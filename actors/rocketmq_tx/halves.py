@@ -61,6 +61,7 @@ class CachedHalf(NamedTuple):
     key: str | None
     tags: str | None
     born_ms: int
+    headers: list | None = None
 
 
 @dataclass
@@ -119,6 +120,7 @@ class HalfIndex:
             return
         props, bodies = batch.column("properties"), batch.bodies
         keys, tags, born = batch.column("keys"), batch.column("tags"), batch.column("born_ms")
+        headers = batch.column("headers")
         room = HALF_CACHE_MAX - len(self.cache)
         for i, (t, phys, qoff, size) in enumerate(zip(batch.column("topics"), res.phys_offsets,
                                                       res.queue_offsets, res.sizes)):
@@ -128,7 +130,7 @@ class HalfIndex:
                 self.sizes[phys] = size
                 if room > 0 and phys not in self.cache:
                     self.cache[phys] = CachedHalf(HALF_TOPIC, props[i], phys, bodies[i],
-                                                  keys[i], tags[i], born[i])
+                                                  keys[i], tags[i], born[i], headers[i])
                     room -= 1
 
     def state_of(self, origin: int) -> HalfState | None:

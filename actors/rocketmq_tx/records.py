@@ -28,7 +28,7 @@ def real_from_half(shard: int, half: StoredMessage) -> Record:
         p.pop(k, None)
     p[Prop.PRODUCER_MSG_ID] = make_msg_id(shard, first_copy_offset(half))
     return Record(topic, qid, half.body, half.key, half.tags, p,
-                  int(SysFlag.TRANSACTION_COMMIT), half.born_ms)
+                  int(SysFlag.TRANSACTION_COMMIT), half.born_ms, headers=half.headers)
 
 
 def op_record(origin: int, state: HalfState, half_props: dict) -> Record:
@@ -76,7 +76,7 @@ def check_copy(m: StoredMessage, origin: int, checks: int, topic: str, base_ms: 
     p[Prop.CHECK_TIMES] = str(checks)
     p[Prop.CHECK_BASE_MS] = str(base_ms)
     return Record(topic, 0, m.body, m.key, m.tags, p, int(SysFlag.TRANSACTION_PREPARED),
-                  m.born_ms)
+                  m.born_ms, headers=m.headers)
 
 
 def listener_view(m: StoredMessage, shard: int, origin: int) -> StoredMessage:
@@ -87,7 +87,7 @@ def listener_view(m: StoredMessage, shard: int, origin: int) -> StoredMessage:
     topic, qid = p.get(Prop.REAL_TOPIC, m.topic), int(p.get(Prop.REAL_QID, 0))
     return StoredMessage(topic, qid, -1, m.phys_offset, m.size, m.flags, m.born_ms, m.store_ms,
                          m.prepared_offset, m.tag_code, m.reconsume_count, m.key, m.tags, p,
-                         m.body)
+                         m.body, m.headers)
 
 
 def resolution_batch(records: list, ahead, divert):

@@ -19,7 +19,7 @@ from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.clock import Clock
 from raymq.storage.errors import AlreadyDeliveredError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
-from raymq.storage.records import StoredMessage
+from raymq.storage.records import StoredMessage, none_if_empty
 
 log = logging.getLogger("raymq.shard")
 
@@ -196,4 +196,5 @@ def restore_real(shard: int, msgs: list[StoredMessage]) -> RecordBatch:
                        flags=[int(m.properties.get(Prop.REAL_FLAGS, 0)) for m in msgs],
                        born_ms=[m.born_ms for m in msgs],
                        reconsume=[m.reconsume_count for m in msgs],
-                       prepared_offsets=[m.prepared_offset for m in msgs])
+                       prepared_offsets=[m.prepared_offset for m in msgs],
+                       headers=none_if_empty([m.headers for m in msgs]))

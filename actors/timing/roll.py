@@ -43,7 +43,7 @@ def rolled_copy(shard: int, m: StoredMessage, due: int) -> Record:
     p = dict(m.properties)
     p.setdefault(Prop.PRODUCER_MSG_ID, make_msg_id(shard, m.phys_offset))
     return Record(TIMER_TOPIC, 0, m.body, m.key, m.tags, p, m.flags, m.born_ms,
-                  m.reconsume_count, m.prepared_offset, int(due))
+                  m.reconsume_count, m.prepared_offset, int(due), m.headers)
 
 
 # --------------------------------------------------------------------- timers

@@ -1,10 +1,11 @@
 """Kafka record batches <-> RayMQ messages, with kafka-python's record module (magic 2;
 gzip, snappy, lz4 and zstd as its codecs have them).  Pure: no sockets, no Ray.
 
-A Kafka record's value is the message body; its key is the message key (UTF-8 text in
-RayMQ's record format: a binary key is kept in the ``KAFKA_KEY_B64`` property);
-its headers, in order and repeats kept, are the ``KAFKA_HEADERS`` property (JSON of
-``[name, base64 value]`` pairs); its timestamp is the message's born time.
+A Kafka record's value is the message body; its key is the message key (text when it is
+UTF-8, else bytes: the storage format's binary key); its headers, in order and repeats
+kept, are the message's headers; its timestamp is the message's born time.  Records that
+an earlier version stored kept a binary key in the ``KAFKA_KEY_B64`` property and the
+headers in ``KAFKA_HEADERS`` (JSON of ``[name, base64 value]`` pairs): they read the same.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kafka.codec import gzip_decode, lz4_decode, snappy_decode, zstd_decode
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from raymq.storage import RecordBatch
+from raymq.storage.records import FIELD_FLAGS
 
 KEY_PROP, HEADERS_PROP = "KAFKA_KEY_B64", "KAFKA_HEADERS"
 
@@ -44,7 +46,7 @@ class Producer:
 def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer]:
     """The records of a Produce request's ``data`` for ``topic``/``queue`` as one batch, and
     who wrote them (the fields of its first record batch: Kafka sends one a partition)."""
-    bodies, keys, props, born = [], [], [], []
+    bodies, keys, headers, born = [], [], [], []
     writer = None
     buf = memoryview(bytes(data))
     pos = 0
@@ -66,7 +68,7 @@ def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer
             if attrs & 0x07:
                 records = bytes(_DECOMPRESS[attrs & 0x07](records))
             if not attrs & 0x20:  # (a control batch: a producer's marker, no message)
-                _records(records, count, first_ts, bodies, keys, props, born)
+                _records(records, count, first_ts, bodies, keys, headers, born)
             pos = end
     except BadRecords:
         raise
@@ -75,10 +77,10 @@ def to_batch(topic: str, queue: int, data: bytes) -> tuple[RecordBatch, Producer
     if not bodies:
         raise BadRecords("no record in the request")
     return RecordBatch(topic, queue, bodies, keys=keys,
-                       properties=props if any(props) else None, born_ms=born), writer
+                       headers=headers if any(headers) else None, born_ms=born), writer
 
 
-def _records(buf, count: int, first_ts: int, bodies: list, keys: list, props: list,
+def _records(buf, count: int, first_ts: int, bodies: list, keys: list, headers_col: list,
              born: list) -> None:
     """The ``count`` records of a batch's (decompressed) bytes ``buf``, appended to the
     columns (one tight pass; kafka-python's record objects took 3.5 us a record, this
@@ -100,29 +102,27 @@ def _records(buf, count: int, first_ts: int, bodies: list, keys: list, props: li
         else:
             bodies.append(b"")
         n, pos = _varint(buf, pos)
-        p = None
+        headers = None
         if n:
             headers = []
             for _h in range(n):
                 k, pos = _varint(buf, pos)
-                name, pos = buf[pos:pos + k].decode(), pos + k
+                name, pos = bytes(buf[pos:pos + k]).decode(), pos + k
                 k, pos = _varint(buf, pos)
                 if k < 0:
-                    headers.append([name, None])
+                    headers.append((name, None))
                 else:
-                    headers.append([name, base64.b64encode(buf[pos:pos + k]).decode()])
+                    headers.append((name, bytes(buf[pos:pos + k])))
                     pos += k
-            p = {HEADERS_PROP: json.dumps(headers)}
         if key is not None:
             try:
                 key = key.decode()
             except UnicodeDecodeError:
-                p = p or {}
-                p[KEY_PROP], key = base64.b64encode(key).decode(), None
+                key = bytes(key)
         if pos != nxt:
             raise BadRecords(f"a record's fields end at {pos}, its length says {nxt}")
         keys.append(key)
-        props.append(p)
+        headers_col.append(headers)
         born.append(first_ts + ts)
     if pos != len(buf):
         raise BadRecords(f"{len(buf) - pos} bytes after the batch's {count} records")
@@ -170,12 +170,13 @@ def from_spans(spans) -> bytes:
     """A read's records as they lie in the log (``RecordSpans``) as one Kafka record batch
     (offset deltas carry any gaps): the records' fields laid out with numpy, each key and
     body copied once, no object per message.  Records with properties (a Kafka client's
-    binary key or headers) go through ``from_messages``."""
+    binary key or headers, or properties: an earlier version's Kafka key and headers) go
+    through ``from_messages``."""
     h = spans.headers
     n = len(h)
     if not n:
         return b""
-    if h["props_len"].any():
+    if h["props_len"].any() or (h["flags"] & FIELD_FLAGS).any():
         return from_messages(spans.decode().messages())
     at = spans.bounds
     offsets, born = h["queue_offset"].astype(np.int64), h["born_ms"].astype(np.int64)
@@ -232,29 +233,36 @@ def _batch_of(run: list) -> bytes:
     for delta, m in enumerate(run):
         ts = int(m.born_ms)
         max_ts = ts if ts > max_ts else max_ts
-        p = m.properties or {}
-        key = base64.b64decode(p[KEY_PROP]) if KEY_PROP in p else (
-            m.key.encode() if m.key is not None else None)
+        key, headers = _key_and_headers(m)
         body = bytes(m.body)
         rec = [b"\x00", _var(ts - first_ts), _var(delta)]
         rec += (b"\x01",) if key is None else (_var(len(key)), key)
-        rec += (_var(len(body)), body)
-        if HEADERS_PROP in p:
-            headers = json.loads(p[HEADERS_PROP])
-            rec.append(_var(len(headers)))
-            for name, value in headers:
-                name = name.encode()
-                rec += (_var(len(name)), name)
-                rec += (b"\x01",) if value is None else (
-                    _var(len(v := base64.b64decode(value))), v)
-        else:
-            rec.append(b"\x00")
+        rec += (_var(len(body)), body, _var(len(headers)))
+        for name, value in headers:
+            name = name.encode()
+            rec += (_var(len(name)), name)
+            rec += (b"\x01",) if value is None else (_var(len(value)), value)
         body = b"".join(rec)
         parts += (_var(len(body)), body)
     records = b"".join(parts)
     n = len(run)
     tail = _AFTER_CRC.pack(0, n - 1, first_ts, max_ts, -1, -1, -1, n) + records
     return _BEFORE_CRC.pack(run[0].queue_offset, len(tail) + 9, 0, 2, crc32c(tail)) + tail
+
+
+def _key_and_headers(m) -> tuple[bytes | None, list]:
+    """A stored message's key as bytes and its headers (those of the storage format, or
+    the properties an earlier version kept them in)."""
+    key = m.key.encode() if isinstance(m.key, str) else m.key
+    headers = m.headers or ()
+    if m._props:  # (a legacy record's Kafka key and headers)
+        p = m.properties
+        if KEY_PROP in p:
+            key = base64.b64decode(p[KEY_PROP])
+        if HEADERS_PROP in p:
+            headers = [(name, None if v is None else base64.b64decode(v))
+                       for name, v in json.loads(p[HEADERS_PROP])]
+    return key, headers
 
 
 def _var(value: int) -> bytes:

@@ -210,3 +210,42 @@ def test_the_client_hands_the_store_bytes_bodies_however_they_were_given():
                                   Message("orders", b"ef", **extra)], 1024, 18)
         assert [type(b) for b in cols.body] == [bytes] * 3
         assert cols.body == [b"ab", b"cd", b"ef"]
+
+
+def test_a_binary_key_and_headers_are_kept_by_every_copy_the_shard_makes(tmp_path):
+    """A delayed message, a timer message, a committed half, a retry and a dead letter are
+    copies the shard writes of a record: each keeps its binary key and its headers; bad
+    headers are refused alone."""
+    from raymq.storage.clock import ManualClock
+    from raymq.message import messages_ext
+    clock = ManualClock()
+    sh = open_shard(tmp_path, [("orders", 0), (retry_topic("g"), 0), (dlq_topic("g"), 0)],
+                    clock=clock)
+    try:
+        key, headers = b"\xff\x00k", [("h", b"\x01"), ("h", None)]
+        sends = [{Prop.DELAY: "1"}, {Prop.DELIVER_AFTER: "5000"}, TX, None]
+        reply = sh.send(RecordBatch("orders", 0, [b"delay", b"timer", b"half", b"now", b"bad"],
+                                    keys=[key] * 5, headers=[headers] * 4 + [[("h", 1)]],
+                                    properties=sends + [None]))
+        assert list(reply.refused) == [4] and "bytes or None" in reply.refused[4]
+        [end] = sh.end_transactions([("g", "t1", [reply.phys[2]], "COMMIT_MESSAGE")])
+        assert end.outcome == "COMMITTED", end
+        clock.advance(3_600_000)
+        sh.deliver_due()
+        got = {m.body: m for m in sh.store.read_queue("orders", 0, 0, 10)}
+        assert sorted(got) == [b"delay", b"half", b"now", b"timer"]
+        assert all((m.key, m.headers) == (key, headers) for m in got.values())
+        retry = sh.send_back("g", got[b"now"].phys_offset, reason="x", retry_after_ms=0)
+        dead = sh.send_back("g", got[b"now"].phys_offset, reason="x", dead_letter=True)
+        clock.advance(1000)
+        sh.deliver_due()
+        [r] = sh.store.read_queue(retry_topic("g"), 0, 0, 10)
+        [d] = sh.store.read_queue(dlq_topic("g"), 0, 0, 10)
+        assert retry["topic"] == retry_topic("g") and dead["topic"] == dlq_topic("g")
+        for m in (r, d):
+            assert (m.key, m.headers, m.body) == (key, headers, b"now")
+        [(_t, _q, batch, _n, _e)] = sh.pull([("orders", 0, 0, 10)])
+        assert {(m.key, tuple(m.headers)) for m in messages_ext(0, batch)} == {
+            (key, tuple(headers))}
+    finally:
+        sh.close()

@@ -133,3 +133,17 @@ def test_a_pull_without_any_properties_has_null_maps_and_the_records_own_ids(tmp
     assert [(r["msg_id"], r["key"], r["properties"], r["transaction_id"]) for r in rb.to_pylist()] \
         == [(m.msg_id, m.key, None, None) for m in want]
     assert [m.properties for m in want] == [{}, {}]
+
+
+def test_headers_leave_the_columns_as_they_were_and_a_binary_key_is_null(tmp_path):
+    """Records with headers and binary keys (a Kafka client's) in a Spark dataset: the
+    properties and bodies cut as before (the header block is not read as properties);
+    the ``key`` column is text, so a key that is not is null there."""
+    with MessageStore(str(tmp_path), StoreConfig(flush_mode="async"), background=False) as store:
+        store.put(RecordBatch("t", 0, [b"a", b"b", b"c"], keys=["text", b"\xff\xfe", None],
+                              headers=[[("h", b"\x00" * 9)], None, [("h", None)]],
+                              properties=[{"p": "1"}, None, {"q": "2"}]))
+        spans = store.records_at(store.read_cq("t", 0, 0, 10))
+    rows = message_record_batch(0, "t", 0, spans).to_pylist()
+    assert [(r["body"], r["key"], dict(r["properties"] or [])) for r in rows] == [
+        (b"a", "text", {"p": "1"}), (b"b", None, {}), (b"c", None, {"q": "2"})]

@@ -28,8 +28,8 @@ def test_a_batch_of_each_compression_becomes_messages_and_comes_back_the_same(co
     assert batch.topics == "t" and batch.queue_ids == 3 and len(batch.bodies) == 5
     assert batch.bodies[1] == b"value 1" * 20 and batch.born_ms[4] == 1_700_000_000_004
     stored = [StoredMessage("t", 3, 10 + i, 0, 0, 0, batch.born_ms[i], 0, -1, 0, 0,
-                            batch.keys[i], None, (batch.properties or [None] * 5)[i] or {},
-                            batch.bodies[i]) for i in range(5)]
+                            batch.keys[i], None, {}, batch.bodies[i], batch.headers[i])
+              for i in range(5)]
     from kafka.record import MemoryRecords
     back = MemoryRecords(from_messages(stored))
     records = [r for b in iter(back.next_batch, None) for r in b]
@@ -154,3 +154,16 @@ def test_a_bumped_epoch_or_a_wrapped_sequence_is_never_taken_for_a_resend():
     seqs.stored(wrapped, put)
     assert seqs.check(Producer(9, 0, 0, 3), "t", 0) == (pid, put)  # (a resend of it)
     assert seqs.check(Producer(9, 0, 7, 1), "t", 0)[1] == OUT_OF_ORDER  # (a gap)
+
+
+def test_a_record_stored_by_the_earlier_version_reads_with_its_binary_key_and_headers():
+    """Before the storage format had binary keys and headers, a Kafka client's were kept
+    as properties: such a record reads as it was sent."""
+    from kafka.record import MemoryRecords
+    from raymq.wire.records import HEADERS_PROP, KEY_PROP
+    legacy = StoredMessage("t", 0, 7, 0, 0, 0, 1_700_000_000_000, 0, -1, 0, 0, None, None,
+                           {KEY_PROP: "//4w", HEADERS_PROP: '[["h", "MQ=="], ["n", null]]'},
+                           b"value")
+    [r] = list(MemoryRecords(from_messages([legacy])).next_batch())
+    assert (r.offset, r.key, r.value) == (7, b"\xff\xfe0", b"value")
+    assert list(r.headers) == [("h", b"1"), ("n", None)]
