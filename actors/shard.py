@@ -49,7 +49,8 @@ from raymq.actors.protocol import (HALF_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES
                                    TIMER_TOPIC, CheckRequest, EndOutcome, EndRequest,
                                    EndResult, SendReply, check_group)
 from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
-                                   check_pull_options, check_queues, check_send)
+                                   check_producer_ids, check_pull_options, check_queues,
+                                   check_send)
 from raymq.actors.front.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.front.routes import RouteTable
 from raymq.actors.timing.roll import scheduled_message
@@ -335,6 +336,11 @@ class BrokerShard:
         check_queues(queues)
         self.routes.check(set(queues))
         return self.reads.bounds(queues, times)
+
+    def producer_sequences(self, pids: list[int]) -> list[int | None]:
+        """Each client producer's last stored put sequence (None: none remembered)."""
+        check_producer_ids(pids)
+        return [self.store.last_sequence(p) or None for p in pids]
 
     def get_message(self, phys_offset: int) -> StoredMessage:
         """The message a client's id names, as its consumers get it (a delayed or

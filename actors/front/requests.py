@@ -12,6 +12,7 @@ import logging
 from raymq.actors.protocol import ISOLATIONS, EndRequest, check_group
 from raymq.storage.errors import InvalidMessageError, RayMQError
 from raymq.storage.records import RecordBatch
+from raymq.storage.producers import INTERNAL_PRODUCER_BASE
 
 log = logging.getLogger("raymq.shard")
 
@@ -64,6 +65,15 @@ def check_queues(queues, what: str = "queue") -> None:
     for q in queues:
         need(isinstance(q, tuple) and len(q) == 2 and isinstance(q[0], str)
              and is_int(q[1], 0, 2**31 - 1), f"a {what} is (topic, queue id)")
+
+
+def check_producer_ids(pids) -> None:
+    """Client producer ids: a list of at most ``MAX_QUEUES_PER_CALL`` ints below the
+    broker's own."""
+    need(isinstance(pids, (list, tuple)) and len(pids) <= MAX_QUEUES_PER_CALL,
+         f"a list of at most {MAX_QUEUES_PER_CALL} producer ids")
+    for p in pids:
+        need(is_int(p, 1, INTERNAL_PRODUCER_BASE - 1), "a producer id is an int of a client's")
 
 
 #: Where a read below a queue's log start goes on (Kafka's ``auto.offset.reset``).

@@ -146,7 +146,9 @@ class KafkaApis(TxnApis, AdminApis):
                         transactional.append((t.name, p.index, shard, batch,
                                               writer.base_sequence, writer.count))
                         continue
-                    pid, seq = self.sequences.check(writer, t.name, p.index)
+                    pid, seq = self.sequences.check(
+                        writer, t.name, p.index, lambda pid, s=shard: self.mq.transport.call(
+                            s, "producer_sequences", [pid], timeout_s=30)[0])
                     if seq == OUT_OF_ORDER:  # (OUT_OF_ORDER_SEQUENCE_NUMBER: the client
                         started.append((t.name, p.index, 45, None, 0, 0))  # resends in order)
                         continue

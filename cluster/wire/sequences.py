@@ -7,11 +7,12 @@ batch past a gap with OUT_OF_ORDER_SEQUENCE_NUMBER (the client resends in order)
 each (producer id, topic, partition) is a RayMQ producer of its own (its id derived
 from the three), whose put sequence is the batch's sequence after its last record: the
 shard's producer table answers a resend with the first put's offsets, and the listener
-keeps the sequence each partition expects next to refuse gaps (after a listener restart
-the first batch of a producer sets it).  Put sequences never wrap: a Kafka sequence that
+keeps the sequence each partition expects next to refuse gaps.  One it does not know
+(after a listener restart, or forgotten as least recent) it learns from the shard's
+producer table before the batch is taken (``learn``): the first batch is never taken for
+a resend, nor a resend for a new batch.  Put sequences never wrap: a Kafka sequence that
 wrapped past 2^31 - 1 continues the put's count; a new producer epoch is a new RayMQ
-producer.  (Not covered: a listener restart after a producer wrapped its sequences on a
-partition -- 2^31 records in one epoch -- takes its next batch for a resend.)
+producer.
 """
 from __future__ import annotations
 
@@ -52,15 +53,22 @@ class Sequences:
         self._remembered = remembered
         self._lock = threading.Lock()
 
-    def check(self, writer: Producer, topic: str, queue: int) -> tuple[int, int]:
+    def check(self, writer: Producer, topic: str, queue: int,
+              stored=None) -> tuple[int, int]:
         """``(RayMQ producer id, put sequence)`` of a batch (``(0, 0)``: not idempotent;
-        sequence ``OUT_OF_ORDER``: a batch past a gap)."""
+        sequence ``OUT_OF_ORDER``: a batch past a gap).  ``stored(pid)``: the last put
+        sequence the shard holds of a producer (None: none), asked when this one is not
+        known here."""
         if writer.id < 0 or writer.base_sequence < 0:
             return 0, 0
         pid = raymq_producer(writer.id, writer.epoch, topic, queue)
         base = writer.base_sequence
         with self._lock:
             expected = self._next.get(pid)
+        if expected is None and stored is not None:
+            expected = stored(pid)
+            if expected is not None:
+                self.stored(pid, expected)
         if expected is not None:  # (Kafka's sequences wrap past 2^31 - 1; the put's do not)
             ahead = (base - expected) % SEQUENCE_SPACE
             if 0 < ahead < SEQUENCE_SPACE // 2:

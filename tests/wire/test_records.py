@@ -167,3 +167,38 @@ def test_a_record_stored_by_the_earlier_version_reads_with_its_binary_key_and_he
     [r] = list(MemoryRecords(from_messages([legacy])).next_batch())
     assert (r.offset, r.key, r.value) == (7, b"\xff\xfe0", b"value")
     assert list(r.headers) == [("h", b"1"), ("n", None)]
+
+
+def test_a_listener_that_forgot_a_wrapped_producer_learns_its_sequence_from_the_shard(
+        tmp_path):
+    """A listener restarted (or one that forgot the producer as least recent) after the
+    producer wrapped its sequences: the next batch must be stored, not answered as a
+    resend of a stored one (which drops it), and a resend still answered, not stored
+    twice.  The shard's producer table says where the producer is."""
+    from raymq.storage import RecordBatch
+    from raymq.wire.records import Producer
+    from raymq.wire.sequences import OUT_OF_ORDER, Sequences
+    from tests.helpers import open_shard
+    sh = open_shard(tmp_path, [("t", 0)])
+    try:
+        def send(seqs, writer, body):
+            pid, seq = seqs.check(writer, "t", 0, lambda p: sh.producer_sequences([p])[0])
+            if seq == OUT_OF_ORDER:
+                return "OUT_OF_ORDER"
+            reply = sh.send(RecordBatch("t", 0, [body] * writer.count), pid, seq)
+            seqs.stored(pid, seq)
+            return "resend" if reply.duplicate else reply.queue_offsets[0]
+        top = (1 << 31) - 5
+        first = Sequences()
+        assert send(first, Producer(9, 0, top, 5), b"before") == 0
+        assert send(first, Producer(9, 0, 0, 3), b"wrapped") == 5
+        restarted = Sequences()  # (nothing remembered)
+        assert send(restarted, Producer(9, 0, 3, 2), b"after") == 8
+        assert send(Sequences(), Producer(9, 0, 3, 2), b"after") == "resend"
+        assert send(Sequences(), Producer(9, 0, 9, 1), b"gap") == "OUT_OF_ORDER"
+        assert [m.body for m in sh.store.read_queue("t", 0, 0, 20)] == \
+            [b"before"] * 5 + [b"wrapped"] * 3 + [b"after"] * 2
+        with pytest.raises(Exception, match="producer id"):
+            sh.producer_sequences([0])
+    finally:
+        sh.close()
