@@ -4,7 +4,7 @@ STAMP := $(VENV)/.raymq-installed
 
 .PHONY: demo test bench install lint
 
-$(STAMP): pyproject.toml .ci/install.sh
+$(STAMP): pyproject.toml .ci/install.sh tests/wire/kafkajs/package-lock.json
 	bash .ci/install.sh
 
 install: $(STAMP)

@@ -41,6 +41,18 @@ if [ "${CI:-}" = "true" ] && { ! command -v chromium >/dev/null 2>&1 \
     apt_install chromium chromium-driver
 fi
 
+# CI runs the kafkajs test (tests/wire/test_kafkajs.py): Node.js and npm from Debian's
+# packages where the machine has none, then kafkajs as pinned by its package-lock.json
+# (elsewhere that test skips, naming what is missing)
+if [ "${CI:-}" = "true" ] && ! command -v npm >/dev/null 2>&1; then
+    log "CI: installing nodejs and npm with apt (for the kafkajs test)"
+    apt_install nodejs npm
+fi
+if command -v npm >/dev/null 2>&1; then
+    log "installing kafkajs for the Kafka listener's tests (npm ci in tests/wire/kafkajs)"
+    npm ci --prefix tests/wire/kafkajs --no-audit --no-fund --loglevel=error >&2
+fi
+
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
     if command -v python3.11 >/dev/null 2>&1; then
