@@ -302,13 +302,14 @@ class BrokerShard:
         reads up to each queue's last stable offset and leaves out aborted Kafka-style
         transactions; ``read_uncommitted`` reads everything written.  ``form``
         ``messages`` answers ``MessageBatch`` es, ``spans`` the records undecoded
-        (``RecordSpans``: for columnar readers, without a tag filter).  ``reset``: below a
+        (``RecordSpans``: for columnar readers, without a tag filter), ``kafka`` spans
+        with each queue's (high watermark, log start).  ``reset``: below a
         queue's log start, ``earliest``, ``latest`` or ``error`` (``QueueReads._reset``)."""
         check_pull(requests, wait_ms, tags)
         check_pull_options(group, isolation, form, tags, reset)
         self.routes.check_readable({(t, q) for t, q, _o, _n in requests}, group)
         return self.reads.pull(requests, wait_ms, tags, isolation == "read_committed",
-                               form == "spans", reset, group)
+                               _SPANS[form], reset, group)
 
     def commit_offsets(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent."""
@@ -468,6 +469,8 @@ class BrokerShard:
 
 
 
+#: A pull's ``form`` -> ``QueueReads.pull``'s ``spans``.
+_SPANS = {"messages": False, "spans": True, "kafka": "kafka"}
 #: The calls clients and operators make: a malformed one is answered in one line.
 _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", "check_round",
                  "uncount_checks", "half_list", "pull", "commit_offsets", "get_offsets",

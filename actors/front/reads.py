@@ -76,7 +76,9 @@ class QueueReads:
         last stable offset, which is its ``end`` then, and records of aborted
         transactions are left out.  With ``spans`` each batch is ``RecordSpans`` (the
         records undecoded, for columnar readers; no tag filter) instead of a
-        ``MessageBatch``.
+        ``MessageBatch``; ``spans`` ``"kafka"`` adds to each queue's tuple its
+        ``(high watermark, log start)``: its end with uncommitted transactions counted, of
+        a replicated shard what the in-sync replicas confirmed (a Kafka Fetch's marks).
         """
         wait_ms = min(wait_ms, MAX_PULL_WAIT_MS)
         requests = [(t, q, o, min(n, MAX_PULL_MESSAGES)) for t, q, o, n in requests]
@@ -88,10 +90,25 @@ class QueueReads:
             remaining_ms = deadline_ms - self.clock.monotonic_ms()
             moved = any(r[3] > req[2] for r, req in zip(out, requests))  # markers, a reset
             if total or moved or remaining_ms <= 0:
-                return out
+                return [o + (self._marks(o[0], o[1]),) for o in out] if spans == "kafka" \
+                    else out
             with self._new_data:
                 if self._data_version == version:
                     self._new_data.wait(remaining_ms / 1000.0)
+
+    def _marks(self, topic: str, qid: int) -> tuple[int, int]:
+        """A queue's (high watermark, log start)."""
+        start, end = self.store.retention.log_start(topic, qid), \
+            self.store.max_queue_offset(topic, qid)
+        if self.confirmed is None or end <= start:
+            return end, start
+        confirmed = self.confirmed()
+        last = self.store.read_cq(topic, qid, end - 1, 1)
+        if len(last) and int(last["phys"][0]) < confirmed:
+            return end, start  # (all of it confirmed: the usual case)
+        lo = max(start, end - 4096)
+        entries = self.store.read_cq(topic, qid, lo, end - lo)
+        return lo + int(np.searchsorted(entries["phys"], confirmed, "left")), start
 
     def _reset(self, topic: str, qid: int, offset: int, start: int, end: int, reset: str,
                group: str | None) -> int:

@@ -86,8 +86,8 @@ def check_pull_options(group, isolation, form, tags, reset) -> None:
     if group is not None:
         check_group(group)
     need(isolation in ISOLATIONS, f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
-    need(form in ("messages", "spans") and not (form == "spans" and tags),
-         f"form must be 'messages' or 'spans' (without tags), got {form!r}")
+    need(form in ("messages", "spans", "kafka") and not (form != "messages" and tags),
+         f"form must be 'messages', 'spans' or 'kafka' (without tags), got {form!r}")
     need(reset in RESETS, f"reset must be one of {RESETS}, got {reset!r}")
 
 

@@ -269,7 +269,9 @@ class KafkaApis(TxnApis, AdminApis):
     def _FetchRequest(self, request):
         """Each partition read from its queue (one pull per shard; a long poll when the
         request names one shard), as a record batch made from the records as they lie in
-        the log."""
+        the log; with its high watermark, last stable offset (read_committed: where the
+        read stops) and log start.  The aborted transactions list is empty: the shard
+        leaves aborted records out of a read_committed read itself."""
         isolation = "read_committed" if request.isolation_level == 1 else "read_uncommitted"
         asked, by_shard = {}, {}
         for t in request.topics:
@@ -283,20 +285,20 @@ class KafkaApis(TxnApis, AdminApis):
         wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
         got: dict = {}
         calls = [(reads, self.mq.transport.begin(
-            shard, "pull", (reads, wait, None, None, isolation, "spans", "error"),
+            shard, "pull", (reads, wait, None, None, isolation, "kafka", "error"),
             timeout_s=30)) for shard, reads in by_shard.items()]
         for reads, call in calls:
             try:
-                for topic, q, spans, next_offset, end in call.result():
-                    got[(topic, q)] = (NONE, spans, next_offset, end)
+                for topic, q, spans, next_offset, end, marks in call.result():
+                    got[(topic, q)] = (NONE, spans, next_offset, end, marks)
             except Exception as err:  # (that shard's partitions answer the error)
                 for topic, q, _o, _n in reads:
-                    got[(topic, q)] = (error_code(err), None, -1, -1)
+                    got[(topic, q)] = (error_code(err), None, -1, -1, (-1, -1))
         topics: dict[str, list] = {}
         now_ms = int(time.time() * 1000)
         for (topic, q), offset in asked.items():
-            code, spans, next_offset, end = got.get((topic, q),
-                                                    (UNKNOWN_TOPIC_OR_PARTITION, None, -1, -1))
+            code, spans, next_offset, end, (hwm, log_start) = got.get(
+                (topic, q), (UNKNOWN_TOPIC_OR_PARTITION, None, -1, -1, (-1, -1)))
             read = spans is not None and len(spans) > 0
             records = from_spans(spans) if read else b""
             if next_offset > (int(spans.queue_offsets[-1]) + 1 if read else offset):
@@ -304,8 +306,8 @@ class KafkaApis(TxnApis, AdminApis):
                 # records): a control batch there moves the client's position past them
                 records += control_batch(next_offset - 1, now_ms)
             topics.setdefault(topic, []).append(_FetchPart(
-                partition_index=q, error_code=code, high_watermark=end,
-                last_stable_offset=end, log_start_offset=-1, aborted_transactions=[],
+                partition_index=q, error_code=code, high_watermark=max(hwm, end),
+                last_stable_offset=end, log_start_offset=log_start, aborted_transactions=[],
                 preferred_read_replica=-1, records=records))
         return FetchResponse(version=request.API_VERSION, throttle_time_ms=0, error_code=NONE,
                              session_id=0, responses=[_FetchTopic(topic=t, partitions=ps)

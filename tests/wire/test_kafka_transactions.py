@@ -85,6 +85,44 @@ def test_committed_transactions_are_read_and_aborted_ones_never_by_read_committe
     c.close()
 
 
+def test_a_fetch_reports_the_high_watermark_past_an_open_transaction_and_stops_at_the_lso(
+        mq, name, listener):
+    """Fetch's marks: a read_committed consumer stops at the last stable offset (before an
+    open transaction) while the high watermark counts the open transaction's records; the
+    log start is the queue's."""
+    from confluent_kafka import Consumer, TopicPartition
+    boot = "%s:%d" % listener.address
+    mq.create_topic(name, 1)
+    from raymq import Message
+    p = mq.producer()
+    p.send_batch([Message(name, b"plain %d" % i) for i in range(5)])
+    p.close()
+    tx = _producer(boot, name + "-tx")
+    tx.begin_transaction()
+    for i in range(3):
+        tx.produce(name, value=b"open %d" % i, partition=0)
+    tx.flush(30)  # (written, not committed)
+    c = Consumer({"bootstrap.servers": boot, "group.id": name + "-rc",
+                  "isolation.level": "read_committed", "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest", "enable.partition.eof": True})
+    c.assign([TopicPartition(name, 0, 0)])
+    got = []
+    try:
+        def at_lso():
+            m = c.poll(0.5)
+            if m is not None and m.error() is None:
+                got.append(m.value())
+            return m is not None and m.error() is not None and m.error().code() == -191
+        wait_for(at_lso, timeout_s=60, what="the read_committed consumer at the LSO")
+        low, high = c.get_watermark_offsets(TopicPartition(name, 0), cached=True)
+        assert got == [b"plain %d" % i for i in range(5)]
+        assert (low, high) == (0, 8)  # (the open transaction's 3 records counted)
+        assert c.position([TopicPartition(name, 0)])[0].offset == 5
+    finally:
+        c.close()
+        tx.abort_transaction(30)
+
+
 def test_a_copy_loop_with_its_offsets_in_the_transaction_outputs_each_input_once(
         mq, name, listener):
     """Consume, transform, produce, with the input's offsets sent to the transaction;

@@ -202,3 +202,24 @@ def test_a_listener_that_forgot_a_wrapped_producer_learns_its_sequence_from_the_
             sh.producer_sequences([0])
     finally:
         sh.close()
+
+
+def test_a_kafka_pull_marks_the_confirmed_end_of_a_replicated_queue_and_its_log_start(
+        tmp_path):
+    """A Fetch's high watermark on a replicated shard is what the in-sync replicas
+    confirmed, not the leader's own end; the records past it are not read."""
+    from raymq.storage import RecordBatch
+    from tests.helpers import open_shard
+    sh = open_shard(tmp_path, [("t", 0)])
+    try:
+        reply = sh.send(RecordBatch("t", 0, [b"%d" % i for i in range(10)]))
+        [(_t, _q, spans, nxt, end, marks)] = sh.pull([("t", 0, 0, 100)], form="kafka")
+        assert (len(spans), nxt, end, marks) == (10, 10, 10, (10, 0))
+        sh.reads.confirmed = lambda: reply.phys[6]  # (records 6.. not yet confirmed)
+        [(_t, _q, spans, nxt, end, marks)] = sh.pull([("t", 0, 0, 100)], form="kafka")
+        assert (len(spans), marks) == (6, (6, 0))
+        [(_t, _q, _s, _n, _e, marks)] = sh.pull([("t", 0, 8, 100)], form="kafka")
+        assert marks == (6, 0)
+        assert len(sh.pull([("t", 0, 0, 100)], form="spans")[0]) == 5  # (as before)
+    finally:
+        sh.close()
