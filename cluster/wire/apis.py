@@ -196,13 +196,16 @@ class KafkaApis(TxnApis, AdminApis):
     # ----------------------------------------------------------------- admin
     def _CreateTopicsRequest(self, request):
         """A topic per entry: its partitions as queues (-1: the cluster's default), its
-        ``retention.ms`` / ``retention.bytes`` configs as its retention; the others
-        refused (INVALID_CONFIG)."""
+        ``retention.ms`` / ``retention.bytes`` configs as its retention,
+        ``message.timestamp.type`` ``CreateTime`` (the only one kept); the others refused
+        (INVALID_CONFIG)."""
         v, out = request.API_VERSION, []
         for t in request.topics:
             code, message, queues = NONE, None, t.num_partitions
             try:
                 conf = {c.name: c.value for c in t.configs}
+                if conf.get("message.timestamp.type") == "CreateTime":  # (what RayMQ keeps)
+                    del conf["message.timestamp.type"]
                 unknown = sorted(set(conf) - {"retention.ms", "retention.bytes"})
                 if unknown:
                     code, message = 40, f"configs not served: {', '.join(unknown)}"

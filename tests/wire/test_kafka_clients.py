@@ -250,11 +250,16 @@ def test_an_idempotent_producer_stores_a_resent_batch_once_and_refuses_a_gap(
 def test_topics_are_created_and_deleted_through_kafkas_admin_client(mq, name, listener):
     from confluent_kafka.admin import AdminClient, NewTopic
     admin = AdminClient({"bootstrap.servers": "%s:%d" % listener.address})
-    made = admin.create_topics([NewTopic(name, 3, config={"retention.ms": "3600000"}),
-                                NewTopic(name + "x", 2, config={"cleanup.policy": "compact"})])
+    made = admin.create_topics([
+        NewTopic(name, 3, config={"retention.ms": "3600000",
+                                  "message.timestamp.type": "CreateTime"}),
+        NewTopic(name + "x", 2, config={"cleanup.policy": "compact"}),
+        NewTopic(name + "y", 2, config={"message.timestamp.type": "LogAppendTime"})])
     made[name].result(30)
     with pytest.raises(Exception, match="configs not served: cleanup.policy"):
         made[name + "x"].result(30)
+    with pytest.raises(Exception, match="configs not served: message.timestamp.type"):
+        made[name + "y"].result(30)
     again = admin.create_topics([NewTopic(name, 3)])
     with pytest.raises(Exception, match="TOPIC_ALREADY_EXISTS"):
         again[name].result(30)
