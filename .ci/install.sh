@@ -53,6 +53,14 @@ if command -v npm >/dev/null 2>&1; then
     npm ci --prefix tests/wire/kafkajs --no-audit --no-fund --loglevel=error >&2
 fi
 
+# CI runs `raymq bench txmsg` at a small scale with its Redis baseline
+# (tests/client/test_cli.py): redis-server from Debian's packages (elsewhere the bench
+# skips that baseline, saying why)
+if [ "${CI:-}" = "true" ] && ! command -v redis-server >/dev/null 2>&1; then
+    log "CI: installing redis-server with apt (the txmsg bench's baseline)"
+    apt_install redis-server
+fi
+
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
     if command -v python3.11 >/dev/null 2>&1; then
@@ -69,7 +77,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 log "installing pinned dependencies (pyspark builds from source: about a minute)"
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,bench]'
 .venv/bin/python -m pip check >&2
 touch .venv/.raymq-installed
 log "done"

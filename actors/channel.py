@@ -69,6 +69,7 @@ import time
 from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Any
 
+from raymq.storage import steps
 from raymq.storage.buffers import fresh_buffer
 from raymq.storage.errors import (ChannelRefusedError, ChannelTLSError, ProtocolVersionError,
                                   RayMQError)
@@ -818,8 +819,10 @@ class Endpoint:
             log.info("endpoint %s: client gone: %s", self.address, err)
 
     def _dispatch(self, data) -> list:
+        steps.start("shard.read")
         try:
             method, args = decode_request(data)
+            steps.mark("shard.decoded")
             handler = self._handlers.get(method)
             if handler is None:
                 raise ChannelRefusedError(f"{method!r} is not callable on the data channel")

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from raymq.storage import steps
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
 
 # --- reserved names --------------------------------------------------------------
@@ -199,10 +200,19 @@ class SendReply:
     ends: list[EndResult] | None = None
     #: messages refused alone (their index in the request -> why); phys -1 for them
     refused: dict[int, str] | None = None
+    #: where the request's time went in the shard (``raymq.storage.steps``; None: off)
+    steps: list | None = None
 
     def __reduce__(self):  # as a plain tuple on the wire (the channel pickles every reply)
         return (SendReply, (self.status, self.phys, self.queue_offsets, self.duplicate,
-                            self.ends, self.refused))
+                            self.ends, self.refused, self.steps))
+
+
+def with_steps(reply: SendReply) -> SendReply:
+    """The reply, carrying the shard-side steps of its request (``steps`` on)."""
+    steps.mark("shard.reply")
+    reply.steps = steps.take()
+    return reply
 
 
 _OUTCOMES = {o.value: o for o in EndOutcome}

@@ -47,7 +47,7 @@ from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
 from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
 from raymq.actors.protocol import (HALF_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
                                    TIMER_TOPIC, CheckRequest, EndOutcome, EndRequest,
-                                   EndResult, SendReply, check_group)
+                                   EndResult, SendReply, check_group, with_steps)
 from raymq.actors.front.requests import (answers_in_one_line, check_ends, check_offsets, check_pull,
                                    check_producer_ids, check_pull_options, check_queues,
                                    check_send)
@@ -55,7 +55,7 @@ from raymq.actors.front.reads import QueueReads, as_delivered, stored_message
 from raymq.actors.front.routes import RouteTable
 from raymq.actors.timing.roll import scheduled_message
 from raymq.actors.timing.timers import WHEEL_DIR, Cancellations, TimerScheduler, cancel_scheduled
-from raymq.storage import MessageStore, RecordBatch
+from raymq.storage import MessageStore, RecordBatch, steps
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.errors import InvalidMessageError
 from raymq.storage.producers import INTERNAL_PRODUCER_BASE
@@ -122,6 +122,11 @@ class BrokerShard:
         returned in ``ends``.  The reply waits for one fsync covering both.
         """
         ends = check_send(batch, producer_id, sequence, ends, acks)
+        if steps.enabled:
+            return with_steps(self._send_checked(batch, producer_id, sequence, ends))
+        return self._send_checked(batch, producer_id, sequence, ends)
+
+    def _send_checked(self, batch, producer_id: int, sequence: int, ends) -> SendReply:
         self.janitor.refuse_if_full(batch)  # (a request of ends alone goes on)
         if producer_id >= INTERNAL_PRODUCER_BASE:
             # the shard's own writers keep their progress as such producers' sequences
@@ -285,6 +290,11 @@ class BrokerShard:
     def transaction_status(self) -> dict:
         with self._tx_lock:
             return self.halves.status()
+
+    def debug_step_times(self, on: bool) -> None:
+        """Stamp where each request's time goes (``raymq.storage.steps``): a send's reply
+        then carries its shard-side steps (``SendReply.steps``)."""
+        steps.enable(on)
 
     def set_fault(self, fault: str | None) -> None:
         """Test hooks: 'crash_at:POINT[:N]', 'flush_disk_timeout', 'ktx_reply_lost'

@@ -17,11 +17,15 @@ A busy lane is driven by one *runner* (an I/O thread): it sends a request,
 waits for the answer, sends the next request of whatever gathered meanwhile,
 then completes the answered callers, without handing off to another thread.  A
 lane that is idle is started by the send that finds it so (or by the
-producer's own thread, for lingering requests and retry back-offs).
+producer's own thread, for lingering requests and retry back-offs); a synchronous
+single ``send`` that finds its lane idle sends its request and reads the answer in
+the caller's own thread, as Kafka's and RocketMQ's synchronous sends do (what gathered
+meanwhile then goes to a runner).
 """
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 from collections import defaultdict, deque
@@ -35,12 +39,18 @@ import numpy as np
 from raymq.actors.protocol import EndOutcome, SendReply
 from raymq.actors.front.requests import ACKS
 from raymq.clock import client_clock
+from raymq.storage import steps
 from raymq.storage.clock import Clock
 from raymq.transport import Outcome
 from raymq.message import (Columns, Message, SendResult, SendStatus, assign_queues,
                            columns_to_batch, key_queue, record_properties, validate_messages)
 from raymq.storage.records import RecordBatch, none_if_empty, shared_value
 from raymq.storage.errors import ConfigError, InvalidMessageError, RayMQError
+
+#: Whether a synchronous send to an idle lane goes from the caller's own thread
+#: (``Producer._submit_one``); ``RAYMQ_INLINE_SENDS=0`` hands every send to a lane runner,
+#: as before (to measure one against the other: ``raymq bench produce``).
+INLINE_SENDS = os.environ.get("RAYMQ_INLINE_SENDS", "1") != "0"
 
 log = logging.getLogger("raymq.producer")
 
@@ -192,6 +202,9 @@ class Producer:
         self._closed = False
         self.retries = 0
         self.requests = 0  # requests sent to shards (attempts), for benchmarks and status
+        #: the steps of the last request answered, and of the last ``send`` (steps on)
+        self.last_shard_steps: list | None = None
+        self.last_steps: list | None = None
         from raymq.metrics import RayMetrics
         self.metrics = RayMetrics(client="producer", group=group, clock=clock)
         self._active: set[tuple[int, int]] = set()  # lanes with a runner
@@ -207,7 +220,18 @@ class Producer:
         """Send one message; blocks until the shard stored it (or raises)."""
         if self._closed:
             raise RayMQError("producer is closed")
-        return self._submit_one(msg, None)[0].result(timeout_s)[0]
+        if steps.enabled:
+            return self._send_stamped(msg, timeout_s)
+        return self._submit_one(msg, None, inline=timeout_s is None)[0].result(timeout_s)[0]
+
+    def _send_stamped(self, msg: Message, timeout_s: float | None) -> SendResult:
+        """``send`` with its steps stamped (``raymq.storage.steps`` on): ``last_steps``
+        holds them after it, the shard's with the client's."""
+        steps.start("client.call")
+        result = self._submit_one(msg, None, inline=timeout_s is None)[0].result(timeout_s)[0]
+        steps.mark("client.woken")
+        self.last_steps = (steps.take() or []) + (self.last_shard_steps or [])
+        return result
 
     def send_async(self, msg: Message) -> Future:
         """Send one message; the future gives its ``SendResult``."""
@@ -270,17 +294,19 @@ class Producer:
         ``batch_max_messages`` chunks; one queue per message for single sends)."""
         return assign_queues(cols, routes, self._next_rr, self.config.batch_max_messages)
 
-    def _submit(self, msgs: list[Message], system_props: dict[str, str] | None = None
-                ) -> list[tuple[Future, list[int]]]:
+    def _submit(self, msgs: list[Message], system_props: dict[str, str] | None = None, *,
+                inline: bool = False) -> list[tuple[Future, list[int]]]:
         """Queue messages for the sender; (future of results, positions) per part.
 
         ``system_props`` (RayMQ's own, e.g. transaction markers) are added to
-        every message after validation.
+        every message after validation.  ``inline``: the caller waits for the result
+        anyway, so a single message to an idle lane is sent and awaited in its own thread
+        (``_submit_one``).
         """
         if self._closed:
             raise RayMQError("producer is closed")
         if len(msgs) == 1:
-            return [self._submit_one(msgs[0], system_props)]
+            return [self._submit_one(msgs[0], system_props, inline=inline)]
         cols = validate_messages(msgs, self.config.max_message_bytes,
                                  len(self.config.delay_levels_ms),
                                  max_delay_ms=self.config.max_delay_ms)
@@ -313,9 +339,15 @@ class Producer:
                 self._kick(key)
         return parts
 
-    def _submit_one(self, m: Message, system_props: dict[str, str] | None
-                    ) -> tuple[Future, list[int]]:
-        """The single-message path: no columns, no numpy (this is per message)."""
+    def _submit_one(self, m: Message, system_props: dict[str, str] | None, *,
+                    inline: bool = False) -> tuple[Future, list[int]]:
+        """The single-message path: no columns, no numpy (this is per message).
+
+        ``inline`` (a caller that waits for the result): when the lane is idle, the
+        caller's own thread sends the request and reads its answer, as Kafka's and
+        RocketMQ's synchronous sends do -- no hand-off to a lane runner and back, two
+        thread wake-ups fewer a request.  A busy lane takes the message into its next
+        request as usual (single sends of many threads share requests)."""
         m.validate(self.config.max_message_bytes, self._num_levels, self.config.max_delay_ms)
         route = self._mq.routes_for((m.topic,))[m.topic]
         qid = key_queue(m.key, len(route)) if m.key else self._sticky_queue(m.topic, len(route))
@@ -330,12 +362,18 @@ class Producer:
                self._now_ms(), m.headers or None)
         fut = Outcome()
         key = (shard, qid % self.lanes)
+        work = None
         with self._lock:
             if self._closed:  # close() may have begun since the caller's check
                 raise RayMQError("producer is closed")
             self._pending[key].append(_Pending(row, fut, m.topic, [qid], [0],
                                                self._monotonic_s()))
-            self._kick(key)
+            if inline and INLINE_SENDS:
+                work = self._claim(key, self._monotonic_s())
+            if work is None:
+                self._kick(key)
+        if work is not None:
+            self._drive(key, work, inline=True)
         return fut, [0]
 
     def _take(self, key: tuple[int, int]) -> list[_Pending]:
@@ -397,13 +435,14 @@ class Producer:
             items, _sequence, ends = work
             self._fail(items, RayMQError(f"producer is closed: {err}"), ends)
 
-    def _drive(self, key: tuple[int, int], work) -> None:
+    def _drive(self, key: tuple[int, int], work, inline: bool = False) -> None:
         """A lane's runner: its requests one after another, while it has any.
 
         When an answer arrives, the lane's next request goes out before the
         callers of the answered one are woken: woken callers hold the
         interpreter for a while, and the shard would wait for its next
-        request meanwhile.
+        request meanwhile.  ``inline`` (a caller's own thread, ``_submit_one``): one
+        request only; what the lane has next goes to a runner.
         """
         current = self._send_request(key, work)
         while current is not None:
@@ -425,8 +464,11 @@ class Producer:
                 if again:  # ahead of ends queued since (ends are idempotent)
                     self._ends[key[0]][:0] = again
                 work = self._claim(key, self._monotonic_s())
-                if work is None and (self._closed or self.config.linger_ms
-                                     or self._ends.get(key[0])):
+                if work is not None and inline:  # (the caller has its answer: a runner
+                    self._start(key, work)       # takes the lane's next request)
+                    work = None
+                elif work is None and (self._closed or self.config.linger_ms
+                                       or self._ends.get(key[0])):
                     self._cv.notify_all()  # the producer thread starts what lingers
             current = self._send_request(key, work) if work is not None else None
             if result is not None:
@@ -441,6 +483,7 @@ class Producer:
         request, args, call = None, (), None
         try:
             request = _request_batch([p.batch for p in items]) if items else None
+            steps.mark("client.batched")
             args = (request, self._lane_pids[key[1]] if sequence else 0, sequence)
             if ends or self.acks != "all":
                 args += (ends or None,)
@@ -518,6 +561,8 @@ class Producer:
             return turn % queues
 
     def _complete(self, shard: int, items: list[_Pending], request, result: SendReply) -> None:
+        if result.steps:
+            self.last_shard_steps = result.steps
         for end in result.ends or ():
             if end.outcome in _NOT_ENDED:
                 log.warning("end_transaction refused by shard-%d: %s", shard, end)

@@ -33,6 +33,7 @@ from typing import Callable
 from raymq.actors.protocol import CheckRequest, EndRequest
 from raymq.clock import client_clock
 from raymq.message import Message, MessageExt, Prop, SendResult, SendStatus, messages_ext
+from raymq.storage import steps
 from raymq.storage.clock import Clock
 from raymq.storage.errors import InvalidMessageError, RayMQError
 
@@ -117,6 +118,8 @@ class TransactionProducer:
         self._mq = mq
         self.group = group
         self.listener = listener
+        #: the steps of the last ``send_in_transaction`` (``raymq.storage.steps`` on)
+        self.last_steps: list | None = None
         self.instance_id = f"{group}-{uuid.uuid4().hex[:12]}"
         # transaction ids: this instance's random prefix and a counter (a uuid4 per
         # transaction is a getrandom call each, ~5% of a sender's time)
@@ -152,12 +155,18 @@ class TransactionProducer:
         A list of messages (to one or several topics) is one transaction.  The
         local transaction runs in the calling thread.
         """
+        steps.start("client.call")
         tx = self._begin(msg, timeout_ms, None)
         try:
-            return self._finish(tx, [(fut, positions, self._wait_part(fut))
-                                     for fut, positions in tx.parts], arg)
+            parts = [(fut, positions, self._wait_part(fut)) for fut, positions in tx.parts]
+            steps.mark("tx.halves_stored")
+            return self._finish(tx, parts, arg)
         finally:
             self._sync_done()
+            if steps.enabled:  # (the local transaction ran; the end is queued to ride)
+                steps.mark("tx.ended")
+                self.last_steps = (steps.take() or []) + (self._producer.last_shard_steps
+                                                           or [])
 
     def _sync_done(self) -> None:
         with self._in_flight_lock:
@@ -239,7 +248,7 @@ class TransactionProducer:
         if token is not None:
             token.add_done_callback(self._landed)
         try:
-            parts = self._producer._submit(msgs, system_props=props)
+            parts = self._producer._submit(msgs, system_props=props, inline=token is None)
         except BaseException as err:
             if token is None:
                 self._sync_done()

@@ -35,6 +35,7 @@ from raymq import rpc
 from raymq.actors.channel import (TLS_FROM_RAY, Link, connect, encode_request, read_reply,
                                   ray_tls_enabled, readable, tls_context)
 from raymq.actors.config import TRANSPORTS
+from raymq.storage import steps
 from raymq.storage.errors import (BrokerUnavailableError, ChannelTLSError, NotLeaderError,
                                   ProtocolVersionError,
                                   RayMQError, RequestTimeoutError)
@@ -217,6 +218,7 @@ class DirectTransport:
         so the caller can do other work while the shard works).  A request larger than
         the endpoint takes goes as a Ray call."""
         c = _Call(self, shard, method, encode_request(method, args), timeout_s)
+        steps.mark("client.encoded")
         try:
             try:
                 c.conn, c.reused = self._checkout(shard, timeout_s)
@@ -232,6 +234,7 @@ class DirectTransport:
                           "takes %d)", shard, method, len(c.request), c.conn.max_request_bytes)
                 return self._ray.begin(shard, method, args, timeout_s=timeout_s)
             self._send(c)
+            steps.mark("client.sent")
         except RayMQError as err:
             c.error = err
         return c
@@ -261,7 +264,9 @@ class DirectTransport:
                 if not readable(c.conn, c.timeout_s):
                     raise RequestTimeoutError(f"shard-{c.shard} did not answer {c.method} "
                                               f"within {c.timeout_s:.1f} s")
+                steps.mark("client.reply_arrived")
                 ok, value = read_reply(c.conn)
+                steps.mark("client.reply_decoded")
                 break
             except RayMQError:  # a RequestTimeoutError is a TimeoutError (an OSError) too:
                 c.conn.close()  # its late reply must not be read as the next call's

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import Callable, Iterable
 
+from raymq.storage import steps
 from raymq.storage.clock import Clock
 from raymq.storage.commitlog import CommitLog
 from raymq.storage.consumequeue import ConsumeQueue
@@ -75,15 +76,18 @@ class Durability:
                     if remaining <= 0:
                         return False
                     self._flush_cond.wait(remaining / 1000.0)
+                    steps.mark("fsync.waited")  # (another put's fsync, or part of one)
                     continue
                 self._flushing = True
                 break
             else:
                 return True
+        steps.mark("fsync.begin")
         try:
             self.sync_log()
         finally:
             self._done_flushing()
+        steps.mark("fsync.done")
         return self._log.flushed_offset >= target and self.clock.monotonic_ms() <= deadline
 
     def make_durable(self) -> None:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from raymq.storage import steps
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog, SegmentSealError
 from raymq.storage.config import StoreConfig
@@ -187,6 +188,7 @@ class MessageStore:
         result = PutResult(PutStatus.PUT_OK, _joined(phys_parts), qoffs, _joined(size_parts),
                            end_offset=end)
         if wait:
+            steps.mark("store.written")
             result.status = self.wait_durable(result)
         return result
 

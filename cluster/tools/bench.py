@@ -181,6 +181,63 @@ def bench_storage(b: Bench) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _alternating_with_raw(directory: str, record: bytes, n: int,
+                          send: Callable[[], object], slices: int = 5) -> tuple[float, float]:
+    """``n`` calls of ``send`` and ``n`` raw appends + fsyncs of ``record`` in a file of
+    ``directory``, in alternating slices (drift hits both alike): their seconds."""
+    per = max(1, n // slices)
+    t_send = t_raw = 0.0
+    fd = os.open(os.path.join(directory, "bench-raw"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                 0o644)
+    try:
+        def raw_rounds():
+            for _ in range(per):
+                os.write(fd, record)
+                os.fsync(fd)
+        for _ in range(slices):
+            t_send += timed(lambda: [send() for _ in range(per)])
+            t_raw += timed(raw_rounds)
+    finally:
+        os.close(fd)
+        os.unlink(os.path.join(directory, "bench-raw"))
+    scale = n / (per * slices)
+    return t_send * scale, t_raw * scale
+
+
+def _step_times(b: Bench, mq, metric: str, n: int, send: Callable[[], list]) -> None:
+    """Where one request's time goes: ``n`` requests with step stamps on
+    (``raymq.storage.steps``, here and in every shard); ``send()`` makes one and returns
+    its stamps.  The median microseconds of each step, in the order they come, and of the
+    whole request."""
+    from statistics import median
+
+    from raymq import rpc
+    from raymq.storage import steps
+    shards = [mq.shard_handle(i) for i in range(mq.num_shards)]
+
+    def switch(on: bool) -> None:
+        for h in shards:
+            rpc.call(h.debug_step_times, on, timeout_s=30)
+        steps.enable(on)
+    switch(True)
+    per_step: dict[str, list[float]] = {}
+    totals = []
+    try:
+        for _ in range(n):
+            marks = send()
+            if marks:
+                d = steps.durations(marks)
+                for name, us in d.items():
+                    per_step.setdefault(name, []).append(us)
+                totals.append(sum(d.values()))
+    finally:
+        switch(False)
+    if not totals:
+        raise RuntimeError(f"{metric}: no request carried its step stamps")
+    b.emit(metric, median(totals), "us", n=len(totals),
+           steps_us={k: round(median(v), 1) for k, v in per_step.items()})
+
+
 def _e2e_consumer(address: str, n: int) -> None:
     """Child process of the e2e benchmark: consume and commit ``n`` messages, print the count."""
     from raymq import rpc
@@ -267,11 +324,18 @@ def bench_produce(b: Bench) -> None:
         mq.create_topic("bench", queues=8)
         p = mq.producer("bench")
         n1 = b.n(3000, 200)
-        b.progress(f"produce: {n1} single sends, one at a time")
+        b.progress(f"produce: {n1} single sends, one at a time, and as many raw writes + "
+                   "fsyncs of the same record on the same disk (alternating slices)")
         one = Message("bench", body)
         p.send(one)
-        dt = timed(lambda: [p.send(one) for _ in range(n1)])
-        b.emit("produce.sync_b1", n1 / dt, "msgs/s", size=size, n=n1, batch=1, producers=1)
+        t_send, t_raw = _alternating_with_raw(data, body, n1, lambda: p.send(one))
+        b.emit("produce.sync_b1", n1 / t_send, "msgs/s", size=size, n=n1, batch=1,
+               producers=1)
+        b.emit("produce.raw_write_fsync_b1", n1 / t_raw, "appends/s", size=size, n=n1,
+               what="os.write + os.fsync of the record, in the cluster's data directory")
+        b.ratio("produce.sync_b1_ratio", "produce.sync_b1", "produce.raw_write_fsync_b1")
+        _step_times(b, mq, "produce.sync_b1_steps", b.n(1000, 100),
+                    lambda: (p.send(one), p.last_steps)[1])
 
         batch = [Message("bench", body) for _ in range(1000)]
         rounds = b.n(200_000, 10_000) // 1000
@@ -404,6 +468,9 @@ def bench_txmsg(b: Bench) -> None:
         plain1.close()
         b.emit("txmsg.plain_p1", n1 / dt, "msgs/s", size=size, n=n1, threads=1)
         b.ratio("txmsg.p1_ratio", "txmsg.p1", "txmsg.plain_p1")
+        _step_times(b, mq, "txmsg.p1_steps", b.n(1000, 100),
+                    lambda: (tp.send_in_transaction(Message("tx", body), commit),
+                             tp.last_steps)[1])
 
         def concurrently(fn, per_thread: int, threads: int = 8) -> float:
             ts = [threading.Thread(target=lambda: [fn() for _ in range(per_thread)])
@@ -444,6 +511,7 @@ def bench_txmsg(b: Bench) -> None:
                requests=plain_requests, per_request=round(8 * per / max(plain_requests, 1), 2),
                **plain_cpu.params(8 * per, dt_plain))
         b.ratio("txmsg.vs_plain_ratio", "txmsg.p8", "txmsg.plain_p8")
+        _redis_outbox(b, body, n1, per)
 
         # the asynchronous API: one thread, up to 256 transactions in flight
         na = b.n(4000, 200)
@@ -495,6 +563,31 @@ def bench_txmsg(b: Bench) -> None:
 
 
 # ---------------------------------------------------------------------- delay
+
+def _redis_outbox(b: Bench, body: bytes, n1: int, per: int) -> None:
+    """Redis's outbox transaction (``bench_redis``) as txmsg's baseline, with one caller
+    and eight: ``txmsg.vs_redis_p1`` / ``_p8`` (skipped, saying why, without Redis)."""
+    from raymq.tools.bench_redis import RedisOutbox, unavailable
+    why = unavailable()
+    if why:
+        b.progress(f"txmsg: the Redis outbox baseline is skipped: {why}")
+        return
+    redis = RedisOutbox(b.workdir)
+    try:
+        b.progress(f"txmsg: Redis outbox (MULTI HSET + XADD, appendfsync always): {n1} "
+                   f"transactions from one caller, 8 x {per} from eight")
+        redis.outbox(50, body)  # (warm: connections made)
+        dt = redis.outbox(n1, body)
+        b.emit("txmsg.redis_outbox_p1", n1 / dt, "msgs/s", size=len(body), n=n1, threads=1,
+               appendfsync="always")
+        dt = redis.outbox(per, body, threads=8)
+        b.emit("txmsg.redis_outbox_p8", 8 * per / dt, "msgs/s", size=len(body), n=8 * per,
+               threads=8, appendfsync="always")
+    finally:
+        redis.close()
+    b.ratio("txmsg.vs_redis_p1", "txmsg.p1", "txmsg.redis_outbox_p1")
+    b.ratio("txmsg.vs_redis_p8", "txmsg.p8", "txmsg.redis_outbox_p8")
+
 @suite("delay")
 def bench_delay(b: Bench) -> None:
     """Timer messages: ``delay.schedule`` msgs/s of batched sends with ``deliver_after_ms``

@@ -179,6 +179,18 @@ def test_bench_txmsg_prints_its_figures(tmp_path):
     assert got["txmsg.p8"]["params"]["requests"] > 0
     assert got["txmsg.p1_ratio"]["value"] == pytest.approx(
         got["txmsg.p1"]["value"] / got["txmsg.plain_p1"]["value"], abs=0.001)
+    # Redis's outbox as the baseline where redis-server is installed (CI installs it)
+    from raymq.tools.bench_redis import unavailable
+    why = unavailable()
+    if why:
+        assert f"the Redis outbox baseline is skipped: {why}" in proc.stderr
+        assert "txmsg.vs_redis_p1" not in got
+    else:
+        for k in ("1", "8"):
+            base = got[f"txmsg.redis_outbox_p{k}"]
+            assert base["value"] > 0 and base["params"]["appendfsync"] == "always"
+            assert got[f"txmsg.vs_redis_p{k}"]["value"] == pytest.approx(
+                got[f"txmsg.p{k}"]["value"] / base["value"], abs=0.001)
 
 
 def _bench_figures(suite: str, tmp_path, scale: str) -> dict:

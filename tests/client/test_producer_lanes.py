@@ -347,3 +347,51 @@ def test_an_fsync_slower_than_flush_timeout_answers_flush_disk_timeout(tmp_path)
     finally:
         producer.close()
         shard.close()
+
+
+def test_a_lone_send_goes_from_the_callers_own_thread_and_busy_lanes_still_share_requests(
+        cluster):
+    """A synchronous send to an idle lane is sent and answered in the caller's thread (no
+    hand-off to a lane runner and back); many callers at once still share requests; and
+    every message is stored once, in each key's order."""
+    producer, shards, transport = cluster()
+    seen_threads = []
+    real_call = transport.call
+
+    def call(shard, method, *args, timeout_s):
+        seen_threads.append(threading.current_thread())
+        return real_call(shard, method, *args, timeout_s=timeout_s)
+    transport.call = call
+    try:
+        for i in range(5):
+            producer.send(Message(TOPIC, b"alone-%d" % i, key="solo"))
+        assert seen_threads == [threading.current_thread()] * 5
+        before = transport.calls
+        assert send_from_threads(producer, threads=8, per_thread=40) == []
+        assert transport.calls - before < 8 * 40  # (requests shared by callers)
+    finally:
+        producer.close()
+    msgs = [m for m in stored(shards) if not m.body.startswith(b"alone")]
+    assert_once_and_in_key_order(msgs, 8, 40)
+    assert [m.body for m in stored(shards) if m.body.startswith(b"alone")] == [
+        b"alone-%d" % i for i in range(5)]
+
+
+def test_a_sends_steps_are_stamped_in_order_when_the_switch_is_on(cluster):
+    """With ``raymq.storage.steps`` on, a send's stamps run from the call through the
+    store's write and its fsync to the reply (across processes the bench checks the
+    rest: ``produce.sync_b1_steps``)."""
+    from raymq.storage import steps
+    producer, _shards, _t = cluster(flush_mode="sync")
+    steps.enable(True)
+    try:
+        producer.send(Message(TOPIC, b"x"))
+        names = [n for n, _t in sorted(producer.last_steps, key=lambda m: m[1])]
+    finally:
+        steps.enable(False)
+        producer.close()
+    # (in one process the shard's thread is the caller's: the shard's reply ends the
+    # request's stamps, so the caller's wake-up is stamped only across processes)
+    assert names == ["client.call", "client.batched", "store.written", "fsync.begin",
+                     "fsync.done", "shard.reply"]
+    assert steps.take() is None  # (off again: no stamps kept)
