@@ -41,18 +41,6 @@ if [ "${CI:-}" = "true" ] && { ! command -v chromium >/dev/null 2>&1 \
     apt_install chromium chromium-driver
 fi
 
-# CI runs the kafkajs test (tests/wire/test_kafkajs.py): Node.js and npm from Debian's
-# packages where the machine has none, then kafkajs as pinned by its package-lock.json
-# (elsewhere that test skips, naming what is missing)
-if [ "${CI:-}" = "true" ] && ! command -v npm >/dev/null 2>&1; then
-    log "CI: installing nodejs and npm with apt (for the kafkajs test)"
-    apt_install nodejs npm
-fi
-if command -v npm >/dev/null 2>&1; then
-    log "installing kafkajs for the Kafka listener's tests (npm ci in tests/wire/kafkajs)"
-    npm ci --prefix tests/wire/kafkajs --no-audit --no-fund --loglevel=error >&2
-fi
-
 # CI runs `raymq bench txmsg` at a small scale with its Redis baseline
 # (tests/client/test_cli.py): redis-server from Debian's packages (elsewhere the bench
 # skips that baseline, saying why)
