@@ -265,12 +265,14 @@ class Producer:
         """
         with self._lock:
             self._ends[shard].extend(ends)
-            if (shard, 0) not in self._active and not self._pending.get((shard, 0)):
-                # nothing to ride on yet: wait a moment for the sender's next request
+            lanes = [(shard, lane) for lane in range(self.lanes)]
+            waiting = [k for k in lanes if self._pending.get(k) and k not in self._active]
+            if waiting:  # a request about to go: they ride on it
+                self._kick(waiting[0])
+            else:  # nothing to ride on yet: wait a moment for the sender's next request
+                # (or for the answer of one in flight: its lane's next claim takes them)
                 self._ends_due_s.setdefault(shard, self._monotonic_s() + END_LINGER_S)
                 self._cv.notify_all()
-            else:
-                self._kick((shard, 0))
 
     def close(self) -> None:
         """Send what is pending, then stop."""
@@ -397,7 +399,7 @@ class Producer:
             return None
         queue = self._pending.get(key)
         if not queue:
-            if not (key[1] == 0 and self._ends.get(key[0])):
+            if not self._ends.get(key[0]):
                 return None
             if now_s < self._ends_due_s.get(key[0], 0.0) and not self._closed:
                 return None  # ends alone: they wait a moment for a request to ride on
@@ -407,10 +409,8 @@ class Producer:
                 sum(len(p.positions) for p in queue) < self.config.batch_max_messages:
             return None  # wait for more to come
         items = self._take(key) if queue else []
-        ends = []
-        if key[1] == 0:
-            ends = self._ends.pop(key[0], [])
-            self._ends_due_s.pop(key[0], None)
+        ends = self._ends.pop(key[0], [])  # (a shard's ends ride on any lane's request)
+        self._ends_due_s.pop(key[0], None)
         sequence = 0
         if items:
             self._seq[key] += 1

@@ -187,8 +187,8 @@ class MessageStore:
             self.written()
         result = PutResult(PutStatus.PUT_OK, _joined(phys_parts), qoffs, _joined(size_parts),
                            end_offset=end)
+        steps.mark("store.written")
         if wait:
-            steps.mark("store.written")
             result.status = self.wait_durable(result)
         return result
 
