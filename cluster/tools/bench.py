@@ -63,6 +63,17 @@ class Bench:
         return tempfile.mkdtemp(prefix=f"raymq-bench-{name}-", dir=self.workdir)
 
 
+def threads_timed(work: Callable[[int], object], threads: int) -> float:
+    """Seconds for ``threads`` threads to run ``work(k)`` each (k: the thread's number)."""
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -473,14 +484,7 @@ def bench_txmsg(b: Bench) -> None:
                              tp.last_steps)[1])
 
         def concurrently(fn, per_thread: int, threads: int = 8) -> float:
-            ts = [threading.Thread(target=lambda: [fn() for _ in range(per_thread)])
-                  for _ in range(threads)]
-            t0 = time.perf_counter()
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            return time.perf_counter() - t0
+            return threads_timed(lambda _k: [fn() for _ in range(per_thread)], threads)
 
         # transactional and plain sends alternate in slices, so that a change in the
         # machine's speed (a shared VM's steal) hits both figures of the ratio alike

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 
 
@@ -59,6 +58,8 @@ class RedisOutbox:
         """``threads`` callers, ``n`` outbox transactions each; the seconds it took."""
         import redis
 
+        from raymq.tools.bench import threads_timed
+
         def caller(k: int) -> None:
             r = redis.Redis(connection_pool=self.pool)
             for i in range(n):
@@ -66,13 +67,7 @@ class RedisOutbox:
                 pipe.hset(f"order:{k}:{i}", mapping={"state": "paid", "total": "42"})
                 pipe.xadd("outbox", {"body": body})
                 pipe.execute()
-        ts = [threading.Thread(target=caller, args=(k,)) for k in range(threads)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
+        return threads_timed(caller, threads)
 
     def close(self) -> None:
         self.pool.disconnect()
