@@ -192,20 +192,10 @@ class BrokerShard:
         self.reads.wake()
         self.metrics.inc("messages_in", n)
         self.metrics.inc("bytes_in", float(res.size_array[:n].sum()))
-        queue_offsets = res.queue_offset_array[:n].tolist()
-        if batch.properties is not None:  # only then can a record have been diverted
-            topics = batch.column("topics")
-            waiting = (SCHEDULE_TOPIC, HALF_TOPIC, TIMER_TOPIC)
-            if any(t in topics for t in waiting):
-                # its queue offset in its real queue comes when it is delivered (committed)
-                queue_offsets = [-1 if t in waiting else o for t, o in zip(topics, queue_offsets)]
-                if TIMER_TOPIC in topics:
-                    codes = batch.column("tag_codes")
-                    self.timers.scheduled(min(codes) if batch.topics == TIMER_TOPIC else min(
-                        c for t, c in zip(topics, codes) if t == TIMER_TOPIC))
         status = self.faults.send_status(status)
         return SendReply("SEND_OK" if status is PutStatus.PUT_OK else status.name,
-                         res.phys_array[:n].tolist(), queue_offsets, res.duplicate)
+                         res.phys_array[:n].tolist(), _reply_offsets(batch, res, n, self.timers),
+                         res.duplicate)
 
     def _append(self, records: list[Record]):
         """A put of the shard's own records (check copies, op records), not yet flushed."""
@@ -477,6 +467,24 @@ class BrokerShard:
         self.store.close()
 
 
+
+
+def _reply_offsets(batch: RecordBatch, res, n: int, timers) -> list[int]:
+    """The queue offsets a send's reply gives its records: -1 for one diverted (delayed,
+    a timer's, a half), whose offset in its real queue comes when it is delivered
+    (committed); ``timers`` hear of the earliest timer record scheduled."""
+    queue_offsets = res.queue_offset_array[:n].tolist()
+    if batch.properties is None:  # only then can a record have been diverted
+        return queue_offsets
+    topics = batch.column("topics")
+    waiting = (SCHEDULE_TOPIC, HALF_TOPIC, TIMER_TOPIC)
+    if not any(t in topics for t in waiting):
+        return queue_offsets
+    if TIMER_TOPIC in topics:
+        codes = batch.column("tag_codes")
+        timers.scheduled(min(codes) if batch.topics == TIMER_TOPIC else min(
+            c for t, c in zip(topics, codes) if t == TIMER_TOPIC))
+    return [-1 if t in waiting else o for t, o in zip(topics, queue_offsets)]
 
 
 #: A pull's ``form`` -> ``QueueReads.pull``'s ``spans``.

@@ -156,9 +156,7 @@ class MessageStore:
         is not stored again and returns ``duplicate=True`` with the original
         offsets (while remembered).  Without one, a retried put stores again.
         """
-        if not isinstance(batch, RecordBatch):
-            if not batch:
-                return PutResult(PutStatus.PUT_OK, [], [], [])
+        if not isinstance(batch, RecordBatch) and batch:
             batch = RecordBatch.from_records(batch)
         if not len(batch):
             return PutResult(PutStatus.PUT_OK, [], [], [])
@@ -183,11 +181,11 @@ class MessageStore:
             phys_parts, size_parts, end = self._index_frames(
                 batch, groups, frames, positions, qoffs, producer_id, sequence, store_ms)
         crash_point("put.indexed")
+        steps.mark("store.written")
         if self.written is not None:
             self.written()
         result = PutResult(PutStatus.PUT_OK, _joined(phys_parts), qoffs, _joined(size_parts),
                            end_offset=end)
-        steps.mark("store.written")
         if wait:
             result.status = self.wait_durable(result)
         return result
