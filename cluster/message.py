@@ -14,7 +14,8 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from raymq.storage.errors import InvalidMessageError, ReservedNameError
-from raymq.actors.front.admission import DEFAULT_MAX_DELAY_MS, properties_problem, text_problem
+from raymq.actors.front.admission import (DEFAULT_MAX_DELAY_MS, key_problem,
+                                          properties_problem, text_problem)
 # the client's names for what it shares with the broker (users import them from here)
 from raymq.actors.protocol import (CHECK_EXPIRED_TOPIC, DLQ_PREFIX, HALF_TOPIC, ISOLATIONS,  # noqa: F401
                                    OP_TOPIC, RETRY_PREFIX, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
@@ -55,13 +56,7 @@ class Message:
                 f"message body of {len(self.body)} bytes exceeds the maximum of {max_bytes} bytes")
         # what the store would refuse is refused here: the message never joins (and fails)
         # a request shared with other callers' messages
-        for what, value, limit in (("key", self.key, MAX_KEY_BYTES),
-                                   ("tags", self.tags, MAX_TAGS_BYTES)):
-            if what == "key" and isinstance(value, (bytes, bytearray)):
-                why = f"key of {len(value)} bytes is longer than {limit} bytes" \
-                    if len(value) > limit else None
-            else:
-                why = text_problem(value, limit, what)
+        for why in (key_problem(self.key), text_problem(self.tags, MAX_TAGS_BYTES, "tags")):
             if why:
                 raise InvalidMessageError(why)
         if self.headers:

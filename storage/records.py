@@ -443,16 +443,14 @@ def _texts(values: list | None, limit: int, what: str) -> list[bytes] | None:
 def _optional_texts(values: list | None, n: int, limit: int, what: str):
     """(encoded list or None, lengths array or 0)."""
     out = _texts(values, limit, what)
-    if out is None:
-        return None, 0
-    return out, np.fromiter(map(len, out), np.int64, n)
+    return out, _lengths(out, n)
 
 
 def _keys(values: list | None, n: int):
-    """The key column encoded: (list or None, lengths or 0, which are binary or None).  A
-    ``bytes`` key is kept as it is (``SysFlag.BINARY_KEY``), a ``str`` as UTF-8."""
+    """The key column encoded: (list or None, which are binary or None).  A ``bytes`` key
+    is kept as it is (``SysFlag.BINARY_KEY``), a ``str`` as UTF-8."""
     if values is None:
-        return None, 0, None
+        return None, None
     out, binary = [], None
     for i, v in enumerate(values):
         if isinstance(v, (bytes, bytearray, memoryview)):
@@ -466,7 +464,12 @@ def _keys(values: list | None, n: int):
             out.append(v)
         else:
             out.append(_encode_text(v, MAX_KEY_BYTES, "key") if v else b"")
-    return out, np.fromiter(map(len, out), np.int64, n), binary
+    return out, binary
+
+
+def _lengths(encoded: list | None, n: int):
+    """The lengths of an encoded optional column (0: absent), for the column encoder."""
+    return 0 if encoded is None else np.fromiter(map(len, encoded), np.int64, n)
 
 
 _HEADER_BLOCK = struct.Struct("<IH")
@@ -527,23 +530,21 @@ def decode_headers(buf, pos: int) -> list[tuple[str, bytes | None]]:
     return out
 
 
-def _header_blocks(headers: list | None):
-    """The headers column encoded: (blocks or None, lengths or 0)."""
-    if headers is None:
-        return None, 0
-    blocks = [encode_headers(h) for h in headers]
-    return blocks, np.fromiter(map(len, blocks), np.int64, len(blocks))
+def _header_blocks(headers: list | None) -> list[bytes] | None:
+    """The headers column encoded (None: absent)."""
+    return None if headers is None else [encode_headers(h) for h in headers]
 
 
-def _field_flags(flags: np.ndarray, binary: list | None, blocks: list | None) -> np.ndarray:
+def _field_flags(flags: np.ndarray, binary: list | None,
+                 blocks: list | None) -> tuple[np.ndarray, int]:
     """``flags`` with BINARY_KEY and HEADERS set as the records' own key and headers say
-    (a copy of a stored record may come with either set)."""
+    (a copy of a stored record may come with either set), and the frame's version."""
     out = flags & ~np.uint32(FIELD_FLAGS)
     if binary is not None:
         out |= np.where(binary, np.uint32(SysFlag.BINARY_KEY), np.uint32(0))
     if blocks is not None:
         out |= np.where([bool(b) for b in blocks], np.uint32(SysFlag.HEADERS), np.uint32(0))
-    return out
+    return out, FRAME_VERSION_HEADERS if (out & FIELD_FLAGS).any() else FRAME_VERSION
 
 
 def _topic_texts(topics: list[str]) -> list[bytes]:
@@ -617,9 +618,11 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
     bodies = batch.bodies
     if body_lens is None:
         body_lens = np.array(list(map(len, bodies)), np.int64)
-    keys_b, key_lens, binary = _keys(batch.keys, n)
+    keys_b, binary = _keys(batch.keys, n)
+    key_lens = _lengths(keys_b, n)
     tags_b, tags_lens = _optional_texts(batch.tags, n, MAX_TAGS_BYTES, "tags")
-    blocks, block_lens = _header_blocks(batch.headers)
+    blocks = _header_blocks(batch.headers)
+    block_lens = _lengths(blocks, n)
     props = batch.properties
     if props is None:
         props_b, props_lens = None, 0
@@ -651,8 +654,7 @@ def _encode_column_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_
                                                    ("props_len", props_lens)))
     version = FRAME_VERSION
     if binary is not None or blocks is not None or (h["flags"] & FIELD_FLAGS).any():
-        h["flags"] = _field_flags(h["flags"], binary, blocks)
-        version = FRAME_VERSION_HEADERS if (h["flags"] & FIELD_FLAGS).any() else version
+        h["flags"], version = _field_flags(h["flags"], binary, blocks)
     headers = h.tobytes()
     frame_len = bodies_start + len(body_blob)
     header = _frame_header(n, frame_len, store_ms, producer_id, sequence, last, headers, meta,
@@ -747,10 +749,10 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
     else:
         topics_b = _topic_texts(batch.topics)
         shared_topic = False
-    keys_b, _lens, binary = _keys(batch.keys, n)
+    keys_b, binary = _keys(batch.keys, n)
     tags_b = _texts(batch.tags, MAX_TAGS_BYTES, "tags")
     props_b = None if batch.properties is None else encode_properties_list(batch.properties)
-    blocks, _lens = _header_blocks(batch.headers)
+    blocks = _header_blocks(batch.headers)
     headers_end = FRAME_HEADER_BYTES + n * REC_HEADER_BYTES
     meta, meta_offs = _small_meta(shared_topic, topics_b, (keys_b, tags_b, props_b, blocks),
                                   headers_end, n)
@@ -764,8 +766,8 @@ def _encode_small_frame(batch: RecordBatch, queue_offsets, store_ms: int, body_l
     qids, flags, born = batch.column("queue_ids"), batch.column("flags"), batch.column("born_ms")
     version = FRAME_VERSION
     if binary is not None or blocks is not None or any(f & FIELD_FLAGS for f in flags):
-        flags = _field_flags(np.array(flags, np.uint32), binary, blocks).tolist()
-        version = FRAME_VERSION_HEADERS if any(f & FIELD_FLAGS for f in flags) else version
+        flags, version = _field_flags(np.array(flags, np.uint32), binary, blocks)
+        flags = flags.tolist()
     prepared, reconsume = batch.column("prepared_offsets"), batch.column("reconsume")
     qoffs = queue_offsets.tolist() if isinstance(queue_offsets, np.ndarray) else queue_offsets
     body_at = headers_end + len(meta)

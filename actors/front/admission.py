@@ -50,11 +50,7 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
         col = getattr(batch, name)
         if col is not None:
             for i, v in enumerate(col):
-                if name == "keys" and isinstance(v, bytes):  # (a binary key)
-                    why = f"key of {len(v)} bytes is longer than {limit} bytes" \
-                        if len(v) > limit else None
-                else:
-                    why = text_problem(v, limit, name[:-1] if name == "keys" else name)
+                why = key_problem(v) if name == "keys" else text_problem(v, limit, name)
                 if why and i not in out:
                     out[i] = why
     if batch.headers is not None:
@@ -76,6 +72,15 @@ def refusals(batch: RecordBatch, num_levels: int, system: frozenset[str], *,
                 if why:
                     out[i] = why
     return out
+
+
+def key_problem(value) -> str | None:
+    """Why a key cannot be stored (None: it can): text as ``text_problem`` says, or bytes
+    (a binary key) of at most ``MAX_KEY_BYTES``."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"key of {len(value)} bytes is longer than {MAX_KEY_BYTES} bytes" \
+            if len(value) > MAX_KEY_BYTES else None
+    return text_problem(value, MAX_KEY_BYTES, "key")
 
 
 def text_problem(value, limit: int, what: str) -> str | None:

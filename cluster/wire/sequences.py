@@ -9,7 +9,7 @@ from the three), whose put sequence is the batch's sequence after its last recor
 shard's producer table answers a resend with the first put's offsets, and the listener
 keeps the sequence each partition expects next to refuse gaps.  One it does not know
 (after a listener restart, or forgotten as least recent) it learns from the shard's
-producer table before the batch is taken (``learn``): the first batch is never taken for
+producer table before the batch is taken (``check``'s ``stored``): the first batch is never taken for
 a resend, nor a resend for a new batch.  Put sequences never wrap: a Kafka sequence that
 wrapped past 2^31 - 1 continues the put's count; a new producer epoch is a new RayMQ
 producer.
