@@ -266,6 +266,10 @@ class ClusterConfig(BaseModel):
     replica_lag_max_ms: StrictInt = Field(
         10_000, ge=100, description="A follower not caught up with its leader for this long "
                                     "leaves the in-sync set (it rejoins once caught up).")
+    replica_timer_ship_ms: StrictInt = Field(
+        60_000, ge=0, description="Least time between two copies of a shard's timer wheel "
+        "shipped by its leader to a follower (it changes with every bucket); a new leader "
+        "indexes again the timer messages written after the copy it holds.")
     replica_lease_ms: StrictInt = Field(
         1_500, ge=200, description="A replica that has not reached the controller for this "
                                    "long counts as dead: a dead leader is replaced by an "

@@ -4,9 +4,10 @@ A shard's leader folds its Kafka-style index into a snapshot and checkpoints its
 wheel; a coordinator's leader folds its transaction log into a snapshot.  A new leader
 reads those and replays only the log after them; without them it would replay the
 whole history.  So the leader ships each *part* with a fetch whenever it changed (the
-timer wheel at most once a minute: it changes with every bucket), and only with every
-record it covers -- read before the frames and shipped only when the reply reaches the
-leader's end as of then -- so a part never runs ahead of the follower's log.  The
+timer wheel at most once a minute, ``replica_timer_ship_ms``: it changes with every
+bucket), and only with every record it covers -- read before the frames and shipped only
+when the reply reaches the leader's end as of then -- so a part never runs ahead of the
+follower's log.  The
 follower makes its log durable first, then installs the part atomically.
 
 After its log is cut (``_Follower._truncate``) a follower deletes its parts: they may
@@ -75,7 +76,7 @@ def parts_of(served) -> list[Part]:
     wheel = getattr(served, "timers", None)
     if wheel is not None:  # (a BrokerShard)
         return [file_part("ktx-index", served.directory, KTX_SNAPSHOT),
-                Part(**wheel.replica_part())]
+                Part(**wheel.replica_part(served.config.replica_timer_ship_ms))]
     return [file_part("txn-log", served.directory, TXN_SNAPSHOT)]
 
 

@@ -297,11 +297,11 @@ class TimerScheduler:
         return done
 
     # ---------------------------------------------------------- replication
-    def replica_part(self) -> Part:
+    def replica_part(self, every_ms: int = SHIP_WHEEL_EVERY_MS) -> Part:
         """The wheel as a leader ships it to its followers (``raymq.actors.replication.parts``):
         read under the round lock, so its checkpoint and the buckets it vouches for agree
         (entries after the checkpoint are indexed again by a new leader, as after a
-        restart); at most once a minute (it changes with every bucket)."""
+        restart); at most every ``every_ms`` (it changes with every bucket)."""
         checkpoint = os.path.join(self.wheel.directory, "checkpoint.json")
 
         def version():
@@ -314,7 +314,7 @@ class TimerScheduler:
             with self._lock:
                 return read_tree(self.wheel.directory, WHEEL_DIR)
         return {"name": "timer", "version": version, "read": read, "directory": WHEEL_DIR,
-                "every_ms": SHIP_WHEEL_EVERY_MS}
+                "every_ms": every_ms}
 
     # ---------------------------------------------------------- operators
     def cancel(self, m: StoredMessage) -> str:

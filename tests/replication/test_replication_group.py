@@ -282,11 +282,18 @@ def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whol
     import time
     from raymq.actors.protocol import Prop
     from raymq.actors.replication.parts import KTX_SNAPSHOT, TIMER_DIR
-    g = Group(tmp_path, state_log_compact_records=5, timer_bucket_ms=1000)
+    g = Group(tmp_path, state_log_compact_records=5, timer_bucket_ms=1000,
+              replica_timer_ship_ms=0)
     try:
         g.settle()
         old = g.leader
         shard = old.serving(write=True)
+        followers = [n for n in g.names if n != old.name]
+        # a checkpoint of the empty wheel reaches the followers first (under load it
+        # did now and then; with the wheel shipped once a minute its successor then
+        # waited a minute): the checkpoint of the send below must still follow it
+        wait_for(lambda: all((tmp_path / n / TIMER_DIR / "checkpoint.json").exists()
+                             for n in followers), 20, "an empty wheel's checkpoint shipped")
         for i in range(10):  # committed transactions of ten producers
             shard.ktx_register(100 + i, 0, [("t", 0)])
             shard.ktx_send(RecordBatch("t", 0, [b"tx%d" % i]), 100 + i, 0, 1, 0)
@@ -306,7 +313,6 @@ def test_a_new_leader_starts_from_the_snapshots_the_old_one_shipped_not_the_whol
         shard.ktx_send(RecordBatch("t", 0, [b"tx-tail"]), 200, 0, 1, 0)
         shard.ktx_end(200, 0, "COMMIT")
         snapshot = (tmp_path / old.name / KTX_SNAPSHOT).read_bytes()
-        followers = [n for n in g.names if n != old.name]
 
         def shipped():
             return all((tmp_path / n / KTX_SNAPSHOT).exists()
