@@ -3,10 +3,19 @@ Owns segment files: their headers, appends, fsyncs, reads, the scan and torn-tai
 
 Segment files are named by their base physical offset (20 digits) and start
 with a 24-byte header (magic, format version, segment size, base offset).  The
-segment size on disk wins over the configured one when they differ.  A physical offset
-is ``base + position in file``; a frame never spans two segments, so the space
-left at the end of a full segment is simply skipped (the next segment starts at
-``base + segment_size_bytes``).
+segment size on disk wins over the configured one when they differ.
+
+The segment being written is allocated ahead of its end (``PREALLOCATE_BYTES`` at a time,
+blocks that read as zeros, as RocketMQ allocates its mapped files ahead): a frame then
+fills blocks the file already has, and the fsync after it writes the data, not a new
+length and block map through the filesystem's journal -- on ext4 a single put's fsync
+takes about 0.7 of an append's.  The space ahead goes when a segment is sealed or the log
+closed; after a crash its zeros end the data the scan finds (cut quietly: a torn frame
+is still cut with a warning).
+
+A physical offset is ``base + position in file``; a frame never spans two segments, so
+the space left at the end of a full segment is simply skipped (the next segment starts
+at ``base + segment_size_bytes``).
 """
 from __future__ import annotations
 
@@ -34,6 +43,11 @@ SEGMENT_HEADER = struct.Struct("<8sHHIq")
 SEGMENT_HEADER_BYTES = SEGMENT_HEADER.size  # 24
 _FRAME_MAGIC_BYTES = struct.pack("<I", FRAME_MAGIC)
 _MAX_RESYNC_CANDIDATES = 256
+#: How far ahead of its end the segment being written is allocated.
+PREALLOCATE_BYTES = 4 << 20
+#: What a filesystem that cannot allocate ahead answers (the log then only appends).
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_ZEROS = bytes(1 << 20)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -50,8 +64,12 @@ class Segment:
     base: int
     path: str
     fd: int | None  # None while closed (a sealed segment out of the pool)
-    size: int  # bytes in the file, header included
+    size: int  # bytes of data, header included
     pins: int = 0  # uses of ``fd`` outside ``_fd_lock`` (an fsync): not closed meanwhile
+    allocated: int = 0  # the file's length: past ``size``, space allocated ahead (zeros)
+
+    def __post_init__(self):
+        self.allocated = max(self.allocated, self.size)
 
     @property
     def end(self) -> int:
@@ -79,6 +97,7 @@ class CommitLog:
         self._open_sealed: OrderedDict[int, Segment] = OrderedDict()  # by base, LRU first
         self.flushed_offset = 0
         self.sync_count = 0  # fsyncs issued by sync(), for group-commit metrics
+        self._allocate_ahead = True  # (False on a filesystem that cannot)
 
     # ---------------------------------------------------------------- open
     def open(self, from_offset: int,
@@ -102,7 +121,7 @@ class CommitLog:
             self._new_segment(0)
             self.flushed_offset = self.max_offset
             return
-        start = self._scan_start(from_offset)
+        start = _scan_start(self._segments, self._bases, from_offset)
         for i in range(start[0], len(self._segments)):
             seg = self._segments[i]
             pos = start[1] if i == start[0] else SEGMENT_HEADER_BYTES
@@ -122,7 +141,7 @@ class CommitLog:
             self._make_room(1)
         while True:
             try:
-                seg.fd = os.open(seg.path, os.O_RDWR | os.O_APPEND)
+                seg.fd = os.open(seg.path, os.O_RDWR)
                 break
             except OSError as err:
                 if err.errno not in (errno.EMFILE, errno.ENFILE) \
@@ -162,7 +181,7 @@ class CommitLog:
             os.close(fd)
 
     def _open_segment(self, path: str, base: int, *, is_last: bool) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        fd = os.open(path, os.O_RDWR)
         size = os.fstat(fd).st_size
         header = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
         if len(header) < SEGMENT_HEADER_BYTES and is_last:
@@ -177,14 +196,11 @@ class CommitLog:
             if len(header) < SEGMENT_HEADER_BYTES:
                 os.close(fd)
                 raise CorruptLogError(f"{path}: segment header cut short ({len(header)} bytes)")
-            magic, version, _res, seg_size, hbase = SEGMENT_HEADER.unpack(header)
-            if (magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or hbase != base
-                    or seg_size < 4096):
+            try:
+                seg_size = _header_segment_size(path, header, base)
+            except CorruptLogError:
                 os.close(fd)
-                raise CorruptLogError(
-                    f"{path}: bad segment header (magic {magic!r}, version {version}, "
-                    f"segment size {seg_size}, base {hbase}); expected {SEGMENT_MAGIC!r} "
-                    f"v{SEGMENT_VERSION} base {base}")
+                raise
             if seg_size != self.segment_size:
                 if self._segments:
                     os.close(fd)
@@ -202,19 +218,6 @@ class CommitLog:
             self._note_sealed_open(self._segments[-1])
         self._segments.append(Segment(base, path, fd, size))
         self._bases.append(base)
-
-    def _scan_start(self, offset: int) -> tuple[int, int]:
-        i = max(0, bisect.bisect_right(self._bases, offset) - 1)
-        seg = self._segments[i]
-        pos = offset - seg.base
-        if pos < SEGMENT_HEADER_BYTES or offset < seg.base:
-            return i, SEGMENT_HEADER_BYTES
-        if pos > seg.size:
-            log.error("commit log %s: checkpoint offset %d is past the end of the data (%d): "
-                      "%d bytes that were flushed are missing; rescanning the segment",
-                      seg.path, offset, seg.end, offset - seg.end)
-            return i, SEGMENT_HEADER_BYTES
-        return i, pos
 
     def _scan_segment(self, index: int, seg: Segment, pos: int, on_frame) -> None:
         if seg.size <= pos:
@@ -243,10 +246,14 @@ class CommitLog:
                 f"{valid_after}, so this is not a torn tail and nothing is skipped."
                 f"{_cut_hint(self.directory, seg.base + pos)}")
         cut = seg.size - pos
-        log.warning("commit log %s: %s; truncating torn tail of %d bytes", where, err.reason, cut)
+        if _zeros(mm, pos, seg.size):  # (allocated ahead of the data: its end, not a tear)
+            log.debug("commit log %s: %d bytes allocated ahead end the data", where, cut)
+        else:
+            log.warning("commit log %s: %s; truncating torn tail of %d bytes", where,
+                        err.reason, cut)
         os.ftruncate(self._fd(seg), pos)
         os.fsync(seg.fd)
-        seg.size = pos
+        seg.size = seg.allocated = pos
         for later in self._segments[index + 1:]:
             log.warning("commit log: removing empty segment %s after the torn tail", later.path)
             self._forget(later)
@@ -261,7 +268,7 @@ class CommitLog:
         if self._segments:  # the last one joins the pool next: room first
             with self._fd_lock:
                 self._make_room(1)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             crash_point("segment.created")
             header = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.segment_size,
@@ -313,6 +320,7 @@ class CommitLog:
         seg = self._segments[-1]
         if self.next_frame_offset(size) != seg.end:
             try:
+                _trim(seg)
                 os.fsync(seg.fd)  # a sealed segment is durable before the next one starts
                 crash_point("segment.sealed")
             except OSError as err:  # what was written before may be lost: not retriable
@@ -328,7 +336,9 @@ class CommitLog:
                 raise SegmentSealError(err.errno, f"creating the segment after {seg.path} "
                                                   f"failed: {err.strerror}") from err
         try:
-            written = os.writev(seg.fd, frame.parts)
+            if seg.size + size > seg.allocated and self._allocate_ahead:
+                self._allocate_ahead = _allocate_ahead(seg, seg.size + size, self.segment_size)
+            written = os.pwritev(seg.fd, frame.parts, seg.size)
         except OSError as err:
             written, failure = -1, err
         else:
@@ -336,6 +346,7 @@ class CommitLog:
         if written != size:
             # a short (or failed) write leaves a torn frame: cut it, the log stays parseable
             os.ftruncate(seg.fd, seg.size)
+            seg.allocated = seg.size
             if failure is None or failure.errno in _NO_SPACE:
                 why = failure.strerror if failure is not None else "short write"
                 raise DiskFullError(f"commit log {seg.path}: no space for a frame of {size} "
@@ -344,6 +355,7 @@ class CommitLog:
             raise failure
         pos = seg.base + seg.size
         seg.size += size
+        seg.allocated = max(seg.allocated, seg.size)
         return pos
 
     @property
@@ -401,7 +413,7 @@ class CommitLog:
         with self._fd_lock:
             os.ftruncate(self._fd(seg), keep)
             os.fsync(seg.fd)
-            seg.size = keep
+            seg.size = seg.allocated = keep
             for later in self._segments[i + 1:]:
                 self._forget(later)
                 os.unlink(later.path)
@@ -448,6 +460,7 @@ class CommitLog:
                 if seg.fd is None:  # sealed (fsynced when it was) and closed
                     continue
                 try:
+                    _trim(seg)
                     if sync:
                         os.fsync(seg.fd)
                 except OSError as err:
@@ -477,6 +490,80 @@ def _find_valid_frame(mm, pos: int, end: int, frame_len: int | None) -> int | No
         except FrameError:
             continue
     return None
+
+
+def _scan_start(segments: list[Segment], bases: list[int], offset: int) -> tuple[int, int]:
+    """Where a scan from ``offset`` starts: (segment index, position in it)."""
+    i = max(0, bisect.bisect_right(bases, offset) - 1)
+    seg = segments[i]
+    pos = offset - seg.base
+    if pos < SEGMENT_HEADER_BYTES or offset < seg.base:
+        return i, SEGMENT_HEADER_BYTES
+    if pos > seg.size:
+        log.error("commit log %s: checkpoint offset %d is past the end of the data (%d): "
+                  "%d bytes that were flushed are missing; rescanning the segment",
+                  seg.path, offset, seg.end, offset - seg.end)
+        return i, SEGMENT_HEADER_BYTES
+    return i, pos
+
+
+def _header_segment_size(path: str, header: bytes, base: int) -> int:
+    """The segment size a segment file's ``header`` names (``CorruptLogError`` when the
+    header is not that of the segment at ``base``)."""
+    magic, version, _res, seg_size, hbase = SEGMENT_HEADER.unpack(header)
+    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or hbase != base or seg_size < 4096:
+        raise CorruptLogError(
+            f"{path}: bad segment header (magic {magic!r}, version {version}, segment size "
+            f"{seg_size}, base {hbase}); expected {SEGMENT_MAGIC!r} v{SEGMENT_VERSION} base "
+            f"{base}")
+    return seg_size
+
+
+def _allocate_ahead(seg: Segment, need: int, segment_size: int) -> bool:
+    """Allocate ``seg``'s file from its end up to ``PREALLOCATE_BYTES`` past it (at least
+    to ``need``, at most to the segment size); on a disk too full for that, to ``need``
+    alone.  ``OSError`` (ENOSPC) when even that does not fit; False when the filesystem
+    cannot allocate ahead (the log is only appended to from then on)."""
+    ahead = min(segment_size, max(need, seg.allocated + PREALLOCATE_BYTES))
+    try:
+        _allocate(seg, ahead)
+    except OSError as err:
+        if err.errno in _NO_FALLOCATE:
+            log.info("commit log %s: the filesystem cannot allocate ahead (%s); appending",
+                     os.path.dirname(seg.path), err.strerror)
+            return False
+        if err.errno not in _NO_SPACE or ahead == need:
+            raise
+        _allocate(seg, need)
+    return True
+
+
+def _allocate(seg: Segment, to: int) -> None:
+    """Extend ``seg``'s file to ``to`` bytes with blocks that read as zeros (allocated, not
+    written: ``fallocate``)."""
+    try:
+        os.posix_fallocate(seg.fd, seg.allocated, to - seg.allocated)
+    except BaseException:
+        os.ftruncate(seg.fd, seg.allocated)  # (what was allocated before stays)
+        raise
+    seg.allocated = to
+
+
+def _trim(seg: Segment) -> None:
+    """Drop the space allocated past ``seg``'s data (it is sealed, or closed)."""
+    if seg.allocated > seg.size:
+        os.ftruncate(seg.fd, seg.size)
+        seg.allocated = seg.size
+
+
+def _zeros(mm, pos: int, end: int) -> bool:
+    """Whether ``mm[pos:end]`` holds zeros only."""
+    while pos < end:
+        piece = min(len(_ZEROS), end - pos)
+        if mm[pos:pos + piece] != _ZEROS[:piece]:
+            return False
+        pos += piece
+    return True
 
 
 def _cut_hint(directory: str, offset: int) -> str:

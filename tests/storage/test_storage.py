@@ -674,14 +674,14 @@ def test_a_write_that_left_nothing_on_disk_does_not_stop_the_store(tmp_path, mon
     from raymq.storage import commitlog
     store = MessageStore(str(tmp_path), StoreConfig(flush_mode="sync"), background=False)
     store.put([Record("T", 0, b"first")], producer_id=9, sequence=1)
-    end, real_writev, refused = store.max_phys_offset, os.writev, []
+    end, real_pwritev, refused = store.max_phys_offset, os.pwritev, []
 
-    def writev(fd, parts):
+    def pwritev(fd, parts, offset):
         if not refused:
             refused.append(fd)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_writev(fd, parts)
-    monkeypatch.setattr(commitlog.os, "writev", writev)
+        return real_pwritev(fd, parts, offset)
+    monkeypatch.setattr(commitlog.os, "pwritev", pwritev)
     with pytest.raises(OSError, match="No space"):
         store.put([Record("T", 0, b"second")], producer_id=9, sequence=2)
     assert store.max_phys_offset == end
