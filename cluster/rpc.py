@@ -511,11 +511,18 @@ class ActorClient:
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> Any:
         """Call ``method`` and wait up to ``timeout_s`` (None: for ever) for its result."""
-        return get(getattr(self.handle, method).remote(*args, **kwargs), timeout_s)
+        return get(self._method(method).remote(*args, **kwargs), timeout_s)
 
     def submit(self, method: str, *args, **kwargs) -> Pending:
         """Start a call to ``method``; the ``Pending`` gives its result."""
-        return Pending(getattr(self.handle, method).remote(*args, **kwargs))
+        return Pending(self._method(method).remote(*args, **kwargs))
+
+    def _method(self, method: str):
+        if not ray.is_initialized():  # (Ray would start a new local cluster of its own)
+            raise RayUnreachableError(
+                f"cannot call {method}: Ray no longer runs in this process (ray.shutdown() "
+                f"ran, or the process never joined the cluster); nothing was called")
+        return getattr(self.handle, method)
 
     def kill(self, *, no_restart: bool = True) -> None:
         kill(self.handle, no_restart=no_restart)

@@ -3,7 +3,10 @@
 A frame that cannot be taken -- oversized, truncated, of an API not served, or not
 parsing -- closes its own connection only (logged in one line); the listener and every
 other connection go on.  ``KafkaListener(mq, host, port)`` serves until ``stop``
-(port 0: any free one, ``address`` once started).
+(port 0: any free one, ``address`` once started), which closes every connection and
+returns once none is answering a request any more: nothing reaches ``mq`` after it (a
+client left open would otherwise go on asking for metadata, through an ``mq`` that may
+be closed by then).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 
 from raymq.wire.apis import KafkaApis, unsupported_api_versions
 from raymq.wire.frames import (MAX_FRAME_BYTES, BadFrame, UnsupportedVersion, decode_request,
@@ -20,6 +24,8 @@ log = logging.getLogger("raymq.kafka")
 
 #: How long a connection may sit in the middle of a frame.
 FRAME_TIMEOUT_S = 30.0
+#: How long ``stop`` waits for a connection answering a request to finish it.
+STOP_WAIT_S = 30.0
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -28,9 +34,44 @@ class _Server(socketserver.ThreadingTCPServer):
     apis: KafkaApis
     max_frame_bytes = MAX_FRAME_BYTES
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.open: dict[socket.socket, threading.Thread] = {}  # connections being served
+        self.open_lock = threading.Lock()
+        self.stopping = False
+
+    def close_connections(self, wait_s: float) -> list[str]:
+        """Shut every open connection and wait up to ``wait_s`` for their threads; the
+        names of those still running (answering a request that has not returned)."""
+        with self.open_lock:
+            self.stopping = True
+            served = dict(self.open)
+        for sock in served:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # (closed meanwhile)
+        deadline = time.monotonic() + wait_s
+        for thread in served.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in served.values() if t.is_alive()]
+
 
 class _Connection(socketserver.BaseRequestHandler):
+    def setup(self) -> None:
+        with self.server.open_lock:
+            if self.server.stopping:  # (accepted as the listener stopped: not served)
+                self.request.close()
+                return
+            self.server.open[self.request] = threading.current_thread()
+
+    def finish(self) -> None:
+        with self.server.open_lock:
+            self.server.open.pop(self.request, None)
+
     def handle(self) -> None:
+        if self.request.fileno() < 0:
+            return  # (closed in setup)
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = "%s:%s" % self.client_address[:2]
@@ -99,7 +140,13 @@ class KafkaListener:
         return self
 
     def stop(self) -> None:
+        """Stop accepting, close every connection, and return once no request is being
+        answered (a request still running after ``STOP_WAIT_S`` is logged)."""
         self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:
             self._thread.join()
+        left = self._server.close_connections(STOP_WAIT_S)
+        if left:
+            log.warning("kafka listener: %d connection(s) still answering a request after "
+                        "%.0f s: %s", len(left), STOP_WAIT_S, ", ".join(left))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import socket
 import struct
+import threading
 
 import pytest
 from kafka.protocol.metadata import ApiVersionsRequest, ApiVersionsResponse, MetadataRequest
@@ -134,3 +135,44 @@ def test_random_and_truncated_frames_never_stop_the_listener(listener):
             with socket.create_connection(listener.address, timeout=5) as s:
                 assert ask(s, ApiVersionsRequest(client_software_name="t",
                                                  client_software_version="1"), 3).error_code == 0
+
+
+class HeldTopics(Topics):
+    """The cluster, its answer to ``topics`` held until ``release``."""
+
+    def __init__(self, topics):
+        super().__init__(topics)
+        self.entered, self.release, self.calls = threading.Event(), threading.Event(), 0
+
+    def topics(self):
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().topics()
+
+
+def test_stop_closes_every_connection_and_returns_once_no_request_is_being_answered():
+    """A client left open (librdkafka asks for metadata on its own) reached a cluster
+    client closed after ``stop``: Ray, shut down by then, started again by itself."""
+    cluster = HeldTopics({"orders": {"routes": [0]}})
+    lst = KafkaListener(cluster, port=0).start()
+    idle = socket.create_connection(lst.address, timeout=10)
+    busy = socket.create_connection(lst.address, timeout=10)
+    request = MetadataRequest[1](topics=None)
+    request.with_header(correlation_id=7, client_id="test")
+    busy.sendall(bytes(request.encode(header=True, framed=True)))
+    assert cluster.entered.wait(10)  # a request is being answered
+    stopper = threading.Thread(target=lst.stop)
+    stopper.start()
+    stopper.join(0.5)
+    assert stopper.is_alive()  # ... and stop waits for it
+    cluster.release.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert idle.recv(1) == b""  # closed by the listener
+    idle.close()
+    busy.close()
+    calls = cluster.calls
+    with pytest.raises(OSError):  # nothing listens any more
+        socket.create_connection(lst.address, timeout=2)
+    assert cluster.calls == calls == 1
