@@ -47,7 +47,7 @@ _MAX_RESYNC_CANDIDATES = 256
 PREALLOCATE_BYTES = 4 << 20
 #: What a filesystem that cannot allocate ahead answers (the log then only appends).
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_ZEROS = bytes(1 << 20)
+_ZEROS = bytes(1 << 16)  # (what a tail is compared with, a piece at a time)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
