@@ -392,16 +392,21 @@ class CommitLog:
                                f"{self.min_offset}")
         return self._segments[i]
 
-    def read(self, offset: int, size: int) -> bytes:
-        """The ``size`` bytes at physical ``offset`` (one segment)."""
+    def read(self, offset: int, size: int, into: memoryview | None = None):
+        """The ``size`` bytes at physical ``offset`` (one segment); read ``into`` a buffer
+        of that size when given (and it returned)."""
         seg = self._segment_for(offset)
         pos = offset - seg.base
         if pos < SEGMENT_HEADER_BYTES or pos + size > seg.size:
             raise StorageError(f"physical range [{offset}, {offset + size}) is outside "
                                f"segment {seg.path} (holds up to {seg.end})")
         with self._fd_lock:
-            data = os.pread(self._fd(seg), size, pos)
-        if len(data) != size:
+            if into is None:
+                data = os.pread(self._fd(seg), size, pos)
+                got = len(data)
+            else:
+                data, got = into, os.preadv(self._fd(seg), [into], pos)
+        if got != size:
             raise StorageError(f"short read at {offset} in {seg.path}")
         return data
 

@@ -1044,17 +1044,6 @@ class RecordSpans:
             buf = b"".join(view[a:b] for a, b in zip(lo.tolist(), hi.tolist()))
         return RecordSpans(buf, rel - lo[group] + moved[group], self.headers, self.phys_offsets)
 
-    @classmethod
-    def join(cls, pieces: list["RecordSpans"]) -> "RecordSpans":
-        """The records of ``pieces`` in order, in one buffer."""
-        if len(pieces) <= 1:
-            return pieces[0] if pieces else cls.empty()
-        starts = np.cumsum([0] + [len(p.buf) for p in pieces[:-1]])
-        rel = np.concatenate([p.rel + s for p, s in zip(pieces, starts)])
-        # (the headers read again from the joined buffer: cheaper than joining them)
-        return cls.read(b"".join(p.buf for p in pieces), rel,
-                        np.concatenate([p.phys_offsets for p in pieces]))
-
     def decode(self) -> MessageBatch:
         if not len(self.rel):
             return MessageBatch.empty()

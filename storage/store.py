@@ -38,7 +38,8 @@ from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Re
                                    RecordSpans, StoredMessage, decode_records,
                                    record_sizes)
 
-_SPAN_READ_SLACK_BYTES = 256 * 1024
+#: Bytes between two records' ranges read rather than skipped (one read instead of two).
+_READ_GAP_BYTES = 64 * 1024
 
 
 class PutStatus(enum.Enum):
@@ -362,26 +363,20 @@ class MessageStore:
     def records_at(self, entries: np.ndarray) -> RecordSpans:
         """The records that consume-queue ``entries`` point to, in order, undecoded.
 
-        Records close together in the commit log are fetched with one read.
+        Only their ranges of the log are read, into one buffer: records of one frame share
+        a range, ranges closer than ``_READ_GAP_BYTES`` are read as one, and the records
+        of other queues between them are not read (nor sent on by a pull).
         """
-        pieces: list[RecordSpans] = []
-        self._read_spans(entries, pieces)
-        return RecordSpans.join(pieces)
-
-    def _read_spans(self, entries: np.ndarray, pieces: list) -> None:
         if not len(entries):
-            return
+            return RecordSpans.empty()
         phys = entries["phys"]
-        ends = phys + entries["size"]
-        lo, hi = int(phys.min()), int(ends.max())
-        span, payload = hi - lo, int(entries["size"].sum())
-        if len(entries) == 1 or (hi <= self._log.segment_end(lo)
-                                 and span <= 4 * payload + _SPAN_READ_SLACK_BYTES):
-            pieces.append(RecordSpans.read(self._log.read(lo, span), phys - lo, phys))
-            return
-        mid = len(entries) // 2
-        self._read_spans(entries[:mid], pieces)
-        self._read_spans(entries[mid:], pieces)
+        starts, stops, at = _read_ranges(phys, phys + entries["size"], self._log.segment_size)
+        buf = bytearray(int(at[-1]))
+        with memoryview(buf) as view:
+            for lo, hi, pos in zip(starts.tolist(), stops.tolist(), at[:-1].tolist()):
+                self._log.read(lo, hi - lo, view[pos:pos + hi - lo])
+        which = np.searchsorted(starts, phys, "right") - 1
+        return RecordSpans.read(buf, phys - starts[which] + at[which], phys)
 
     @property
     def max_phys_offset(self) -> int:
@@ -497,3 +492,23 @@ class MessageStore:
 
 
 __all__ = ["MessageStore", "PutResult", "PutStatus", "check_topic_name", "CorruptLogError"]
+
+
+def _read_ranges(phys: np.ndarray, ends: np.ndarray, segment_size: int):
+    """What to read for records at ``[phys, ends)``: the union of their ranges (records
+    of one frame overlap: a record's range runs from its header to the end of its body),
+    gaps under ``_READ_GAP_BYTES`` read through, never across a segment (segments start
+    at multiples of ``segment_size``): ``(starts, stops, at)`` in log order, ``at`` each
+    range's place in one buffer and its end last."""
+    order = np.argsort(phys, kind="stable")
+    phys, ends = phys[order].astype(np.int64), ends[order].astype(np.int64)
+    reach = np.maximum.accumulate(ends)
+    new = np.ones(len(phys), bool)
+    new[1:] = (phys[1:] > reach[:-1] + _READ_GAP_BYTES) | \
+        (phys[1:] // segment_size != phys[:-1] // segment_size)
+    first = np.flatnonzero(new)
+    starts = phys[first]
+    stops = np.maximum.reduceat(ends, first)
+    at = np.zeros(len(first) + 1, np.int64)
+    np.cumsum(stops - starts, out=at[1:])
+    return starts, stops, at

@@ -1,0 +1,31 @@
+"""A read of one queue reads only its records' ranges of the log (issue 37: a Spark read
+task's pull read the whole stretch of the log, the other queues' records between its own
+included, and copied its own out again).  No Ray."""
+from __future__ import annotations
+
+from raymq.storage import Record
+from tests.helpers import SMALL, open_store
+
+
+def test_a_read_of_one_queue_reads_none_of_the_other_queues_bodies(tmp_path):
+    with open_store(tmp_path, SMALL) as store:
+        for k in range(20):  # frames holding a block of each queue's records
+            store.put([Record("t", 0, b"mine-%04d-" % (k * 10 + i) + bytes(300))
+                       for i in range(10)]
+                      + [Record("t", 1, b"other-%04d" % (k * 20 + i) + b"x" * 3900)
+                         for i in range(20)])  # (80 KB between two frames' blocks)
+        entries = store.read_cq("t", 0, 0, 1000)
+        spans = store.records_at(entries)
+        assert [m.body for m in spans.decode().messages()] == [
+            b"mine-%04d-" % i + bytes(300) for i in range(200)]
+        buf = bytes(spans.buf)
+        assert b"other-" not in buf  # (the other queue's bodies were not read)
+        span = int(entries["phys"][-1] + entries["size"][-1] - entries["phys"][0])
+        assert len(buf) < span / 2
+        # out of log order, and one at a time, the same records
+        back = store.records_at(entries[::-1])
+        assert [m.body for m in back.decode().messages()] == [
+            b"mine-%04d-" % i + bytes(300) for i in reversed(range(200))]
+        assert [m.body for m in store.records_at(entries[7:8]).decode().messages()] == [
+            b"mine-0007-" + bytes(300)]
+        assert len(store.records_at(entries[:0])) == 0
