@@ -7,8 +7,8 @@ whole history.  So the leader ships each *part* with a fetch whenever it changed
 timer wheel at most once a minute, ``replica_timer_ship_ms``: it changes with every
 bucket), and only with every record it covers -- read before the frames and shipped only
 when the reply reaches the leader's end as of then -- so a part never runs ahead of the
-follower's log.  The
-follower makes its log durable first, then installs the part atomically.
+follower's log.  The follower makes its log durable first, then installs the part
+atomically.
 
 After its log is cut (``_Follower._truncate``) a follower deletes its parts: they may
 cover records it no longer holds; the next leader rebuilds them, or the leader ships

@@ -47,10 +47,8 @@ DELIVERY_MAX_BYTES = 32 << 20
 INDEX_CHUNK = 65_536
 #: Least wait between two rounds that delivered something (what a burst adds to lateness).
 ROUND_GAP_MS = 4
-#: How often a leader ships its wheel to a follower at most (``replica_part``).
 #: The wheel's directory in a shard's directory (a replica's part, shipped whole).
 WHEEL_DIR = "timer"
-SHIP_WHEEL_EVERY_MS = 60_000
 #: Time buckets of ``status`` (name, ms from now).
 STATUS_BUCKETS = (("next_minute", 60_000), ("next_hour", 3_600_000),
                   ("next_day", 86_400_000))
@@ -297,11 +295,12 @@ class TimerScheduler:
         return done
 
     # ---------------------------------------------------------- replication
-    def replica_part(self, every_ms: int = SHIP_WHEEL_EVERY_MS) -> Part:
+    def replica_part(self, every_ms: int) -> Part:
         """The wheel as a leader ships it to its followers (``raymq.actors.replication.parts``):
         read under the round lock, so its checkpoint and the buckets it vouches for agree
         (entries after the checkpoint are indexed again by a new leader, as after a
-        restart); at most every ``every_ms`` (it changes with every bucket)."""
+        restart); at most every ``every_ms`` (``replica_timer_ship_ms``: it changes with
+        every bucket)."""
         checkpoint = os.path.join(self.wheel.directory, "checkpoint.json")
 
         def version():
