@@ -69,20 +69,22 @@ class DelayScheduler:
         wait out the step.
         """
         with self._lock:
-            now = self.clock.now_ms()
             next_wait = self.tick_ms
             for lvl in range(len(self.levels_ms)):
-                next_wait = min(next_wait, self._deliver_level(lvl, now))
+                next_wait = min(next_wait, self._deliver_level(lvl))
             return max(1, next_wait)
 
-    def _deliver_level(self, lvl: int, now: int) -> int:
+    def _deliver_level(self, lvl: int) -> int:
         """Deliver a level's due messages (FIFO: up to the first not due); the wait to its
-        next one (``tick_ms`` when none is waiting)."""
+        next one (``tick_ms`` when none is waiting).  The clock is read after the entries:
+        one stored since, stamped later than a "now" read before, would look due later
+        than its level's delay from then (a clock stepped back) and go at once."""
         level = lvl + 1
         end = self.store.max_queue_offset(SCHEDULE_TOPIC, lvl)
         start = self.progress(level)
         while start < end:
             entries = self.store.read_cq(SCHEDULE_TOPIC, lvl, start, 1000)
+            now = self.clock.now_ms()
             tags = entries["tag"]
             is_due = (tags <= now) | (tags > now + self.levels_ms[lvl])
             due = len(is_due) if is_due.all() else int(np.argmin(is_due))

@@ -153,12 +153,12 @@ def roll_delays(d: DelayScheduler, below_phys: int) -> int:
     cancelled ones are only passed.  How many were rolled."""
     rolled = 0
     with d._lock:  # not while a level delivers
-        now = d.clock.now_ms()
         for lvl in range(len(d.levels_ms)):
             level, start = lvl + 1, d.progress(lvl + 1)
             x = d.store.retention.first_at(SCHEDULE_TOPIC, lvl, below_phys)
             while start < x:
                 entries = d.store.read_cq(SCHEDULE_TOPIC, lvl, start, min(1000, x - start))
+                now = d.clock.now_ms()  # (after the read: see DelayScheduler._deliver_level)
                 total = np.cumsum(entries["size"])
                 take = max(1, int(np.searchsorted(total, DELIVERY_MAX_BYTES, "right")))
                 dues = np.minimum(entries["tag"][:take], now + d.levels_ms[lvl]).tolist()

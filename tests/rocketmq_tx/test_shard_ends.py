@@ -9,7 +9,7 @@ from raymq.actors.rocketmq_tx import halves as halves_mod
 from raymq.actors import shard as shard_mod
 from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.actors.shard import BrokerShard
-from raymq.message import OP_TOPIC, Prop, make_msg_id
+from raymq.message import OP_TOPIC, SCHEDULE_TOPIC, Prop, make_msg_id
 from raymq.storage import RecordBatch
 
 
@@ -503,6 +503,35 @@ def test_a_clock_stepped_back_does_not_hold_a_delay_level_for_the_step(tmp_path)
         clock.advance(1_000)
         sh.deliver_due()  # both: "a" now looks due in an hour, more than its level's delay
         assert [m.body for m in sh.store.read_queue("orders", 0, 0, 10)] == [b"a", b"b"]
+    finally:
+        sh.close()
+
+
+def test_a_message_delayed_while_a_delivery_runs_is_not_taken_for_a_clock_step(tmp_path):
+    """A clean clone delivered a level-1 message 2 ms after its send: the delivery had read
+    the clock, then the message was stored (stamped later) before the delivery read its
+    level, so it looked due later than its level's delay from then: a clock stepped back."""
+    clock, sh = orders_shard(tmp_path)
+    try:
+        real = sh.store.max_queue_offset
+        sent = []
+
+        def max_queue_offset(topic, qid):  # between the delivery's clock and its read
+            if topic == SCHEDULE_TOPIC and not sent:
+                clock.advance(5)
+                _delayed(sh, b"late")
+                sent.append(clock.now_ms())
+            return real(topic, qid)
+        sh.store.max_queue_offset = max_queue_offset
+        sh.deliver_due()
+        assert sent and sh.store.read_queue("orders", 0, 0, 10) == []  # not due for 1 s
+        clock.advance(999)
+        sh.deliver_due()
+        assert sh.store.read_queue("orders", 0, 0, 10) == []
+        clock.advance(1)
+        sh.deliver_due()
+        [m] = sh.store.read_queue("orders", 0, 0, 10)
+        assert m.body == b"late" and m.store_ms >= sent[0] + 1000
     finally:
         sh.close()
 
