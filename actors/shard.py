@@ -44,7 +44,7 @@ from raymq.actors.rocketmq_tx.records import ops_record, resolution_batch
 from raymq.actors.groups.offsets import GroupOffsets
 from raymq.actors.retention import Janitor, drop_topic
 from raymq.actors.rocketmq_tx.halves import HalfIndex, carries_halves
-from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues
+from raymq.actors.kafka_tx.shard_side import KafkaTxnQueues, commit_batch
 from raymq.actors.protocol import (HALF_TOPIC, SCHEDULE_TOPIC, SYSTEM_PROPERTIES,
                                    TIMER_TOPIC, CheckRequest, EndOutcome, EndRequest,
                                    EndResult, SendReply, check_group, with_steps)
@@ -411,22 +411,14 @@ class BrokerShard:
     # ------------------------------------------- Kafka-style transactions
     def ktx_register(self, producer_id: int, epoch: int, queues: list, groups=()) -> None:
         """The coordinator adds queues and groups to a producer's transaction here."""
-        check_queues(queues)
-        for g in groups:
-            check_group(g)
-        queues = [(t, q) for t, q in queues]
-        self.routes.check(set(queues))
-        self.ktx.register(producer_id, epoch, queues, list(groups))
+        self.ktx.register(producer_id, epoch, _registration_checked(self, queues, groups),
+                          list(groups))
 
     def ktx_send(self, batch: RecordBatch, producer_id: int, epoch: int,
                  sequence: int, wait_ms: int = 0, durable: bool = True) -> SendReply:
         """A Kafka-style transactional write (``KafkaTxnQueues.send``): all or nothing;
         ``durable=False``: answered once written (its commit makes it durable)."""
-        check_send(batch, producer_id, sequence, None)
-        check_transactional(batch, len(self._levels_ms), SYSTEM_PROPERTIES)
-        self.janitor.refuse_if_full(batch)
-        queues = batch.queues()
-        self.routes.check(queues)
+        queues = _ktx_checked(self, batch, producer_id, sequence)
         t0 = self.clock.monotonic_ms()
         res = self.ktx.send(batch, queues, producer_id, epoch, sequence,
                             lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq,
@@ -435,6 +427,14 @@ class BrokerShard:
         self.metrics.observe("put_latency_ms", self.clock.monotonic_ms() - t0)
         self.faults.ktx_stored()
         return self._sent(batch, res, res.status)
+
+    def ktx_commit_batch(self, batch: RecordBatch, producer_id: int, epoch: int, sequence: int):
+        """A Kafka-style transaction of one request, one put (``KafkaTxnQueues.commit_batch``)."""
+        res = commit_batch(self.ktx, batch, _ktx_checked(self, batch, producer_id, sequence),
+                                    producer_id, epoch, sequence, lambda b, pid, seq:
+                                    self.store.put(b, producer_id=pid, sequence=seq))
+        return SendReply("SEND_OK", [], [], True) if res is None \
+            else self._sent(batch, res, res.status)  # (None: a resend, stored before)
 
     def ktx_offsets(self, producer_id: int, epoch: int, group: str, offsets: dict, wait_ms=0):
         """A group's next offsets, to commit with the producer's transaction."""
@@ -469,6 +469,28 @@ class BrokerShard:
 
 
 
+def _registration_checked(shard: BrokerShard, queues: list, groups) -> list[tuple[str, int]]:
+    """The queues (checked, served here) and groups (checked) a coordinator registers."""
+    check_queues(queues)
+    for g in groups:
+        check_group(g)
+    queues = [(t, q) for t, q in queues]
+    shard.routes.check(set(queues))
+    return queues
+
+
+def _ktx_checked(shard: BrokerShard, batch: RecordBatch, producer_id: int,
+                 sequence: int) -> set[tuple[str, int]]:
+    """A Kafka-style transactional write's checks (the request, room on the disk, routes
+    served here); its queues."""
+    check_send(batch, producer_id, sequence, None)
+    check_transactional(batch, len(shard._levels_ms), SYSTEM_PROPERTIES)
+    shard.janitor.refuse_if_full(batch)
+    queues = batch.queues()
+    shard.routes.check(queues)
+    return queues
+
+
 def _reply_offsets(batch: RecordBatch, res, n: int, timers) -> list[int]:
     """The queue offsets a send's reply gives its records: -1 for one diverted (delayed,
     a timer's, a half), whose offset in its real queue comes when it is delivered
@@ -495,7 +517,7 @@ _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", 
                  "get_message", "find_by_key", "queue_bounds", "drop_topic", "send_back",
                  "dlq_list", "dlq_resend",
                  "ktx_register", "ktx_send", "ktx_offsets", "ktx_verify", "ktx_end",
-                 "cancel_scheduled",
+                 "ktx_commit_batch", "cancel_scheduled",
                  "timer_list")
 for _name in _PUBLIC_CALLS:
     setattr(BrokerShard, _name, answers_in_one_line(getattr(BrokerShard, _name)))

@@ -298,7 +298,8 @@ class CheckerActor(CheckerWorker):
 
 
 #: What producers call on a coordinator's data channel (the rest: Ray calls).
-COORDINATOR_METHODS = frozenset({"init_producer", "add_to_transaction", "end_transaction"})
+COORDINATOR_METHODS = frozenset({"init_producer", "add_to_transaction", "end_transaction",
+                                 "commit_batch"})
 
 
 class _CoordinatorCalls(_LeaderCalls):

@@ -33,6 +33,7 @@ from collections import defaultdict
 import numpy as np
 
 from raymq.actors.kafka_tx.coordinator import check_transactional_id, coordinator_for
+from raymq.actors.kafka_tx.state import epoch_exhausted
 from raymq.message import (Message, SendResult, SendStatus, assign_queues, check_group,
                            columns_to_batch, validate_messages)
 from raymq.producer import PartResults, SendResults
@@ -66,6 +67,11 @@ class TransactionalProducer:
         # sequence may not be given to other messages (Kafka's abortable error)
         self._unknown: str | None = None
         self._reinit = False  # an end failed: init_producer again before the next begin
+        # (messages, their columns, future) sent with send_async, not written yet
+        self._pending: list[tuple] = []
+        self._pending_n = 0
+        #: transactions committed as one request (``commit``), for observability
+        self.one_request_commits = 0
         self._rr: dict[str, int] = defaultdict(int)
         self.producer_id, self.epoch = self._ask("init_producer", transactional_id, timeout_ms)
 
@@ -89,75 +95,160 @@ class TransactionalProducer:
 
     def send_batch(self, msgs: list[Message]) -> SendResults:
         """Write messages in the transaction (one request per shard); their results, in
-        order (a sequence of ``SendResult``, as the plain producer's ``send_batch``)."""
+        order (a sequence of ``SendResult``, as the plain producer's ``send_batch``).
+        Messages sent with ``send_async`` before them are written first."""
         if not msgs:
             return SendResults([], 0)
+        cols = self._validated(msgs)
+        with self._lock:
+            self._in_transaction(writing=True)
+            self._flush()
+            return self._write_routed(cols, *self._route(cols))
+
+    def send_async(self, msg: Message) -> SendFuture:
+        """Kafka's ``send``: the message is checked now and written with the transaction's
+        next request -- at the latest its commit, which writes a transaction of one
+        request to one shard together with its commit marker (one put, one fsync).
+        ``result()`` of the future written (writing what waits first)."""
+        return self.send_batch_async([msg], one=True)
+
+    def send_batch_async(self, msgs: list[Message], *, one: bool = False) -> SendFuture:
+        """``send_async`` for many: the future's ``result()`` is their ``SendResult``s."""
+        cols = self._validated(msgs)
+        with self._lock:
+            self._in_transaction(writing=True)
+            future = SendFuture(self, one)
+            self._pending.append((msgs, cols, future))
+            self._pending_n += cols.n
+            if self._pending_n >= self.config.batch_max_messages:
+                self._flush()
+            return future
+
+    def flush(self) -> None:
+        """Write every message sent with ``send_async`` and not written yet."""
+        with self._lock:
+            self._flush()
+
+    def _validated(self, msgs: list[Message]):
         cols = validate_messages(msgs, self.config.max_message_bytes,
                                  len(self.config.delay_levels_ms))
         if cols.has("delay_level", 0) or cols.has("deliver_at_ms") \
                 or cols.has("deliver_after_ms"):
             raise InvalidMessageError("a delayed message cannot be part of a Kafka-style "
                                       "transaction")
-        with self._lock:
-            self._in_transaction(writing=True)
-            topics = set(cols.topic)
-            routes = self._mq.routes_for(topics)
-            qids, shards = assign_queues(cols, routes, self._next_rr,
-                                         self.config.batch_max_messages)
-            if len(topics) == 1:  # (the usual batch: its queues without a pass per message)
-                [topic] = topics
-                queues = {(routes[topic][q], topic, q) for q in np.unique(qids).tolist()}
-            else:
-                queues = set(zip(shards.tolist(), cols.topic, qids.tolist()))
-            # the coordinator adds the new queues while the writes travel: a shard holds a
-            # write to a queue not registered yet until the coordinator registers it there
-            new = queues - self._queues
-            asked = self._begin_ask("add_to_transaction", self.transactional_id,
-                                    self.producer_id, self.epoch, sorted(new), []) \
-                if new else None
-            waiting = {s for s, _t, _q in new}
-            wait_ms = self.config.send_timeout_ms // 2
-            lazy = len({s for s, _t, _q in self._queues | queues}
-                       | {s for s, _g in self._groups}) == 1
-            born_ms = int(time.time() * 1000)
-            parts = []
-            for shard in np.unique(shards).tolist():  # to every shard at once
-                where = np.flatnonzero(shards == shard)
-                idx, q = where.tolist(), qids[where].tolist()
-                batch = columns_to_batch(cols, idx, q, born_ms)
-                seq = self._seq[shard] + 1
-                args = (batch, self.producer_id, self.epoch, seq,
-                        wait_ms if shard in waiting else 0, not lazy)
-                if lazy:
-                    self._lazy.add(shard)
-                parts.append([shard, idx, q, seq, args, self._begin_send(shard, args)])
-            if asked is not None:
-                self._registered(asked, new, parts, waiting)
-            results = []
-            for k, (shard, idx, q, seq, args, call) in enumerate(parts):
+        return cols
+
+    def _route(self, cols) -> tuple:
+        """(queue ids, shards, the (shard, topic, queue) set) of the messages ``cols``."""
+        topics = set(cols.topic)
+        routes = self._mq.routes_for(topics)
+        qids, shards = assign_queues(cols, routes, self._next_rr,
+                                     self.config.batch_max_messages)
+        if len(topics) == 1:  # (the usual batch: its queues without a pass per message)
+            [topic] = topics
+            queues = {(routes[topic][q], topic, q) for q in np.unique(qids).tolist()}
+        else:
+            queues = set(zip(shards.tolist(), cols.topic, qids.tolist()))
+        return qids, shards, queues
+
+    def _flush(self, *, committing: bool = False) -> bool:
+        """(under the lock) Write what ``send_async`` left waiting, resolving its futures;
+        ``committing``: as a transaction of one request when it can be one (nothing
+        written before, one shard).  Whether it committed so."""
+        if not self._pending:
+            return False
+        pending, self._pending, self._pending_n = self._pending, [], 0
+        cols = pending[0][1] if len(pending) == 1 else \
+            self._validated([m for msgs, _c, _f in pending for m in msgs])
+        routed = self._route(cols)
+        one = committing and not self._queues and not self._groups \
+            and self._unknown is None and not epoch_exhausted(self.epoch) \
+            and len({s for s, _t, _q in routed[2]}) == 1
+        try:
+            results = self._commit_one(cols, *routed) if one \
+                else self._write_routed(cols, *routed)
+        except BaseException as err:
+            for _m, _c, future in pending:
+                future.set(None, err)
+            raise
+        self.one_request_commits += one
+        start = 0
+        for msgs, _c, future in pending:
+            future.set(results if len(pending) == 1 else results[start:start + len(msgs)])
+            start += len(msgs)
+        return one
+
+    def _commit_one(self, cols, qids, shards, queues) -> SendResults:
+        """The transaction as one request to its one shard, through the coordinator
+        (``commit_batch``); the transaction ends here (see ``_end``)."""
+        shard = int(shards[0])
+        batch = columns_to_batch(cols, list(range(cols.n)), qids.tolist(),
+                                 int(time.time() * 1000))
+        try:
+            self.producer_id, self.epoch, reply = self._ask(
+                "commit_batch", self.transactional_id, self.producer_id, self.epoch, shard,
+                batch, self._seq[shard] + 1)
+        except BaseException as err:
+            self._ended(err)
+            raise
+        self._ended(None)
+        located = reply is not None and len(reply.phys) == cols.n
+        return SendResults([(PartResults(
+            SendStatus(reply.status if reply is not None else "SEND_OK"), shard,
+            batch.topics, qids.tolist(), reply.queue_offsets if located else [-1] * cols.n,
+            reply.phys if located else None), list(range(cols.n)))], cols.n)
+
+    def _write_routed(self, cols, qids, shards, queues) -> SendResults:
+        """(under the lock) The writes of ``cols`` routed, to every shard at once."""
+        # the coordinator adds the new queues while the writes travel: a shard holds a
+        # write to a queue not registered yet until the coordinator registers it there
+        new = queues - self._queues
+        asked = self._begin_ask("add_to_transaction", self.transactional_id,
+                                self.producer_id, self.epoch, sorted(new), []) \
+            if new else None
+        waiting = {s for s, _t, _q in new}
+        wait_ms = self.config.send_timeout_ms // 2
+        lazy = len({s for s, _t, _q in self._queues | queues}
+                   | {s for s, _g in self._groups}) == 1
+        born_ms = int(time.time() * 1000)
+        parts = []
+        for shard in np.unique(shards).tolist():  # to every shard at once
+            where = np.flatnonzero(shards == shard)
+            idx, q = where.tolist(), qids[where].tolist()
+            batch = columns_to_batch(cols, idx, q, born_ms)
+            seq = self._seq[shard] + 1
+            args = (batch, self.producer_id, self.epoch, seq,
+                    wait_ms if shard in waiting else 0, not lazy)
+            if lazy:
+                self._lazy.add(shard)
+            parts.append([shard, idx, q, seq, args, self._begin_send(shard, args)])
+        if asked is not None:
+            self._registered(asked, new, parts, waiting)
+        results = []
+        for k, (shard, idx, q, seq, args, call) in enumerate(parts):
+            try:
                 try:
-                    try:
-                        reply = call.result()
-                    except RayMQError as err:
-                        # (refused unregistered: its registration came later than it waited)
-                        if not err.retriable and not (shard in waiting and isinstance(
-                                err, InvalidTxnStateError)):
-                            raise
-                        reply = self._retrying(
-                            lambda: self._begin_send(shard, args).result())
-                except BaseException as err:
-                    if isinstance(err, ProducerFencedError):
-                        self._state = "fenced"
-                    self._failed(err)
-                    self._settle(parts[k + 1:])
-                    raise
-                self._seq[shard] = seq
-                located = len(reply.phys) == len(idx)  # (else a retry the shard stored once,
-                results.append((PartResults(  # its offsets no longer known)
-                    SendStatus(reply.status), shard, args[0].topics, q,
-                    reply.queue_offsets if located else [-1] * len(idx),
-                    reply.phys if located else None), idx))
-            return SendResults(results, cols.n)
+                    reply = call.result()
+                except RayMQError as err:
+                    # (refused unregistered: its registration came later than it waited)
+                    if not err.retriable and not (shard in waiting and isinstance(
+                            err, InvalidTxnStateError)):
+                        raise
+                    reply = self._retrying(
+                        lambda: self._begin_send(shard, args).result())
+            except BaseException as err:
+                if isinstance(err, ProducerFencedError):
+                    self._state = "fenced"
+                self._failed(err)
+                self._settle(parts[k + 1:])
+                raise
+            self._seq[shard] = seq
+            located = len(reply.phys) == len(idx)  # (else a retry the shard stored once,
+            results.append((PartResults(  # its offsets no longer known)
+                SendStatus(reply.status), shard, args[0].topics, q,
+                reply.queue_offsets if located else [-1] * len(idx),
+                reply.phys if located else None), idx))
+        return SendResults(results, cols.n)
 
     def send_offsets(self, offsets: dict[tuple[str, int], int], group: str) -> None:
         """Commit ``group``'s next offsets to read with this transaction (Kafka's
@@ -166,6 +257,7 @@ class TransactionalProducer:
         check_group(group)
         with self._lock:
             self._in_transaction(writing=True)
+            self._flush()
             routes = self._mq.routes_for({t for t, _q in offsets})
             by_shard: dict[int, dict] = defaultdict(dict)
             for (topic, qid), off in offsets.items():
@@ -214,11 +306,18 @@ class TransactionalProducer:
 
     def commit(self) -> None:
         """Commit the transaction: every message and offset of it becomes visible at once.
-        ``TransactionAbortedError`` if it was aborted first (nothing of it is visible)."""
+        ``TransactionAbortedError`` if it was aborted first (nothing of it is visible).
+        Messages waiting from ``send_async`` are written first -- all of them at once,
+        with the commit, when the transaction has nothing else and one shard."""
+        with self._lock:
+            self._in_transaction()
+            if self._flush(committing=True):
+                return
         self._end("COMMIT")
 
     def abort(self) -> None:
-        """Abort the transaction: nothing of it is ever visible to read_committed readers."""
+        """Abort the transaction: nothing of it is ever visible to read_committed readers
+        (messages still waiting from ``send_async`` are never written)."""
         self._end("ABORT")
 
     @contextlib.contextmanager
@@ -376,26 +475,61 @@ class TransactionalProducer:
                 self.producer_id, self.epoch = self._ask(
                     "end_transaction", self.transactional_id, self.producer_id, self.epoch,
                     asked, dict(self._seq), sorted(self._lazy))
-            except TransactionAbortedError:
-                # aborted before this commit: go on with the epoch after that abort
-                self.producer_id, self.epoch = self._ask("init_producer",
-                                                         self.transactional_id,
-                                                         self.timeout_ms)
+            except BaseException as err:
+                self._ended(err)
                 raise
-            except BaseException:
-                # its end is unknown: the next begin starts again from init_producer (which
-                # completes or aborts this transaction first, and fences its late writes)
-                self._reinit = True
-                raise
-            finally:
-                if self._state == "in_transaction":
-                    self._state = "ready"
-                self._queues.clear()
-                self._groups.clear()
-                self._seq.clear()
-                self._lazy.clear()
-                self._unknown = None
+            self._ended(None)
             if unknown is not None and outcome == "COMMIT":
                 raise TransactionAbortedError(
                     f"{self.transactional_id}: transaction aborted, not committed: a "
                     f"write's outcome was unknown ({unknown})")
+
+    def _ended(self, err: BaseException | None) -> None:
+        """The transaction's end answered (or failed with ``err``): the producer is ready
+        for the next.  Aborted before its commit: it goes on with the epoch after that
+        abort; an end whose outcome is unknown: the next begin starts again from
+        init_producer (which completes or aborts it first, and fences its late writes)."""
+        try:
+            if isinstance(err, TransactionAbortedError):
+                self.producer_id, self.epoch = self._ask("init_producer",
+                                                         self.transactional_id,
+                                                         self.timeout_ms)
+            elif err is not None:
+                self._reinit = True
+        finally:
+            if self._state == "in_transaction":
+                self._state = "ready"
+            self._queues.clear()
+            self._groups.clear()
+            self._seq.clear()
+            self._lazy.clear()
+            self._unknown = None
+            for _m, _c, future in self._pending:  # (only an abort leaves any)
+                future.set(None, TransactionAbortedError(
+                    f"{self.transactional_id}: aborted before the message was written"))
+            self._pending, self._pending_n = [], 0
+
+
+class SendFuture:
+    """What ``send_async`` and ``send_batch_async`` return: ``result()`` waits for the
+    write (writing what waits first) and gives its ``SendResult`` (``SendResult``s), or
+    raises why it failed (``TransactionAbortedError``: the transaction ended first)."""
+
+    def __init__(self, producer: TransactionalProducer, one: bool):
+        self._producer, self._one = producer, one
+        self._done = threading.Event()
+        self._value = self._error = None
+
+    def set(self, value, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self):
+        if not self._done.is_set():
+            self._producer.flush()
+        if self._error is not None:
+            raise self._error
+        return self._value[0] if self._one else self._value

@@ -47,6 +47,10 @@ CRASH_POINTS = {
                            "group offsets committed with it not saved yet",
     "coordinator.one_phase_decided": "a one-shard Kafka-style transaction's shard committed "
                                      "(or aborted) it, the coordinator logged nothing of it",
+    "ktx.batch_committed": "a Kafka-style transaction of one request is durable with its "
+                           "markers, the shard's state not told yet, not answered",
+    "coordinator.batch_committed": "a transaction of one request committed on its shard, "
+                                   "the coordinator logged nothing of it",
     "timer.checkpoint.before_rename": "a timer wheel checkpoint (a finished minute) is in its "
                                       "fsynced temp file, not renamed",
     "timer.checkpoint.renamed": "a timer wheel checkpoint is renamed in place, the finished "

@@ -66,6 +66,14 @@ def group_entry(shard: int, group: str) -> str:
     return f"{shard}:{group}"
 
 
+def _describe(meta: TxnMetadata, now: int) -> dict:
+    return {"transactional_id": meta.transactional_id, "producer_id": meta.producer_id,
+            "epoch": meta.epoch, "state": meta.state.name, "timeout_ms": meta.timeout_ms,
+            "age_ms": now - meta.start_ms if meta.start_ms >= 0 else None,
+            "queues": sorted([s, t, q] for s, t, q in meta.queues),
+            "groups": sorted(meta.groups)}
+
+
 def shards_of(meta: TxnMetadata) -> dict[int, tuple[list, list]]:
     """shard -> (its queues, its groups) in the transaction."""
     out: dict[int, tuple[list, list]] = {}
@@ -299,6 +307,14 @@ class TransactionCoordinator:
             done = self._complete(prepare)
             return done.producer_id, done.epoch
 
+    def commit_batch(self, transactional_id: str, producer_id: int, epoch: int, shard: int,
+                     batch, sequence: int) -> tuple:
+        """A transaction of one request, committed with it (``FastCommit.commit_batch``):
+        (producer id, epoch) next, and the shard's reply."""
+        self._check_shard(shard)
+        return self.fast.commit_batch(transactional_id, producer_id, epoch, shard, batch,
+                                      sequence)
+
     def _complete(self, prepare: TxnMetadata) -> TxnMetadata:
         """Markers on every shard of a prepared transaction, then its COMPLETE state.  The
         epoch moves on; when it would overflow, the transactional id moves to a new
@@ -447,21 +463,13 @@ class TransactionCoordinator:
     # ------------------------------------------------------------ operators
     def list_transactions(self) -> list[dict]:
         now = self.clock.now_ms()
-        return [self._describe(m, now) for _t, m in sorted(self._txns.items())]
+        return [_describe(m, now) for _t, m in sorted(self._txns.items())]
 
     def describe_transaction(self, transactional_id: str) -> dict:
         meta = self._txns.get(transactional_id)
         if meta is None:
             raise InvalidTxnStateError(f"no transactional id {transactional_id!r} here")
-        return self._describe(meta, self.clock.now_ms())
-
-    @staticmethod
-    def _describe(meta: TxnMetadata, now: int) -> dict:
-        return {"transactional_id": meta.transactional_id, "producer_id": meta.producer_id,
-                "epoch": meta.epoch, "state": meta.state.name, "timeout_ms": meta.timeout_ms,
-                "age_ms": now - meta.start_ms if meta.start_ms >= 0 else None,
-                "queues": sorted([s, t, q] for s, t, q in meta.queues),
-                "groups": sorted(meta.groups)}
+        return _describe(meta, self.clock.now_ms())
 
     def abort_transaction(self, transactional_id: str) -> str:
         """An operator aborts an open transaction (KIP-664); its final state's name."""

@@ -25,8 +25,9 @@ logic over the coordinator's calls: no Ray.
 """
 from __future__ import annotations
 
-from raymq.actors.kafka_tx.state import TxnMetadata, TxnState, epoch_exhausted, transition
-from raymq.storage.errors import TransactionAbortedError
+from raymq.actors.kafka_tx.state import (TxnMetadata, TxnState, committed_alone, epoch_exhausted,
+                                        transition)
+from raymq.storage.errors import InvalidTxnStateError, TransactionAbortedError
 from raymq.storage.faults import crash_point
 
 _STATES = {"COMMIT": (TxnState.PREPARE_COMMIT, TxnState.COMPLETE_COMMIT),
@@ -87,6 +88,34 @@ class FastCommit:
             reply = self._end(meta, shard, "ABORT", None)
         crash_point("coordinator.one_phase_decided")
         return self._logged(meta, reply["outcome"])
+
+    def commit_batch(self, tid: str, producer_id: int, epoch: int, shard: int, batch,
+                     sequence: int) -> tuple:
+        """A transaction whose writes all go in one request to one shard, nothing of it
+        written before: the shard writes them with their COMMIT markers in one put
+        (``ktx_commit_batch``: never open there), then COMPLETE_COMMIT is logged, not
+        waited for.  Lost with a crash, the epoch has moved on at the shard only, which
+        fences nothing this id is given next; a resend is answered by the shard (a
+        duplicate) or by the log (reply None).  (producer id, epoch) next, the reply."""
+        c = self.c
+        with c._txn_locks.of(tid):
+            meta = c._txns.get(tid)
+            if meta is not None and meta.ended_by(producer_id, epoch):
+                if meta.state is TxnState.COMPLETE_COMMIT:  # (its answer was lost)
+                    return meta.producer_id, meta.epoch, None
+                raise TransactionAbortedError(f"transactional id {tid!r}: aborted before "
+                                              f"this commit (timeout or operator)")
+            meta = c._current(tid, producer_id, epoch)
+            if meta.state is TxnState.ONGOING or epoch_exhausted(meta.epoch):
+                raise InvalidTxnStateError(
+                    f"transactional id {tid!r}: {meta.state.name} at epoch {meta.epoch}: "
+                    f"not a transaction of one request (end_transaction commits it)")
+            reply = c._begin_shard(shard, "ktx_commit_batch",
+                                   (batch, producer_id, epoch, sequence)).result()
+            crash_point("coordinator.batch_committed")
+            done = committed_alone(meta, c.clock.now_ms())
+            c._append(done, wait=False)
+            return done.producer_id, done.epoch, reply
 
     def settle(self, meta: TxnMetadata) -> TxnMetadata:
         """Before an abort of ``meta``: if it is in doubt, its shard aborts it in one phase

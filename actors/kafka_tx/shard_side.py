@@ -210,6 +210,10 @@ class KafkaTxns:
             if txn is not None and txn.epoch == epoch:
                 got = txn.offsets.setdefault(rec["group"], {})
                 got.update({(t, q): off for t, q, off in rec["offsets"]})
+        elif kind == "commit":  # a one-request transaction: never open, committed at once
+            self.epochs[pid] = max(self.epochs.get(pid, -1), epoch, rec["fence"])
+            self.ends[pid] = (rec["fence"], "COMMIT")
+            self.touched.update((t, q) for t, q in rec["queues"])
         elif kind == "end":  # (its markers carry the epoch after it: "fence")
             fence = rec.get("fence", epoch)
             self.epochs[pid] = max(self.epochs.get(pid, -1), epoch, fence)
@@ -323,7 +327,7 @@ def decode(body: bytes) -> dict | None:
     """An index record, or None (logged) when it cannot be parsed."""
     try:
         rec = json.loads(body)
-        if rec["k"] not in ("begin", "offsets", "end"):
+        if rec["k"] not in ("begin", "offsets", "end", "commit"):
             raise ValueError(rec["k"])
         int(rec["pid"]), int(rec["epoch"])
         return rec
@@ -733,3 +737,57 @@ class KafkaTxnQueues:
                                        for (t, q), first in sorted(txn.queues.items())},
                             "groups": sorted(txn.offsets)})
             return out
+
+
+def commit_batch(txq: KafkaTxnQueues, batch: RecordBatch, queues: set[Queue],
+                 producer_id: int, epoch: int, sequence: int, put: Callable):
+    """A transaction of one request (the coordinator's ``commit_batch``): the batch, a
+    COMMIT marker in each of its queues and the index's ``commit`` record in one put
+    (``put(batch, store_pid, sequence)``): never open here, it holds no LSO, and a
+    crash leaves all of it or none.  The producer's epochs up to ``epoch`` are fenced
+    after it, as after an end.  A resend of one stored (its answer lost) answers
+    None, nothing written again."""
+    check_producer(producer_id, epoch)
+    if not 0 < sequence <= MAX_SEQUENCE:
+        raise InvalidMessageError(f"transactional sequence {sequence} is not in "
+                                  f"1..{MAX_SEQUENCE}")
+    with txq._locks.of(producer_id):
+        last = txq.sequence_of(producer_id, epoch)
+        with txq.lock:
+            if txq.state.ends.get(producer_id) == (epoch + 1, "COMMIT") \
+                    and last >= sequence:
+                return None
+            txq.state.check_epoch(producer_id, epoch)
+            if producer_id in txq.state.open:
+                raise InvalidTxnStateError(
+                    f"producer {producer_id}: a transaction is open here; a transaction "
+                    f"of one request cannot join it")
+            # (before the put: a read of a queue it touches first must skip its markers)
+            txq.state.touched.update(queues)
+        ordered = sorted(queues)
+        rec = {"k": "commit", "pid": producer_id, "epoch": epoch, "fence": epoch + 1,
+               "ms": txq.clock.now_ms(), "queues": [[t, q] for t, q in ordered]}
+        if last >= sequence:  # stored, unanswered (its fsync timed out): durable now
+            txq.store.make_durable()
+            with txq.lock:
+                txq.state.apply(rec)
+            return None
+        if sequence != last + 1:
+            raise OutOfOrderSequenceError(
+                f"producer {producer_id} epoch {epoch}: sequence {sequence} after {last}")
+        batch.flags = int(SysFlag.TRANSACTIONAL)
+        batch.prepared_offsets = producer_id
+        res = put(batch.with_records(
+            [Record(t, q, b"COMMIT", flags=int(SysFlag.CONTROL),
+                    prepared_offset=producer_id) for t, q in ordered] +
+            [Record(KTX_INDEX_TOPIC, 0, encode(rec))]),
+            ktx_store_pid(producer_id), (epoch << SEQ_BITS) | sequence)
+        if res.status is not PutStatus.PUT_OK:
+            raise RequestTimeoutError("the transaction did not reach the disk within "
+                                      "flush_timeout_ms; retry")
+        crash_point("ktx.batch_committed")
+        with txq.lock:
+            txq.state.apply(rec)
+            txq._changed.notify_all()
+    txq._wake()
+    return res

@@ -240,6 +240,20 @@ def _new_producer(meta: TxnMetadata, to: TxnState, producer_id: int | None,
     return {}
 
 
+def committed_alone(meta: TxnMetadata, now_ms: int) -> TxnMetadata:
+    """The COMPLETE_COMMIT after ``meta`` (EMPTY or COMPLETE_*) of a transaction of one
+    request: what moving to ONGOING, PREPARE_COMMIT and COMPLETE_COMMIT makes, in one step
+    (the epoch bumped).  ``InvalidTxnStateError`` from any other state, or an exhausted
+    epoch (its commit needs a new producer id: the usual path)."""
+    if meta.state not in VALID_PREVIOUS[TxnState.ONGOING] or meta.state is TxnState.ONGOING:
+        raise _refuse(meta, TxnState.COMPLETE_COMMIT, "not a valid previous state")
+    if epoch_exhausted(meta.epoch):
+        raise _refuse(meta, TxnState.COMPLETE_COMMIT, f"epoch {meta.epoch} is exhausted")
+    return dataclasses.replace(meta, state=TxnState.COMPLETE_COMMIT, update_ms=now_ms,
+                               prev_producer_id=-1, queues=frozenset(), groups=frozenset(),
+                               start_ms=-1, epoch=meta.epoch + 1)
+
+
 def transition(meta: TxnMetadata, to: TxnState, now_ms: int, *, queues=(), groups=(),
                epoch: int | None = None, timeout_ms: int | None = None,
                producer_id: int | None = None) -> TxnMetadata:

@@ -49,7 +49,8 @@ log = logging.getLogger("raymq.replica")
 
 #: What a leader serves that writes: refused while too few replicas are in sync, and
 #: acknowledged once every in-sync replica holds it (a commit of offsets is a record).
-WRITES = frozenset({"send", "ktx_send", "commit_offsets", "delete_offsets"})
+WRITES = frozenset({"send", "ktx_send", "ktx_commit_batch", "commit_offsets",
+                    "delete_offsets"})
 CLOSE_WAIT_S = 12.0  # (a heartbeat's time-out is 10 s)
 
 

@@ -507,3 +507,48 @@ def test_a_coordinator_actor_closes_its_channel_and_log_cleanly(mq, tmp_path):
         assert rpc.call(handle.ping, timeout_s=60)["role"] == "follower"
     finally:
         rpc.kill(handle)
+
+
+def test_sends_async_commit_as_one_request_on_one_shard_and_abort_writes_nothing(mq, name):
+    """Issue 37: ``send_async`` waits for the commit, which writes a transaction of one
+    shard as one request (its writes and markers in one put); over two shards, or after a
+    synchronous write, it is the usual commit; an abort writes nothing of what waits."""
+    mq.create_topic(name, queues=2)
+    two = f"{name}-2"
+    mq.create_topic(two, queues=2)
+    kp = mq.transactional_producer(f"p{name}")
+    routes = mq.routes_for({name, two})
+    kp.begin()
+    futures = [kp.send_async(Message(name, b"a%d" % i)) for i in range(3)]
+    batch = kp.send_batch_async([Message(name, b"b%d" % i) for i in range(2)])
+    assert not any(f.done() for f in futures)  # nothing written before the commit
+    kp.commit()
+    assert kp.one_request_commits == 1
+    got = [f.result() for f in futures] + list(batch.result())
+    assert {r.status.name for r in got} == {"SEND_OK"} and all(r.queue_offset >= 0 for r in got)
+    assert bodies(read_all(mq, f"g{name}", [name])) == \
+        sorted([b"a0", b"a1", b"a2", b"b0", b"b1"])
+    assert all(not rpc.call(mq.shard_handle(s).ktx_status, timeout_s=30)
+               for s in set(routes[name]) | set(routes[two]))
+    # an abort: what waits is never written, its futures say so
+    kp.begin()
+    dropped = kp.send_async(Message(name, b"dropped"))
+    kp.abort()
+    with pytest.raises(TransactionAbortedError):
+        dropped.result()
+    # a result asked for before the commit writes it at once (the usual path)
+    with kp.transaction():
+        assert kp.send_async(Message(name, b"c", key="k")).result().queue_offset >= 0
+        kp.send_async(Message(name, b"d", key="k"))
+    # over two shards when the topics' queues are on both (else one request again)
+    keys = keys_for_queues(2)
+    with kp.transaction():
+        for k in keys:
+            kp.send_async(Message(two, b"x", key=k))
+    expected = 1 if len({routes[two][0], routes[two][1]}) > 1 else 2
+    assert kp.one_request_commits == expected
+    assert bodies(read_all(mq, f"h{name}", [name])) == \
+        sorted([b"a0", b"a1", b"a2", b"b0", b"b1", b"c", b"d"])
+    assert len(read_all(mq, f"h{name}", [two])) == 2
+    assert bodies(read_all(mq, f"u{name}", [name], "read_uncommitted")).count(b"dropped") == 0
+    kp.close()

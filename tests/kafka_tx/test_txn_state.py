@@ -10,8 +10,8 @@ import pytest
 
 from raymq.actors.kafka_tx.state import (CLOSED, MAX_EPOCH, OPEN, VALID_PREVIOUS,
                                     ConcurrentTransactionsError, InvalidTxnStateError,
-                                    TxnMetadata, TxnState, epoch_exhausted, init_producer,
-                                    transition)
+                                    TxnMetadata, TxnState, committed_alone, epoch_exhausted,
+                                    init_producer, transition)
 from raymq.storage import errors
 from raymq.storage.errors import RayMQError
 
@@ -271,3 +271,22 @@ def test_one_class_per_error_code():
         ours = {"InvalidTxnStateError": InvalidTxnStateError,
                 "ConcurrentTransactionsError": ConcurrentTransactionsError}[name]
         assert getattr(errors, name, ours) is ours and ours.code == code
+
+
+@pytest.mark.parametrize("state", list(TxnState))
+def test_a_transaction_of_one_request_moves_as_its_three_moves_would_in_one_step(state):
+    """``committed_alone`` (issue 37) is ONGOING, PREPARE_COMMIT and COMPLETE_COMMIT in one
+    step: the same metadata from where those moves are valid, refused elsewhere."""
+    meta = in_state(state)
+    try:
+        three = transition(transition(transition(meta, S.ONGOING, 500, queues=[Q1]),
+                                      S.PREPARE_COMMIT, 500), S.COMPLETE_COMMIT, 500)
+    except InvalidTxnStateError:
+        three = None
+    if three is None or state is S.ONGOING:  # (from ONGOING it would commit writes before it)
+        with pytest.raises(InvalidTxnStateError):
+            committed_alone(meta, 500)
+    else:
+        assert committed_alone(meta, 500) == three and three.epoch == meta.epoch + 1
+    with pytest.raises(InvalidTxnStateError, match="exhausted"):
+        committed_alone(in_state(S.COMPLETE_COMMIT, epoch=MAX_EPOCH - 1), 500)

@@ -262,6 +262,7 @@ def test_every_crash_point_is_killed_at_by_a_test():
     # tests/kafka_tx/test_ktx_forever.py, test_kafka_transactions.py and test_fast_commit.py kill there
     covered |= {"ktx.markers_durable", "coordinator.add_logged"}
     covered |= {"coordinator.one_phase_decided"}  # tests/kafka_tx/test_fast_commit.py
+    covered |= {"ktx.batch_committed", "coordinator.batch_committed"}  # test_one_request.py
     assert covered == set(CRASH_POINTS)
     named = set()
     for name in [os.path.join(d, f) for top in ("storage", "actors")

@@ -1,0 +1,130 @@
+"""A Kafka-style transaction of one request (issue 37, ``FastCommit.commit_batch``): its
+writes and their COMMIT markers in one put on its one shard, never open there; resends,
+fencing, and processes killed between the shard's put and the coordinator's log.  No
+Ray: the coordinator over in-process shards (``tests.kafka_tx.test_coordinator.Cluster``);
+a kill is a real process death at a crash point in a child."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from raymq.actors.shard import BrokerShard
+from raymq.storage import RecordBatch
+from raymq.storage.errors import InvalidTxnStateError, ProducerFencedError
+from tests.helpers import ROOT
+from tests.kafka_tx.test_coordinator import ROUTES, Cluster, cluster  # noqa: F401 (a fixture)
+from tests.kafka_tx.test_fast_commit import fsyncs_of, lazy_write
+
+
+def batch(*bodies: bytes, qids=None) -> RecordBatch:
+    return RecordBatch("t", qids if qids is not None else 0, list(bodies))
+
+
+def restart_shard(cluster, i: int = 0) -> None:
+    cluster.shards[i].close()
+    cluster.shards[i] = BrokerShard(i, cluster.cfg, background=False)
+    cluster.shards[i].set_routes(ROUTES)
+
+
+def test_a_transaction_of_one_request_is_one_put_and_one_fsync_and_never_open(
+        cluster, monkeypatch):
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job")
+    shard_log = fsyncs_of(monkeypatch, os.path.join("shard-0", "commitlog"))
+    coordinator_log = fsyncs_of(monkeypatch, "coordinator-0")
+    seen_open = []
+    real_put = cluster.shards[0].store.put
+
+    def put(b, **kw):  # what a reader would see of it just before the put
+        seen_open.append(cluster.shards[0].ktx_status())
+        return real_put(b, **kw)
+    monkeypatch.setattr(cluster.shards[0].store, "put", put)
+    new_pid, new_epoch, reply = c.commit_batch("job", pid, epoch, 0,
+                                               batch(b"a", b"b", qids=[0, 1]), 1)
+    assert (new_pid, new_epoch) == (pid, epoch + 1)
+    assert reply.status == "SEND_OK" and reply.queue_offsets == [0, 0] and not reply.duplicate
+    assert seen_open == [[]]  # one put, with nothing open before it
+    assert len(shard_log) == 1 and coordinator_log == []  # its one fsync; no log waited for
+    assert cluster.read(0) == [b"a"] and cluster.read(0, qid=1) == [b"b"]
+    assert cluster.read(0, isolation="read_uncommitted") == [b"a"]  # (the marker skipped)
+    assert cluster.shards[0].ktx_status() == []
+    assert c.describe_transaction("job")["state"] == "COMPLETE_COMMIT"
+    # a resend (its answer lost) is answered from the log: nothing written again
+    assert c.commit_batch("job", pid, epoch, 0, batch(b"a", b"b", qids=[0, 1]), 1) == \
+        (pid, epoch + 1, None)
+    # the next transaction goes on at the next epoch, either way
+    assert c.commit_batch("job", pid, epoch + 1, 0, batch(b"c"), 1)[:2] == (pid, epoch + 2)
+    lazy_write(cluster, "job", pid, epoch + 2, 1, 0, b"d")
+    assert c.end_transaction("job", pid, epoch + 2, "COMMIT", {0: 1}, [0]) == (pid, epoch + 3)
+    assert cluster.read(0) == [b"a", b"c", b"d"]
+    restart_shard(cluster)  # the index says it all again after a restart
+    assert cluster.read(0) == [b"a", b"c", b"d"] and cluster.read(0, qid=1) == [b"b"]
+    assert cluster.read(0, isolation="read_uncommitted") == [b"a", b"c", b"d"]
+
+
+def test_a_fenced_instance_and_an_open_transaction_cannot_commit_in_one_request(cluster):
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job")
+    lazy_write(cluster, "job", pid, epoch, 1, 0, b"open")
+    with pytest.raises(InvalidTxnStateError, match="not a transaction of one request"):
+        c.commit_batch("job", pid, epoch, 1, batch(b"x"), 1)
+    # the shard refuses it too (a coordinator's call that raced an add)
+    with pytest.raises(InvalidTxnStateError, match="is open here"):
+        cluster.shards[0].ktx_commit_batch(batch(b"x"), pid, epoch, 2)
+    new_pid, new_epoch = c.init_producer("job")  # a new instance: the open one aborted
+    assert new_pid == pid and new_epoch > epoch
+    with pytest.raises(ProducerFencedError):  # the old instance, at its old epoch
+        c.commit_batch("job", pid, epoch, 0, batch(b"zombie"), 1)
+    with pytest.raises(ProducerFencedError):  # straight to the shard, past its coordinator
+        cluster.shards[0].ktx_commit_batch(batch(b"zombie"), pid, epoch, 1)
+    assert cluster.read(0) == [] and cluster.read(0, isolation="read_uncommitted") == [b"open"]
+
+
+CHILD = textwrap.dedent("""
+    import pathlib, sys
+    from raymq.actors.faults import faults_named
+    from raymq.storage import RecordBatch
+    from tests.kafka_tx.test_coordinator import Cluster
+    cluster = Cluster(pathlib.Path(sys.argv[1]))
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job", 5_000)
+    print("pid", pid, epoch, flush=True)
+    faults_named("crash_at:" + sys.argv[2])
+    c.commit_batch("job", pid, epoch, 0, RecordBatch("t", [0, 1], [b"a", b"b"]), 1)
+""")
+
+
+@pytest.mark.parametrize("point", ["ktx.batch_committed", "coordinator.batch_committed"])
+@pytest.mark.parametrize("then", ["resend", "new instance"])
+def test_killed_between_the_shard_s_put_and_the_coordinator_s_log_it_stays_committed_once(
+        tmp_path, point, then):
+    """Killed after the put (the shard's state not told, or the coordinator's log not
+    written): the restart finds it committed on the shard, in the index, and either the
+    resend or a new instance goes on from there."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), point], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 86 and point in out.stderr, out.stderr
+    pid, epoch = map(int, out.stdout.split()[1:3])
+    cluster = Cluster(tmp_path)
+    try:
+        c = cluster.coordinator
+        assert c.describe_transaction("job")["epoch"] == epoch  # it logged nothing of it
+        assert cluster.read(0) == [b"a"] and cluster.read(0, qid=1) == [b"b"]
+        assert cluster.shards[0].ktx_status() == []  # never open: holds no LSO
+        if then == "resend":
+            got = c.commit_batch("job", pid, epoch, 0, RecordBatch("t", [0, 1], [b"a", b"b"]), 1)
+            assert got[:2] == (pid, epoch + 1) and got[2].duplicate
+            nxt = epoch + 1
+        else:
+            assert c.init_producer("job", 5_000) == (pid, epoch + 1)
+            nxt = epoch + 1
+            with pytest.raises(ProducerFencedError):  # the killed instance's resend
+                cluster.shards[0].ktx_commit_batch(batch(b"late"), pid, epoch, 2)
+        assert c.commit_batch("job", pid, nxt, 0, batch(b"c"), 1)[:2] == (pid, nxt + 1)
+        assert cluster.read(0) == [b"a", b"c"] and cluster.read(0, qid=1) == [b"b"]
+    finally:
+        cluster.close()
