@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
+from raymq.actors.channel import after_reply
 from raymq.actors.kafka_tx.state import TxnMetadata, TxnState
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
@@ -37,6 +39,8 @@ class TxnLog:
         self._snapshot_path = os.path.join(directory, SNAPSHOT_FILE)
         self._snapshot_offset = 0
         self.replayed = 0  # records read after the snapshot by ``load``
+        self._soon: list[TxnMetadata] = []  # (``append_soon``: not written yet)
+        self._soon_lock = threading.Lock()
 
     def load(self) -> tuple[dict[str, TxnMetadata], int]:
         """(each live transactional id's metadata, the highest producer-id counter ever
@@ -47,12 +51,32 @@ class TxnLog:
         return txns, counter
 
     def append(self, meta: TxnMetadata, *, wait: bool = True) -> None:
-        """Log ``meta``: durably before returning, unless ``wait`` is False."""
-        res = self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [meta.to_json()],
-                                         keys=[meta.transactional_id]), wait=wait)
-        if wait and res.status is not PutStatus.PUT_OK:
+        """Log ``meta``: durably before returning, unless ``wait`` is False; after what
+        ``append_soon`` left (one put)."""
+        with self._soon_lock:
+            metas, self._soon = self._soon + [meta], []
+            res = self._put(metas)
+        if wait and self.store.wait_durable(res) is not PutStatus.PUT_OK:
             raise RequestTimeoutError("the transaction log write did not reach the disk "
                                       "within flush_timeout_ms; retry")
+
+    def append_soon(self, meta: TxnMetadata) -> None:
+        """Log ``meta``, not durably, once the reply being made is sent (``after_reply``),
+        and before any record appended after it: as ``append(wait=False)``, off the
+        caller's path."""
+        with self._soon_lock:
+            self._soon.append(meta)
+        after_reply(self.write_soon)
+
+    def write_soon(self) -> None:
+        with self._soon_lock:
+            if self._soon:
+                metas, self._soon = self._soon, []
+                self._put(metas)
+
+    def _put(self, metas: list[TxnMetadata]):
+        return self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [m.to_json() for m in metas],
+                                          keys=[m.transactional_id for m in metas]), wait=False)
 
     def compact(self) -> bool:
         """Fold the log into its snapshot once ``compact_records`` records follow the last
@@ -84,6 +108,7 @@ class TxnLog:
             log.info("%s: %d segments before its snapshots deleted", self.store.directory, n)
 
     def close(self) -> None:
+        self.write_soon()
         self.store.close()
 
     def _snapshot(self) -> tuple[dict[str, TxnMetadata], int, int, bool]:

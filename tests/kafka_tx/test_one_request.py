@@ -128,3 +128,44 @@ def test_killed_between_the_shard_s_put_and_the_coordinator_s_log_it_stays_commi
         assert cluster.read(0) == [b"a", b"c"] and cluster.read(0, qid=1) == [b"b"]
     finally:
         cluster.close()
+
+
+def test_a_record_logged_soon_is_written_after_the_reply_and_before_any_later_one(tmp_path):
+    """The coordinator logs a transaction of one request's COMPLETE_COMMIT once its reply
+    is sent (``after_reply``): never after a record logged later, and never left out."""
+    from raymq.actors import channel
+    from raymq.actors.config import ClusterConfig
+    from raymq.actors.kafka_tx.log import TXN_LOG_TOPIC, TxnLog
+    from raymq.actors.kafka_tx.state import TxnMetadata, TxnState
+    from raymq.storage.clock import ManualClock
+
+    def meta(tid, epoch):
+        return TxnMetadata(tid, 256, epoch, 1000, TxnState.COMPLETE_COMMIT, update_ms=1)
+
+    def logged(log):
+        return [(m.transactional_id, m.epoch) for m in (
+            TxnMetadata.from_json(r.body) for r in log.store.scan_queue(TXN_LOG_TOPIC, 0, 0))]
+    cfg = ClusterConfig.from_dict({"data_dir": str(tmp_path)}).store_config()
+    log = TxnLog(str(tmp_path / "c"), cfg, ManualClock(), compact_records=1000,
+                 background=False)
+    try:
+        channel._AFTER.todo = []  # (as while a channel thread answers a request)
+        log.append_soon(meta("a", 1))
+        assert logged(log) == []  # not before the reply
+        log.append(meta("b", 1), wait=False)  # a later record: after it, in one put
+        assert logged(log) == [("a", 1), ("b", 1)]
+        log.append_soon(meta("a", 2))
+        channel._run_after_reply()  # the reply is sent
+        assert logged(log) == [("a", 1), ("b", 1), ("a", 2)]
+        assert channel._AFTER.todo is None
+        log.append_soon(meta("a", 3))  # off a channel thread: at once
+        assert logged(log)[-1] == ("a", 3)
+        channel._AFTER.todo = []
+        log.append_soon(meta("a", 4))
+    finally:
+        channel._AFTER.todo = None
+        log.close()  # (what waits is written before the store closes)
+    log = TxnLog(str(tmp_path / "c"), cfg, ManualClock(), compact_records=1000,
+                 background=False)
+    assert logged(log)[-1] == ("a", 4)
+    log.close()
