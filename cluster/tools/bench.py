@@ -774,7 +774,7 @@ def _txns_vs_batches(b: Bench, kp, p, msgs: list, name: str, **params) -> tuple:
     b.progress(f"kafkatx: {4 * n_txn} transactions of {per_txn} messages ({name}) and as many "
                f"plain batches, in 4 alternating slices")
 
-    send = kp.send_batch if os.environ.get("RAYMQ_AB") == "0" else kp.send_batch_async
+    send = kp.send_batch if os.environ.get("RAYMQ_KTX_SYNC_SENDS") == "1" else kp.send_batch_async
 
     def transactional():  # (as Kafka's producers send: asynchronously, commit flushes)
         for _ in range(n_txn):
@@ -804,7 +804,7 @@ def _kafkatx_more(b: Bench, mq, kp, p, body: bytes, shards: int) -> None:
                f"alternating")
     one = Message("ktx", body)
     tx_lat, plain_lat = [], []
-    send = kp.send if os.environ.get("RAYMQ_AB") == "0" else kp.send_async
+    send = kp.send if os.environ.get("RAYMQ_KTX_SYNC_SENDS") == "1" else kp.send_async
     for _ in range(k):
         t0 = time.perf_counter()
         with kp.transaction():
