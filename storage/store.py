@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from raymq.storage import steps
+from raymq.storage.buffers import fresh_buffer
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES, CommitLog, SegmentSealError
 from raymq.storage.config import StoreConfig
@@ -371,7 +372,7 @@ class MessageStore:
             return RecordSpans.empty()
         phys = entries["phys"]
         starts, stops, at = _read_ranges(phys, phys + entries["size"], self._log.segment_size)
-        buf = bytearray(int(at[-1]))
+        buf = fresh_buffer(int(at[-1]))  # (a big read: in huge pages, not zeroed first)
         with memoryview(buf) as view:
             for lo, hi, pos in zip(starts.tolist(), stops.tolist(), at[:-1].tolist()):
                 self._log.read(lo, hi - lo, view[pos:pos + hi - lo])
