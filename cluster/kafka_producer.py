@@ -118,6 +118,9 @@ class TransactionalProducer:
         with self._lock:
             self._in_transaction(writing=True)
             future = SendFuture(self, one)
+            if not cols.n:
+                future.set(SendResults([], 0))
+                return future
             self._pending.append((msgs, cols, future))
             self._pending_n += cols.n
             if self._pending_n >= self.config.batch_max_messages:

@@ -522,6 +522,7 @@ def test_sends_async_commit_as_one_request_on_one_shard_and_abort_writes_nothing
     futures = [kp.send_async(Message(name, b"a%d" % i)) for i in range(3)]
     batch = kp.send_batch_async([Message(name, b"b%d" % i) for i in range(2)])
     assert not any(f.done() for f in futures)  # nothing written before the commit
+    assert len(kp.send_batch_async([]).result()) == 0
     kp.commit()
     assert kp.one_request_commits == 1
     got = [f.result() for f in futures] + list(batch.result())
