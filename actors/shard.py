@@ -431,8 +431,8 @@ class BrokerShard:
     def ktx_commit_batch(self, batch: RecordBatch, producer_id: int, epoch: int, sequence: int):
         """A Kafka-style transaction of one request, one put (``KafkaTxnQueues.commit_batch``)."""
         res = commit_batch(self.ktx, batch, _ktx_checked(self, batch, producer_id, sequence),
-                                    producer_id, epoch, sequence, lambda b, pid, seq:
-                                    self.store.put(b, producer_id=pid, sequence=seq))
+                           producer_id, epoch, sequence,
+                           lambda b, pid, seq: self.store.put(b, producer_id=pid, sequence=seq))
         return SendReply("SEND_OK", [], [], True) if res is None \
             else self._sent(batch, res, res.status)  # (None: a resend, stored before)
 

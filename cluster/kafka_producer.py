@@ -195,11 +195,8 @@ class TransactionalProducer:
             self._ended(err)
             raise
         self._ended(None)
-        located = reply is not None and len(reply.phys) == cols.n
-        return SendResults([(PartResults(
-            SendStatus(reply.status if reply is not None else "SEND_OK"), shard,
-            batch.topics, qids.tolist(), reply.queue_offsets if located else [-1] * cols.n,
-            reply.phys if located else None), list(range(cols.n)))], cols.n)
+        return SendResults([(_part(reply, shard, batch.topics, qids.tolist()),
+                             list(range(cols.n)))], cols.n)
 
     def _write_routed(self, cols, qids, shards, queues) -> SendResults:
         """(under the lock) The writes of ``cols`` routed, to every shard at once."""
@@ -246,11 +243,7 @@ class TransactionalProducer:
                 self._settle(parts[k + 1:])
                 raise
             self._seq[shard] = seq
-            located = len(reply.phys) == len(idx)  # (else a retry the shard stored once,
-            results.append((PartResults(  # its offsets no longer known)
-                SendStatus(reply.status), shard, args[0].topics, q,
-                reply.queue_offsets if located else [-1] * len(idx),
-                reply.phys if located else None), idx))
+            results.append((_part(reply, shard, args[0].topics, q), idx))
         return SendResults(results, cols.n)
 
     def send_offsets(self, offsets: dict[tuple[str, int], int], group: str) -> None:
@@ -511,6 +504,16 @@ class TransactionalProducer:
                 future.set(None, TransactionAbortedError(
                     f"{self.transactional_id}: aborted before the message was written"))
             self._pending, self._pending_n = [], 0
+
+
+def _part(reply, shard: int, topics, qids: list[int]) -> PartResults:
+    """The results of a write of ``qids``' messages to ``shard`` from its reply; offsets
+    unknown (-1) when the reply does not name them: a retry the shard had stored once, or
+    (None) a transaction of one request answered from the coordinator's log."""
+    located = reply is not None and len(reply.phys) == len(qids)
+    return PartResults(SendStatus(reply.status if reply is not None else "SEND_OK"), shard,
+                       topics, qids, reply.queue_offsets if located else [-1] * len(qids),
+                       reply.phys if located else None)
 
 
 class SendFuture:

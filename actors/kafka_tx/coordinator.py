@@ -29,8 +29,8 @@ from raymq.actors.faults import faults_named
 from raymq.actors.kafka_tx.shard_side import KeyedLocks
 from raymq.actors.protocol import check_group
 from raymq.actors.kafka_tx.log import TxnLog
-from raymq.actors.kafka_tx.state import (MAX_EPOCH, TxnMetadata, TxnState, epoch_exhausted,
-                                    init_producer, transition)
+from raymq.actors.kafka_tx.state import (MAX_EPOCH, TxnMetadata, TxnState, ended_with,
+                                         epoch_exhausted, init_producer, transition)
 from raymq.storage.clock import Clock, SystemClock
 from raymq.storage.faults import crash_point
 from raymq.storage.errors import (ConcurrentTransactionsError, InvalidMessageError,
@@ -285,16 +285,8 @@ class TransactionCoordinator:
                     meta = self._complete(meta)  # asked again while it is completing
                 elif outcome == "ABORT":
                     meta = self.fast.settle(meta)  # (one committed in one phase stays so)
-            if meta is not None and meta.ended_by(producer_id, epoch):
-                done = "COMMIT" if meta.state is TxnState.COMPLETE_COMMIT else "ABORT"
-                if done == outcome:  # a retry of an end that completed
-                    return meta.producer_id, meta.epoch
-                if outcome == "COMMIT":
-                    raise TransactionAbortedError(
-                        f"transactional id {transactional_id!r}: its transaction was "
-                        f"aborted before the commit (timeout or operator)")
-                raise InvalidTxnStateError(f"transactional id {transactional_id!r}: its "
-                                           f"transaction was committed before this abort")
+            if ended_with(meta, transactional_id, producer_id, epoch, outcome):
+                return meta.producer_id, meta.epoch  # (a retry of an end that completed)
             meta = self._current(transactional_id, producer_id, epoch)
             if meta.state is not TxnState.ONGOING:  # nothing sent: nothing to end
                 return meta.producer_id, meta.epoch

@@ -25,8 +25,8 @@ logic over the coordinator's calls: no Ray.
 """
 from __future__ import annotations
 
-from raymq.actors.kafka_tx.state import (TxnMetadata, TxnState, committed_alone, epoch_exhausted,
-                                        transition)
+from raymq.actors.kafka_tx.state import (TxnMetadata, TxnState, committed_alone, ended_with,
+                                        epoch_exhausted, transition)
 from raymq.storage.errors import InvalidTxnStateError, TransactionAbortedError
 from raymq.storage.faults import crash_point
 
@@ -94,17 +94,14 @@ class FastCommit:
         """A transaction whose writes all go in one request to one shard, nothing of it
         written before: the shard writes them with their COMMIT markers in one put
         (``ktx_commit_batch``: never open there), then COMPLETE_COMMIT is logged, not
-        waited for (after the reply is sent).  Lost with a crash, the epoch has moved on at the shard only, which
-        fences nothing this id is given next; a resend is answered by the shard (a
+        waited for (after the reply is sent).  Lost with a crash, the epoch has moved on
+        at the shard only, which fences nothing this id is given next; a resend is answered by the shard (a
         duplicate) or by the log (reply None).  (producer id, epoch) next, the reply."""
         c = self.c
         with c._txn_locks.of(tid):
             meta = c._txns.get(tid)
-            if meta is not None and meta.ended_by(producer_id, epoch):
-                if meta.state is TxnState.COMPLETE_COMMIT:  # (its answer was lost)
-                    return meta.producer_id, meta.epoch, None
-                raise TransactionAbortedError(f"transactional id {tid!r}: aborted before "
-                                              f"this commit (timeout or operator)")
+            if ended_with(meta, tid, producer_id, epoch, "COMMIT"):  # (its answer was lost)
+                return meta.producer_id, meta.epoch, None
             meta = c._current(tid, producer_id, epoch)
             if meta.state is TxnState.ONGOING or epoch_exhausted(meta.epoch):
                 raise InvalidTxnStateError(

@@ -96,6 +96,13 @@ def check_producer(producer_id, epoch) -> None:
         raise InvalidMessageError(f"invalid producer epoch {epoch!r}")
 
 
+def check_sequence(sequence: int) -> None:
+    """A transactional write's sequence: 1..``MAX_SEQUENCE`` (per producer, epoch, shard)."""
+    if not 0 < sequence <= MAX_SEQUENCE:
+        raise InvalidMessageError(f"transactional sequence {sequence} is not in "
+                                  f"1..{MAX_SEQUENCE}")
+
+
 class AbortedRanges:
     """One producer's aborted ranges [first, last) in one queue, in offset order (its
     transactions follow each other), searched by offset."""
@@ -642,9 +649,7 @@ class KafkaTxnQueues:
         _check_wait(wait_ms, max_wait_ms)
         if wait_ms:
             self._await_registration(producer_id, epoch, queues, wait_ms / 1000)
-        if not 0 < sequence <= MAX_SEQUENCE:
-            raise InvalidMessageError(f"transactional sequence {sequence} is not in "
-                                      f"1..{MAX_SEQUENCE}")
+        check_sequence(sequence)
         store_pid = ktx_store_pid(producer_id)
         with self._locks.of(producer_id):
             with self.lock:
@@ -748,9 +753,7 @@ def commit_batch(txq: KafkaTxnQueues, batch: RecordBatch, queues: set[Queue],
     after it, as after an end.  A resend of one stored (its answer lost) answers
     None, nothing written again."""
     check_producer(producer_id, epoch)
-    if not 0 < sequence <= MAX_SEQUENCE:
-        raise InvalidMessageError(f"transactional sequence {sequence} is not in "
-                                  f"1..{MAX_SEQUENCE}")
+    check_sequence(sequence)
     with txq._locks.of(producer_id):
         last = txq.sequence_of(producer_id, epoch)
         with txq.lock:

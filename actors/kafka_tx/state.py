@@ -26,7 +26,8 @@ import enum
 import json
 from dataclasses import dataclass
 
-from raymq.storage.errors import ConcurrentTransactionsError, InvalidTxnStateError
+from raymq.storage.errors import (ConcurrentTransactionsError, InvalidTxnStateError,
+                                  TransactionAbortedError)
 
 #: The largest epoch (Kafka's epoch is a short).  Producers get at most MAX_EPOCH - 1.
 MAX_EPOCH = 32767
@@ -238,6 +239,23 @@ def _new_producer(meta: TxnMetadata, to: TxnState, producer_id: int | None,
             raise _refuse(meta, to, f"epoch {meta.epoch} is exhausted, a new producer id is needed")
         return {"epoch": meta.epoch + 1}  # fences late writes and markers of this transaction
     return {}
+
+
+def ended_with(meta: TxnMetadata | None, tid: str, producer_id: int, epoch: int,
+               outcome: str) -> bool:
+    """Whether ``meta`` is the end of (``producer_id``, ``epoch``)'s transaction, with
+    ``outcome``: an end asked again, answered as it completed.  Ended the other way, the
+    end asked for is refused: ``TransactionAbortedError`` for a COMMIT (it was aborted
+    first: timeout, operator), ``InvalidTxnStateError`` for an ABORT."""
+    if meta is None or not meta.ended_by(producer_id, epoch):
+        return False
+    if ("COMMIT" if meta.state is TxnState.COMPLETE_COMMIT else "ABORT") == outcome:
+        return True
+    if outcome == "COMMIT":
+        raise TransactionAbortedError(f"transactional id {tid!r}: its transaction was "
+                                      f"aborted before the commit (timeout or operator)")
+    raise InvalidTxnStateError(f"transactional id {tid!r}: its transaction was committed "
+                               f"before this abort")
 
 
 def committed_alone(meta: TxnMetadata, now_ms: int) -> TxnMetadata:
