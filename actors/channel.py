@@ -815,15 +815,11 @@ class Endpoint:
                     return
                 except (EOFError, OSError):
                     return  # the client closed, stayed idle, or the endpoint is closing
-                try:
-                    link.send_frames(self._dispatch(data))
-                finally:
-                    _run_after_reply()
+                link.send_frames(self._dispatch(data))
         except OSError as err:  # the client went away before its reply
             log.info("endpoint %s: client gone: %s", self.address, err)
 
     def _dispatch(self, data) -> list:
-        _AFTER.todo = []  # (what the handler leaves to after its reply: ``after_reply``)
         steps.start("shard.read")
         try:
             method, args = decode_request(data)
@@ -852,24 +848,3 @@ class Endpoint:
         self._acceptor.join(timeout=5)
         self._sock.close()
 
-
-_AFTER = threading.local()
-
-
-def after_reply(fn) -> None:
-    """Run ``fn`` once the reply the current request makes is sent (work its caller need
-    not wait for); at once when not answering a request on a data channel."""
-    todo = getattr(_AFTER, "todo", None)
-    if todo is None:
-        fn()
-    else:
-        todo.append(fn)
-
-
-def _run_after_reply() -> None:
-    todo, _AFTER.todo = getattr(_AFTER, "todo", None), None
-    for fn in todo or ():
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 -- the next request is served all the same
-            log.exception("work after a reply failed")

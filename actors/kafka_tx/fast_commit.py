@@ -94,9 +94,10 @@ class FastCommit:
         """A transaction whose writes all go in one request to one shard, nothing of it
         written before: the shard writes them with their COMMIT markers in one put
         (``ktx_commit_batch``: never open there), then COMPLETE_COMMIT is logged, not
-        waited for (after the reply is sent).  Lost with a crash, the epoch has moved on
-        at the shard only, which fences nothing this id is given next; a resend is answered by the shard (a
-        duplicate) or by the log (reply None).  (producer id, epoch) next, the reply."""
+        waited for (``TxnLog.append_soon``: within 10 ms, off the request's path).  Lost
+        with a crash, the epoch has moved on at the shard only, which fences nothing this
+        id is given next; a resend is answered by the shard (a duplicate) or by the log
+        (reply None).  (producer id, epoch) next, the reply."""
         c = self.c
         with c._txn_locks.of(tid):
             meta = c._txns.get(tid)
@@ -111,7 +112,7 @@ class FastCommit:
                                    (batch, producer_id, epoch, sequence)).result()
             crash_point("coordinator.batch_committed")
             done = committed_alone(meta, c.clock.now_ms())
-            c.log.append_soon(done)  # (written once the reply is sent)
+            c.log.append_soon(done)  # (written by the log's writer, within 10 ms)
             c._keep(done, c.clock.monotonic_ms(), 0)
             return done.producer_id, done.epoch, reply
 

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 
-from raymq.actors.channel import after_reply
 from raymq.actors.kafka_tx.state import TxnMetadata, TxnState
 from raymq.storage import MessageStore, RecordBatch
 from raymq.storage.commitlog import SEGMENT_HEADER_BYTES
@@ -29,6 +28,11 @@ TXN_LOG_TOPIC = "RMQ_SYS_TXN_LOG"
 SNAPSHOT_FILE, SNAPSHOT_KIND = "txn-log.snapshot", "coordinator-txn-log"
 #: The snapshot before it (what a damaged one falls back on).
 PREV_SUFFIX = ".prev"
+#: How long a record logged with ``append_soon`` may wait for the log's writer thread.
+#: What waits goes in one put, and an id that moved several times meanwhile is written
+#: once, at its newest (what a replay keeps anyway): a producer committing transactions
+#: of one request back to back costs the log a record per 10 ms, not one a transaction.
+SOON_MS = 10
 
 
 class TxnLog:
@@ -39,8 +43,16 @@ class TxnLog:
         self._snapshot_path = os.path.join(directory, SNAPSHOT_FILE)
         self._snapshot_offset = 0
         self.replayed = 0  # records read after the snapshot by ``load``
-        self._soon: list[TxnMetadata] = []  # (``append_soon``: not written yet)
-        self._soon_lock = threading.Lock()
+        #: ``append_soon``'s records not written yet: the newest of each id, at most one
+        #: per id in use (written within ``SOON_MS``, before any later record, at close)
+        self._soon: dict[str, TxnMetadata] = {}
+        self._soon_cv = threading.Condition()
+        self._closed = False
+        self._writer: threading.Thread | None = None
+        if background:
+            self._writer = threading.Thread(target=self._write_soon_loop, daemon=True,
+                                            name="raymq-txn-log")
+            self._writer.start()
 
     def load(self) -> tuple[dict[str, TxnMetadata], int]:
         """(each live transactional id's metadata, the highest producer-id counter ever
@@ -53,26 +65,45 @@ class TxnLog:
     def append(self, meta: TxnMetadata, *, wait: bool = True) -> None:
         """Log ``meta``: durably before returning, unless ``wait`` is False; after what
         ``append_soon`` left (one put)."""
-        with self._soon_lock:
-            metas, self._soon = self._soon + [meta], []
+        with self._soon_cv:
+            metas, self._soon = [*self._soon.values(), meta], {}
             res = self._put(metas)
         if wait and self.store.wait_durable(res) is not PutStatus.PUT_OK:
             raise RequestTimeoutError("the transaction log write did not reach the disk "
                                       "within flush_timeout_ms; retry")
 
     def append_soon(self, meta: TxnMetadata) -> None:
-        """Log ``meta``, not durably, once the reply being made is sent (``after_reply``),
-        and before any record appended after it: as ``append(wait=False)``, off the
-        caller's path."""
-        with self._soon_lock:
-            self._soon.append(meta)
-        after_reply(self.write_soon)
+        """Log ``meta``, not durably, off the caller's path: the log's writer thread writes
+        it within ``SOON_MS`` (``write_soon``), before any record appended after it, and
+        at close; replaced, unwritten, by a newer one of its id meanwhile.  For records
+        whose loss with a crash the coordinator's protocol already covers (a transaction
+        of one request's COMPLETE_COMMIT: ``FastCommit.commit_batch``)."""
+        with self._soon_cv:
+            first = not self._soon
+            self._soon.pop(meta.transactional_id, None)  # (now last: the order ids moved in)
+            self._soon[meta.transactional_id] = meta
+            if first:
+                self._soon_cv.notify()
 
     def write_soon(self) -> None:
-        with self._soon_lock:
+        """Write what ``append_soon`` left, in one put (the writer thread's step)."""
+        with self._soon_cv:
             if self._soon:
-                metas, self._soon = self._soon, []
+                metas, self._soon = list(self._soon.values()), {}
                 self._put(metas)
+
+    def _write_soon_loop(self) -> None:
+        while True:
+            with self._soon_cv:
+                self._soon_cv.wait_for(lambda: self._soon or self._closed)
+                if self._closed:
+                    return  # (``close`` writes what waits)
+                # what comes within SOON_MS goes in the same put
+                self._soon_cv.wait_for(lambda: self._closed, SOON_MS / 1000.0)
+            try:
+                self.write_soon()
+            except Exception:  # noqa: BLE001 -- (a stopped store): the next append raises
+                log.exception("%s: writing the transaction log failed", self.store.directory)
 
     def _put(self, metas: list[TxnMetadata]):
         return self.store.put(RecordBatch(TXN_LOG_TOPIC, 0, [m.to_json() for m in metas],
@@ -108,6 +139,11 @@ class TxnLog:
             log.info("%s: %d segments before its snapshots deleted", self.store.directory, n)
 
     def close(self) -> None:
+        with self._soon_cv:
+            self._closed = True
+            self._soon_cv.notify_all()
+        if self._writer is not None:
+            self._writer.join()
         self.write_soon()
         self.store.close()
 

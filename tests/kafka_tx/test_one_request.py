@@ -15,7 +15,7 @@ import pytest
 from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
 from raymq.storage.errors import InvalidTxnStateError, ProducerFencedError
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_for
 from tests.kafka_tx.test_coordinator import ROUTES, Cluster, cluster  # noqa: F401 (a fixture)
 from tests.kafka_tx.test_fast_commit import fsyncs_of, lazy_write
 
@@ -130,10 +130,12 @@ def test_killed_between_the_shard_s_put_and_the_coordinator_s_log_it_stays_commi
         cluster.close()
 
 
-def test_a_record_logged_soon_is_written_after_the_reply_and_before_any_later_one(tmp_path):
-    """The coordinator logs a transaction of one request's COMPLETE_COMMIT once its reply
-    is sent (``after_reply``): never after a record logged later, and never left out."""
-    from raymq.actors import channel
+def test_a_record_logged_soon_is_written_within_its_linger_before_any_later_one_and_at_close(
+        tmp_path):
+    """The coordinator logs a transaction of one request's COMPLETE_COMMIT soon
+    (``append_soon``): its writer thread writes it within ``SOON_MS``, newest per id
+    (a replay keeps the newest anyway), never after a record logged later, and never
+    left out at close."""
     from raymq.actors.config import ClusterConfig
     from raymq.actors.kafka_tx.log import TXN_LOG_TOPIC, TxnLog
     from raymq.actors.kafka_tx.state import TxnMetadata, TxnState
@@ -147,25 +149,33 @@ def test_a_record_logged_soon_is_written_after_the_reply_and_before_any_later_on
             TxnMetadata.from_json(r.body) for r in log.store.scan_queue(TXN_LOG_TOPIC, 0, 0))]
     cfg = ClusterConfig.from_dict({"data_dir": str(tmp_path)}).store_config()
     log = TxnLog(str(tmp_path / "c"), cfg, ManualClock(), compact_records=1000,
-                 background=False)
+                 background=False)  # (no writer thread: the test takes its steps)
     try:
-        channel._AFTER.todo = []  # (as while a channel thread answers a request)
         log.append_soon(meta("a", 1))
-        assert logged(log) == []  # not before the reply
+        assert logged(log) == []  # not on the caller's path
         log.append(meta("b", 1), wait=False)  # a later record: after it, in one put
         assert logged(log) == [("a", 1), ("b", 1)]
         log.append_soon(meta("a", 2))
-        channel._run_after_reply()  # the reply is sent
-        assert logged(log) == [("a", 1), ("b", 1), ("a", 2)]
-        assert channel._AFTER.todo is None
-        log.append_soon(meta("a", 3))  # off a channel thread: at once
-        assert logged(log)[-1] == ("a", 3)
-        channel._AFTER.todo = []
+        log.append_soon(meta("c", 1))
+        log.append_soon(meta("a", 3))  # before the writer came: replaces a's epoch 2
+        log.write_soon()  # the writer's step
+        assert logged(log) == [("a", 1), ("b", 1), ("c", 1), ("a", 3)]
+        log.write_soon()  # nothing waits: nothing written
+        assert len(logged(log)) == 4
         log.append_soon(meta("a", 4))
     finally:
-        channel._AFTER.todo = None
         log.close()  # (what waits is written before the store closes)
     log = TxnLog(str(tmp_path / "c"), cfg, ManualClock(), compact_records=1000,
                  background=False)
     assert logged(log)[-1] == ("a", 4)
     log.close()
+    # with its writer thread: written with no further call
+    log = TxnLog(str(tmp_path / "c"), cfg, ManualClock(), compact_records=1000)
+    try:
+        log.append_soon(meta("a", 5))
+        log.append_soon(meta("d", 1))
+        wait_for(lambda: len(logged(log)) == 7, 10,
+                 "the writer thread writing what append_soon left")
+        assert logged(log)[4:] == [("a", 4), ("a", 5), ("d", 1)]
+    finally:
+        log.close()
