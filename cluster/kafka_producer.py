@@ -149,7 +149,8 @@ class TransactionalProducer:
                                      self.config.batch_max_messages)
         if len(topics) == 1:  # (the usual batch: its queues without a pass per message)
             [topic] = topics
-            queues = {(routes[topic][q], topic, q) for q in np.unique(qids).tolist()}
+            queues = {(routes[topic][q], topic, q) for q in (
+                set(qids.tolist()) if len(qids) <= 64 else np.unique(qids).tolist())}
         else:
             queues = set(zip(shards.tolist(), cols.topic, qids.tolist()))
         return qids, shards, queues
@@ -447,9 +448,7 @@ class TransactionalProducer:
             self._coordinator_index, method, *args, timeout_s=60))
 
     def _retrying(self, call):
-        deadline = time.monotonic() + max(30.0, self.config.send_timeout_ms / 1000 *
-                                          max(1, self.config.send_retries))
-        backoff = self.config.retry_backoff_ms / 1000
+        started, deadline, backoff = time.monotonic(), None, 0.0
         while True:
             try:
                 return call()
@@ -457,6 +456,10 @@ class TransactionalProducer:
                 self._state = "fenced"
                 raise
             except RayMQError as err:
+                if deadline is None:  # (the settings read only once a call failed)
+                    deadline = started + max(30.0, self.config.send_timeout_ms / 1000 *
+                                             max(1, self.config.send_retries))
+                    backoff = self.config.retry_backoff_ms / 1000
                 if not err.retriable or time.monotonic() + backoff > deadline:
                     raise
                 log.warning("%s: %s; retrying in %.2f s", self.transactional_id, err, backoff)
