@@ -191,7 +191,7 @@ class BrokerShard:
         n = len(batch)
         self.reads.wake()
         self.metrics.inc("messages_in", n)
-        self.metrics.inc("bytes_in", float(res.size_array[:n].sum()))
+        self.metrics.inc("bytes_in", _bytes_of(res.size_array, n))
         status = self.faults.send_status(status)
         return SendReply("SEND_OK" if status is PutStatus.PUT_OK else status.name,
                          res.phys_array[:n].tolist(), _reply_offsets(batch, res, n, self.timers),
@@ -489,6 +489,12 @@ def _ktx_checked(shard: BrokerShard, batch: RecordBatch, producer_id: int,
     queues = batch.queues()
     shard.routes.check(queues)
     return queues
+
+
+def _bytes_of(sizes, n: int) -> float:
+    """The bytes of a put's first ``n`` records (a few: Python's sum; numpy's costs ~4 us
+    however few they are)."""
+    return float(sum(sizes[:n].tolist()) if n <= 16 else sizes[:n].sum())
 
 
 def _reply_offsets(batch: RecordBatch, res, n: int, timers) -> list[int]:

@@ -53,7 +53,8 @@ class PutFramer:
             bad = next(b for b in batch.bodies if not hasattr(b, "__len__"))
             raise InvalidMessageError(f"message body must be bytes, got "
                                       f"{type(bad).__name__}") from None
-        biggest = int(lens.max())
+        # (a few records: Python's max; numpy's costs ~4 us however few they are)
+        biggest = max(map(len, batch.bodies)) if len(lens) <= 16 else int(lens.max())
         if biggest > limit:
             raise MessageTooLargeError(f"message body of {biggest} bytes exceeds the maximum "
                                        f"of {limit} bytes (max_message_bytes)")
