@@ -86,7 +86,7 @@ PROTOCOL_VERSION = 3
 DATA_METHODS = frozenset({"send", "end_transactions", "pull", "commit_offsets", "get_offsets",
                           "delete_offsets", "queue_bounds", "ktx_send", "ktx_offsets",
                           "ktx_register", "ktx_verify", "ktx_end", "ktx_commit_batch",
-                          "producer_sequences"})
+                          "ktx_epoch", "producer_sequences"})
 
 #: The only globals a request pickle may name: what ``RecordBatch`` and ``EndRequest``
 #: reduce to (what the SDK's requests held in a traced run of the Ray tests; numbers

@@ -85,8 +85,8 @@ class BrokerShard:
         self.reads = QueueReads(self.store, self.clock, self.metrics)
         self.offsets = GroupOffsets(index, self.store, self.config.max_groups)
         self.halves = HalfIndex(index, self.store)
-        self.checks = CheckRounds(index, self.store, self.halves, self._append, self._tx_lock,
-                                  self.config, self.metrics)
+        self.checks = CheckRounds(index, self.store, self.halves, lambda records: self.store.put(
+            RecordBatch.from_records(records)), self._tx_lock, self.config, self.metrics)
         self.cancels = Cancellations(self.store)
         self.delays = DelayScheduler(index, self.store, self._levels_ms,
                                      self.config.schedule_tick_ms, self.clock, self.metrics,
@@ -196,10 +196,6 @@ class BrokerShard:
         return SendReply("SEND_OK" if status is PutStatus.PUT_OK else status.name,
                          res.phys_array[:n].tolist(), _reply_offsets(batch, res, n, self.timers),
                          res.duplicate)
-
-    def _append(self, records: list[Record]):
-        """A put of the shard's own records (check copies, op records), not yet flushed."""
-        return self.store.put(RecordBatch.from_records(records))
 
     # ---------------------------------------------------- transaction ends
     def end_transactions(self, requests: list) -> list[EndResult]:
@@ -453,6 +449,10 @@ class BrokerShard:
         """Before a two-phase commit: the producer's writes here are all here, durable."""
         self.ktx.verify(producer_id, epoch, int(expect))
 
+    def ktx_epoch(self, producer_id: int) -> int:
+        """The highest epoch of a Kafka-style producer seen here (-1: none)."""
+        return self.ktx.epoch_of(producer_id)
+
     def ktx_status(self) -> list[dict]:
         """Open Kafka-style transactions on this shard (``raymq tx hanging``)."""
         return self.ktx.status(self.clock.now_ms())
@@ -523,7 +523,7 @@ _PUBLIC_CALLS = ("send", "end_transactions", "end_transaction", "resolve_half", 
                  "get_message", "find_by_key", "queue_bounds", "drop_topic", "send_back",
                  "dlq_list", "dlq_resend",
                  "ktx_register", "ktx_send", "ktx_offsets", "ktx_verify", "ktx_end",
-                 "ktx_commit_batch", "cancel_scheduled",
+                 "ktx_commit_batch", "ktx_epoch", "cancel_scheduled",
                  "timer_list")
 for _name in _PUBLIC_CALLS:
     setattr(BrokerShard, _name, answers_in_one_line(getattr(BrokerShard, _name)))

@@ -209,6 +209,7 @@ class TransactionCoordinator:
                 meta = self._complete(meta)  # a transaction left half-done: finish it
             if meta is not None:
                 meta = self.fast.settle(meta)  # (one committed in one phase stays so)
+                meta = self.fast.epoch_seen(meta)  # (epochs moved on unlogged, after a crash)
             new, must = init_producer(meta, transactional_id, self._id_for(meta),
                                       timeout_ms, self.clock.now_ms())
             self._append(new)

@@ -25,6 +25,8 @@ logic over the coordinator's calls: no Ray.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from raymq.actors.kafka_tx.state import (TxnMetadata, TxnState, committed_alone, ended_with,
                                         epoch_exhausted, transition)
 from raymq.storage.errors import InvalidTxnStateError, TransactionAbortedError
@@ -42,6 +44,9 @@ class FastCommit:
         self._shards_of = shards_of
         #: transactional ids whose one-phase commit may have reached their shard unlogged
         self.in_doubt: set[str] = set()
+        #: transactional ids a restart found ended: transactions of one request may have
+        #: moved their epoch on at a shard unlogged since (``epoch_seen``)
+        self.unlogged: set[str] = set()
 
     def only_shard(self, meta: TxnMetadata) -> int | None:
         """The transaction's one shard, when it commits in one phase (None: two phases;
@@ -52,9 +57,28 @@ class FastCommit:
         return next(iter(shards))
 
     def loaded(self, meta: TxnMetadata) -> None:
-        """A restart found ``meta``: an ONGOING one-shard transaction is in doubt."""
+        """A restart found ``meta``: an ONGOING one-shard transaction is in doubt; after an
+        ended one, transactions of one request may have committed unlogged."""
         if meta.state is TxnState.ONGOING and self.only_shard(meta) is not None:
             self.in_doubt.add(meta.transactional_id)
+        elif meta.state is not TxnState.ONGOING:
+            self.unlogged.add(meta.transactional_id)
+
+    def epoch_seen(self, meta: TxnMetadata) -> TxnMetadata:
+        """Before a new instance of ``meta``'s id is given the next epoch: ``meta`` at the
+        highest epoch any shard saw of its producer, once after a restart.  Transactions of
+        one request committed back to back move the epoch on at their shard before their
+        COMPLETE_COMMITs are logged (``append_soon``); lost with a crash, the next epoch of
+        the logged one would be fenced there for good, and would not fence the instance
+        holding the shard's.  Every shard must answer (else the error, retriable)."""
+        tid = meta.transactional_id
+        if tid not in self.unlogged:
+            return meta
+        calls = [self.c._begin_shard(s, "ktx_epoch", (meta.producer_id,))
+                 for s in range(self.c.config.num_shards)]
+        seen = max(call.result() for call in calls)
+        self.unlogged.discard(tid)
+        return dataclasses.replace(meta, epoch=seen) if seen > meta.epoch else meta
 
     def commit_or_verify(self, meta: TxnMetadata, seqs: dict, lazy) -> TxnMetadata:
         """A producer's commit of the ONGOING ``meta``: in one phase on its one shard (its

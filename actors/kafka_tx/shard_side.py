@@ -570,6 +570,12 @@ class KafkaTxnQueues:
         self._require_writes(producer_id, txn.epoch, expect)
         return None
 
+    def epoch_of(self, producer_id: int) -> int:
+        """The highest epoch of the producer seen here, its fences included (-1: none)."""
+        check_producer(producer_id, 0)
+        with self.lock:
+            return self.state.epochs.get(producer_id, -1)
+
     def sequence_of(self, producer_id: int, epoch: int) -> int:
         """The last sequence of the producer's transactional writes at ``epoch`` stored
         here (0: none)."""

@@ -120,8 +120,10 @@ def test_killed_between_the_shard_s_put_and_the_coordinator_s_log_it_stays_commi
             assert got[:2] == (pid, epoch + 1) and got[2].duplicate
             nxt = epoch + 1
         else:
-            assert c.init_producer("job", 5_000) == (pid, epoch + 1)
-            nxt = epoch + 1
+            # above the epoch the shard moved on to (the killed instance might have been
+            # answered it): epoch + 2
+            assert c.init_producer("job", 5_000) == (pid, epoch + 2)
+            nxt = epoch + 2
             with pytest.raises(ProducerFencedError):  # the killed instance's resend
                 cluster.shards[0].ktx_commit_batch(batch(b"late"), pid, epoch, 2)
         assert c.commit_batch("job", pid, nxt, 0, batch(b"c"), 1)[:2] == (pid, nxt + 1)
@@ -179,3 +181,49 @@ def test_a_record_logged_soon_is_written_within_its_linger_before_any_later_one_
         assert logged(log)[4:] == [("a", 4), ("a", 5), ("d", 1)]
     finally:
         log.close()
+
+
+LOST_LOG = textwrap.dedent("""
+    import os, pathlib, sys
+    from raymq.storage import RecordBatch
+    from tests.kafka_tx.test_coordinator import Cluster
+    cluster = Cluster(pathlib.Path(sys.argv[1]))
+    c = cluster.coordinator
+    pid, epoch = c.init_producer("job", 5_000)
+    for i in range(3):  # back to back: their COMPLETE_COMMITs wait for the log's writer
+        pid, epoch, _ = c.commit_batch("job", pid, epoch, 0, RecordBatch("t", 0, [b"m%d" % i]),
+                                       1)
+    print("pid", pid, epoch, flush=True)
+    os._exit(0)  # killed before the writer came: none of the three is logged
+""")
+
+
+def test_a_coordinator_that_lost_several_commits_of_one_request_gives_a_new_instance_an_epoch_the_shards_take(
+        tmp_path):
+    """Transactions of one request committed back to back, their COMPLETE_COMMITs lost with
+    the coordinator (killed before its log's writer wrote them; or a power loss before the
+    log's next fsync): the shard moved the producer's epoch on three times, the log not
+    at all.  A new instance must get an epoch above all of them -- one the shard takes,
+    and which fences the instance before it -- not the logged epoch's next, which the
+    shard refuses as fenced for good."""
+    out = subprocess.run([sys.executable, "-c", LOST_LOG, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid, epoch = map(int, out.stdout.split()[1:3])
+    cluster = Cluster(tmp_path)
+    try:
+        c = cluster.coordinator
+        assert c.describe_transaction("job")["epoch"] < epoch - 1  # several commits lost
+        assert cluster.read(0) == [b"m0", b"m1", b"m2"]
+        new_pid, new_epoch = c.init_producer("job", 5_000)
+        assert new_pid == pid and new_epoch > epoch  # above what the old instance holds
+        got = c.commit_batch("job", new_pid, new_epoch, 0, batch(b"new"), 1)
+        assert got[:2] == (pid, new_epoch + 1)
+        with pytest.raises(ProducerFencedError):  # the old instance, at the epoch it holds
+            c.commit_batch("job", pid, epoch, 0, batch(b"zombie"), 1)
+        with pytest.raises(ProducerFencedError):  # straight to the shard, past the coordinator
+            cluster.shards[0].ktx_commit_batch(batch(b"zombie"), pid, epoch, 1)
+        assert cluster.read(0) == [b"m0", b"m1", b"m2", b"new"]
+        assert c.init_producer("job", 5_000) == (pid, new_epoch + 2)  # asked once: known now
+    finally:
+        cluster.close()
