@@ -74,9 +74,16 @@ class FastCommit:
         tid = meta.transactional_id
         if tid not in self.unlogged:
             return meta
+        seen, errors = meta.epoch, []
         calls = [self.c._begin_shard(s, "ktx_epoch", (meta.producer_id,))
                  for s in range(self.c.config.num_shards)]
-        seen = max(call.result() for call in calls)
+        for call in calls:  # (every answer read: none left on its connection)
+            try:
+                seen = max(seen, call.result())
+            except Exception as err:  # noqa: BLE001 -- raised below, after every call
+                errors.append(err)
+        if errors:
+            raise errors[0]
         self.unlogged.discard(tid)
         return dataclasses.replace(meta, epoch=seen) if seen > meta.epoch else meta
 

@@ -14,7 +14,8 @@ import pytest
 
 from raymq.actors.shard import BrokerShard
 from raymq.storage import RecordBatch
-from raymq.storage.errors import InvalidTxnStateError, ProducerFencedError
+from raymq.storage.errors import (BrokerUnavailableError, InvalidTxnStateError,
+                                  ProducerFencedError)
 from tests.helpers import ROOT, wait_for
 from tests.kafka_tx.test_coordinator import ROUTES, Cluster, cluster  # noqa: F401 (a fixture)
 from tests.kafka_tx.test_fast_commit import fsyncs_of, lazy_write
@@ -215,6 +216,11 @@ def test_a_coordinator_that_lost_several_commits_of_one_request_gives_a_new_inst
         c = cluster.coordinator
         assert c.describe_transaction("job")["epoch"] < epoch - 1  # several commits lost
         assert cluster.read(0) == [b"m0", b"m1", b"m2"]
+        cluster.down = {1}  # a shard that cannot say what it saw: no epoch given (retriable)
+        with pytest.raises(BrokerUnavailableError) as err:
+            c.init_producer("job", 5_000)
+        assert err.value.retriable
+        cluster.down = set()
         new_pid, new_epoch = c.init_producer("job", 5_000)
         assert new_pid == pid and new_epoch > epoch  # above what the old instance holds
         got = c.commit_batch("job", new_pid, new_epoch, 0, batch(b"new"), 1)
