@@ -48,13 +48,14 @@ class PutFramer:
         """
         limit = self.config.max_message_bytes
         try:
-            lens = np.array(list(map(len, batch.bodies)), np.int64)
+            sizes = list(map(len, batch.bodies))
         except TypeError:
             bad = next(b for b in batch.bodies if not hasattr(b, "__len__"))
             raise InvalidMessageError(f"message body must be bytes, got "
                                       f"{type(bad).__name__}") from None
+        lens = np.array(sizes, np.int64)
         # (a few records: Python's max; numpy's costs ~4 us however few they are)
-        biggest = max(map(len, batch.bodies)) if len(lens) <= 16 else int(lens.max())
+        biggest = max(sizes) if len(sizes) <= 16 else int(lens.max())
         if biggest > limit:
             raise MessageTooLargeError(f"message body of {biggest} bytes exceeds the maximum "
                                        f"of {limit} bytes (max_message_bytes)")
