@@ -56,6 +56,8 @@ log = logging.getLogger("raymq.producer")
 
 #: End outcomes that leave the transaction to the check-back.
 _NOT_ENDED = (EndOutcome.REFUSED, EndOutcome.FAILED)
+#: A write stored, its in-sync replicas not known to hold it in time: sent again.
+_UNREPLICATED = SendStatus.FLUSH_SLAVE_TIMEOUT.value
 #: Keyless single sends to a topic before its sticky queue moves on.
 STICKY_MESSAGES = 64
 #: How long transaction ends wait for a request to ride on before they go alone: a
@@ -449,10 +451,7 @@ class Producer:
             (items, _sequence, ends), request, args, call = current
             result, again = None, None
             try:
-                try:
-                    result = call.result()
-                except RayMQError as err:
-                    result = self._resend(key, args, err)
+                result = self._answer(key, args, call)
             except BaseException as err:  # given up on, or a bug: these callers fail
                 if items and ends:  # the ends were fine: they go again, on their own
                     again = ends
@@ -496,31 +495,57 @@ class Producer:
             call = _Raise(err)
         return work, request, args, call
 
-    def _resend(self, key: tuple[int, int], args: tuple, err: RayMQError):
-        """Send a failed request again after back-offs, while retriable; its answer.
+    def _answer(self, key: tuple[int, int], args: tuple, call) -> SendReply:
+        """A request's answer; sent again (``_resend``) when it failed retriably, or when
+        its write was answered ``FLUSH_SLAVE_TIMEOUT`` (a request with a sequence)."""
+        try:
+            reply = call.result()
+        except RayMQError as err:
+            return self._resend(key, args, err)
+        if reply.status != _UNREPLICATED or not args[2]:
+            return reply
+        return self._resend(key, args, None, reply)
+
+    def _resend(self, key: tuple[int, int], args: tuple, err: RayMQError | None,
+                reply: SendReply | None = None) -> SendReply:
+        """Send a request again after back-offs, while its failure ``err`` is retriable,
+        or while its ``reply`` is ``FLUSH_SLAVE_TIMEOUT`` (``err`` None): stored, its
+        in-sync replicas not known to hold it in time -- as while a follower that died
+        is still in the in-sync set, until its lease runs out (Kafka's producer retries
+        that too).  A resend has the request's sequence: the shard stores it once and
+        waits again for the replicas.  Its last answer (``FLUSH_SLAVE_TIMEOUT`` still
+        when the retries ran out).
 
         The lane waits through the back-off: a later request must not
         overtake this one (its queue order, and its sequence at the shard).
         """
         attempt = 0
         while True:
-            if not err.retriable or attempt >= self.config.send_retries or (
-                    self._closed and attempt >= 2):
+            if attempt >= self.config.send_retries or (self._closed and attempt >= 2) or (
+                    err is not None and not err.retriable):
+                if err is None:
+                    return reply
                 raise err
             backoff_s = min(self.config.retry_backoff_ms * (2 ** attempt),
                             self.config.retry_backoff_max_ms) / 1000.0
             attempt += 1
             self.retries += 1
             self.metrics.inc("send_retries")
-            log.warning("send to shard-%d failed (%s); retry %d in %.2f s", key[0], err,
+            why = err if err is not None else "stored, not confirmed by its in-sync " \
+                "replicas in time: FLUSH_SLAVE_TIMEOUT"
+            log.warning("send to shard-%d failed (%s); retry %d in %.2f s", key[0], why,
                         attempt, backoff_s)
             self._sleep_s(backoff_s)
             self.requests += 1
             try:
-                return self._mq.transport.call(key[0], "send", *args,
-                                               timeout_s=self.config.send_timeout_ms / 1000)
+                reply = self._mq.transport.call(key[0], "send", *args,
+                                                timeout_s=self.config.send_timeout_ms / 1000)
             except RayMQError as again:
                 err = again
+                continue
+            if reply.status != _UNREPLICATED:
+                return reply
+            err = None
 
     def _run(self) -> None:
         """The producer's own thread: starts lanes whose linger ran out; ends the producer."""

@@ -159,12 +159,17 @@ def failover_all(seed: int = 11) -> int:
 
 def follower_loss() -> int:
     """Followers' nodes lost one, then two: sends go on with two in sync, then fail with
-    NotEnoughReplicasError; nodes come back, the replicas copy and rejoin."""
+    NotEnoughReplicasError; nodes come back, the replicas copy and rejoin.
+
+    The lease (2.5 s) outlasts the leader's wait for its replicas (half the send timeout,
+    2 s): the first send after a loss is answered FLUSH_SLAVE_TIMEOUT while the lost
+    follower is still in the in-sync set, and the producer sends it again until the set
+    has shrunk."""
     from raymq import Message
     from raymq.storage.errors import NotEnoughReplicasError
     h = Harness(workers=3)
     try:
-        mq = h.deploy(send_retries=1)
+        mq = h.deploy(send_retries=3, replica_lease_ms=2500)
         mq.create_topic("t", queues=2)
         log = AckedLog(mq, "t", 3)
         log.send(100)

@@ -166,6 +166,11 @@ class KafkaApis(TxnApis, AdminApis):
                     self.sequences.stored(pid, seq)
                     if reply.refused:
                         raise InvalidMessageError(str(reply.refused[0]))
+                    if reply.status != "SEND_OK":  # (stored; a resend of its sequence
+                        # waits again, and is answered with its offset once it is durable)
+                        raise RequestTimeoutError(
+                            f"{name}/{index}: stored, not known durable and replicated in "
+                            f"time ({reply.status})")
                     code, base = NONE, reply.queue_offsets[0] if reply.queue_offsets else -1
                 except Exception as err:
                     code = error_code(err)

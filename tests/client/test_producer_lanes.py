@@ -395,3 +395,31 @@ def test_a_sends_steps_are_stamped_in_order_when_the_switch_is_on(cluster):
     assert names == ["client.call", "client.batched", "store.written", "fsync.begin",
                      "fsync.done", "shard.reply"]
     assert steps.take() is None  # (off again: no stamps kept)
+
+
+def test_a_write_its_replicas_confirm_late_is_sent_again_and_stored_once(cluster):
+    """FLUSH_SLAVE_TIMEOUT: stored, its in-sync replicas not known to hold it in time -- as
+    while a follower that died is still in the in-sync set (until its lease runs out and
+    the set shrinks).  The producer sends the same request again within send_retries (its
+    sequence: stored once, the shard waits again for the replicas): SEND_OK once they
+    hold it; FLUSH_SLAVE_TIMEOUT when the retries run out."""
+    from raymq.message import SendStatus
+    from raymq.storage.store import PutStatus
+    producer, shards, transport = cluster(send_retries=2)
+    late = [2]  # replication waits that time out before the replicas hold the write
+
+    def replicas_hold(end: int) -> PutStatus:  # (the store's hook: a leader's wait)
+        if late[0]:
+            late[0] -= 1
+            return PutStatus.FLUSH_SLAVE_TIMEOUT
+        return PutStatus.PUT_OK
+    for s in shards:
+        s.store.replication = replicas_hold
+    ok = producer.send(Message(TOPIC, b"once", key="k"))
+    assert ok.status is SendStatus.SEND_OK and producer.retries == 2
+    late[0] = 3
+    unsure = producer.send(Message(TOPIC, b"unsure", key="k"))
+    assert unsure.status is SendStatus.FLUSH_SLAVE_TIMEOUT and producer.retries == 4
+    assert (ok.queue_offset, unsure.queue_offset) == (0, 1)
+    producer.close()
+    assert [m.body for m in stored(shards)] == [b"once", b"unsure"]  # each stored once

@@ -204,47 +204,83 @@ def test_an_idempotent_producer_stores_a_resent_batch_once_and_refuses_a_gap(
     the first offsets; a batch past a gap is refused with OUT_OF_ORDER_SEQUENCE_NUMBER."""
     import socket
     from confluent_kafka import Producer
-    from kafka.protocol.producer import ProduceRequest
-    from kafka.protocol.producer.transaction import InitProducerIdRequest
-    from kafka.record import MemoryRecordsBuilder
-    from tests.wire.test_frames import ask
     mq.create_topic(name, 1)
     boot = "%s:%d" % listener.address
     p = Producer({"bootstrap.servers": boot, "enable.idempotence": True, "linger.ms": 2})
     for i in range(200):
         p.produce(name, value=b"%03d" % i, partition=0)
     assert p.flush(30) == 0
+    with socket.create_connection(listener.address) as s:
+        produce = _raw_idempotent_producer(s, name)
+        first = produce(0, 3)
+        assert first == (0, 200)
+        assert produce(0, 3) == first                 # the same batch again: stored once
+        assert produce(5, 2)[0] == 45                 # past a gap (3, 4 never came)
+        assert produce(3, 2) == (0, 203)
+    bodies = _stored(mq, name)
+    assert bodies == [b"%03d" % i for i in range(200)] + [b"raw %d" % i for i in range(5)]
 
-    def records(pid: int, base_seq: int, n: int) -> bytes:
+
+def _raw_idempotent_producer(s, topic: str):
+    """``produce(base_seq, n)`` -> (error code, base offset): an idempotent producer's
+    batch of ``n`` records to partition 0 of ``topic``, acks=all, over connection ``s``
+    (records ``b"raw <sequence>"``)."""
+    from kafka.protocol.producer import ProduceRequest
+    from kafka.protocol.producer.transaction import InitProducerIdRequest
+    from kafka.record import MemoryRecordsBuilder
+    from tests.wire.test_frames import ask
+    init = ask(s, InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=60_000,
+                                        producer_id=-1, producer_epoch=-1), 4)
+    assert init.error_code == 0 and init.producer_id > 0
+    pid = init.producer_id
+
+    def records(base_seq: int, n: int) -> bytes:
         b = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20,
                                  producer_id=pid, producer_epoch=0, base_sequence=base_seq)
         for i in range(n):
             b.append(1, None, b"raw %d" % (base_seq + i))
         b.close()
         return bytes(b.buffer())
-    with socket.create_connection(listener.address) as s:
-        init = ask(s, InitProducerIdRequest(transactional_id=None, transaction_timeout_ms=60_000,
-                                            producer_id=-1, producer_epoch=-1), 4)
-        assert init.error_code == 0 and init.producer_id > 0
-        pid = init.producer_id
 
-        def produce(base_seq: int, n: int):
-            req = ProduceRequest(transactional_id=None, acks=-1, timeout_ms=30_000,
-                                 topic_data=[ProduceRequest.TopicProduceData(
-                                     name=name, partition_data=[
-                                         ProduceRequest.TopicProduceData.PartitionProduceData(
-                                             index=0, records=records(pid, base_seq, n))])])
-            [part] = ask(s, req, 9).responses[0].partition_responses
-            return part.error_code, part.base_offset
-        first = produce(0, 3)
-        assert first == (0, 200)
-        assert produce(0, 3) == first                 # the same batch again: stored once
-        assert produce(5, 2)[0] == 45                 # past a gap (3, 4 never came)
-        assert produce(3, 2) == (0, 203)
-    bodies = [m.body for m in mq.shard(mq.routes_for({name})[name][0]).call(
-        "pull", [(name, 0, 0, 1000)], 0, None, None, "read_uncommitted", timeout_s=30)[0][2]
+    def produce(base_seq: int, n: int):
+        req = ProduceRequest(transactional_id=None, acks=-1, timeout_ms=30_000,
+                             topic_data=[ProduceRequest.TopicProduceData(
+                                 name=topic, partition_data=[
+                                     ProduceRequest.TopicProduceData.PartitionProduceData(
+                                         index=0, records=records(base_seq, n))])])
+        [part] = ask(s, req, 9).responses[0].partition_responses
+        return part.error_code, part.base_offset
+    return produce
+
+
+def _stored(mq, topic: str) -> list[bytes]:
+    """Every body of partition 0 of ``topic``, open transactions' too."""
+    return [m.body for m in mq.shard(mq.routes_for({topic})[topic][0]).call(
+        "pull", [(topic, 0, 0, 1000)], 0, None, None, "read_uncommitted", timeout_s=30)[0][2]
         .messages()]
-    assert bodies == [b"%03d" % i for i in range(200)] + [b"raw %d" % i for i in range(5)]
+
+
+def test_a_write_not_known_durable_or_replicated_is_no_success_to_a_kafka_client(
+        mq, name, listener):
+    """acks=all: a write the shard stored without knowing it durable (FLUSH_DISK_TIMEOUT,
+    here the shard's test fault) or held by its in-sync replicas (FLUSH_SLAVE_TIMEOUT) in
+    time is answered REQUEST_TIMED_OUT -- retriable, as Kafka answers a write its in-sync
+    replicas did not copy in time -- never as written; the idempotent resend is stored
+    once and answered with the first write's offset once it is durable."""
+    import socket
+    from raymq import rpc
+    mq.create_topic(name, 1)
+    handle = mq.shard_handle(mq.routes_for({name})[name][0])
+    with socket.create_connection(listener.address) as s:
+        produce = _raw_idempotent_producer(s, name)
+        rpc.call(handle.set_fault, "flush_disk_timeout", timeout_s=30)
+        try:
+            assert produce(0, 2) == (7, -1)  # REQUEST_TIMED_OUT: stored, not known durable
+        finally:
+            rpc.call(handle.set_fault, None, timeout_s=30)
+        assert produce(0, 2) == (0, 0)  # the client's resend: the first write's offset
+        assert produce(2, 1) == (0, 2)
+    assert _stored(mq, name) == [b"raw 0", b"raw 1", b"raw 2"]
 
 
 def test_topics_are_created_and_deleted_through_kafkas_admin_client(mq, name, listener):
