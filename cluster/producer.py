@@ -514,17 +514,24 @@ class Producer:
         is still in the in-sync set, until its lease runs out (Kafka's producer retries
         that too).  A resend has the request's sequence: the shard stores it once and
         waits again for the replicas.  Its last answer (``FLUSH_SLAVE_TIMEOUT`` still
-        when the retries ran out).
+        when the retries ran out); once a ``FLUSH_SLAVE_TIMEOUT`` came, resends that
+        fail end in that answer, not their error: the write is known stored, its
+        replicas unconfirmed (an error would read as not stored, and a caller who sends
+        it again with another producer would store it twice).
 
         The lane waits through the back-off: a later request must not
         overtake this one (its queue order, and its sequence at the shard).
         """
-        attempt = 0
+        attempt, stored = 0, reply
         while True:
             if attempt >= self.config.send_retries or (self._closed and attempt >= 2) or (
                     err is not None and not err.retriable):
                 if err is None:
                     return reply
+                if stored is not None:
+                    log.warning("send to shard-%d: resends failed (%s) after it was stored "
+                                "unreplicated: FLUSH_SLAVE_TIMEOUT", key[0], err)
+                    return stored
                 raise err
             backoff_s = min(self.config.retry_backoff_ms * (2 ** attempt),
                             self.config.retry_backoff_max_ms) / 1000.0
@@ -545,7 +552,7 @@ class Producer:
                 continue
             if reply.status != _UNREPLICATED:
                 return reply
-            err = None
+            err, stored = None, reply
 
     def _run(self) -> None:
         """The producer's own thread: starts lanes whose linger ran out; ends the producer."""

@@ -423,3 +423,31 @@ def test_a_write_its_replicas_confirm_late_is_sent_again_and_stored_once(cluster
     assert (ok.queue_offset, unsure.queue_offset) == (0, 1)
     producer.close()
     assert [m.body for m in stored(shards)] == [b"once", b"unsure"]  # each stored once
+
+
+def test_a_write_stored_unreplicated_whose_resends_fail_ends_as_stored_not_as_their_error(
+        cluster):
+    """Once a write was answered FLUSH_SLAVE_TIMEOUT (stored), resends that then fail --
+    here a second follower lost, NotEnoughReplicasError until the retries run out -- end
+    in FLUSH_SLAVE_TIMEOUT: the caller learns the write is stored, its replicas
+    unconfirmed, not that the send failed (which a caller would send again, storing it
+    twice).  A write never answered as stored still raises its error."""
+    from raymq.message import SendStatus
+    from raymq.storage.errors import NotEnoughReplicasError
+    from raymq.storage.store import PutStatus
+    producer, shards, transport = cluster(send_retries=2)
+    answers = ["late", "short", "short"]
+
+    def replicas_hold(end: int) -> PutStatus:  # (the store's hook: a leader's wait)
+        if answers and answers.pop(0) == "late":
+            return PutStatus.FLUSH_SLAVE_TIMEOUT
+        raise NotEnoughReplicasError("shard-0: 1 of 3 replicas in sync, min_insync_replicas 2")
+    for s in shards:
+        s.store.replication = replicas_hold
+    unsure = producer.send(Message(TOPIC, b"stored", key="k"))
+    assert unsure.status is SendStatus.FLUSH_SLAVE_TIMEOUT and producer.retries == 2
+    assert answers == []
+    with pytest.raises(NotEnoughReplicasError):  # never answered as stored
+        producer.send(Message(TOPIC, b"refused", key="k"))
+    producer.close()
+    assert [m.body for m in stored(shards)].count(b"stored") == 1  # resends stored once
