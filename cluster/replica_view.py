@@ -18,7 +18,8 @@ def group_doc(g: dict, kind: str = "shard") -> dict:
     ``in_sync``, ``replicas``, ``nodes``, ``alive``, ``log_end``, ``candidacy``) as the
     admin API gives it: ``<kind>`` (the index), ``kind``, ``group`` (e.g.
     ``coordinator-0``), ``leader`` (a replica name), ``leader_node`` (a Ray node id),
-    ``epoch``, ``in_sync`` (node ids), ``in_sync_replicas`` (names), ``electable`` (the
+    ``epoch``, ``in_sync`` (node ids; None for a replica not heard from since the
+    controller started), ``in_sync_replicas`` (names), ``electable`` (the
     other replicas that could lead now), ``candidacy`` (name -> ``leader``,
     ``electable`` or why not) and ``replicas`` (each ``name``, ``node``, ``role``,
     ``alive``, ``log_end`` (None: never reported), ``lag_bytes`` (how far behind the
@@ -28,7 +29,7 @@ def group_doc(g: dict, kind: str = "shard") -> dict:
     top = ends.get(leader, -1)
     return {kind: g["shard"], "kind": kind, "group": f"{kind}-{g['shard']}", "leader": leader,
             "leader_node": nodes.get(leader) or None, "epoch": g["epoch"],
-            "in_sync": [nodes[r] for r in g["in_sync"]],
+            "in_sync": [nodes.get(r) or None for r in g["in_sync"]],
             "in_sync_replicas": list(g["in_sync"]),
             "electable": [r for r in g["replicas"] if cand.get(r) == "electable"],
             "candidacy": {r: cand.get(r, "unknown") for r in g["replicas"]},

@@ -117,7 +117,7 @@ def _print_replicas(groups: list[dict], title: str = "replicas") -> None:
         name = g.get("group", f"shard-{g.get('shard')}")
         print(f"  {name}: leader on node {str(g['leader_node'])[:12]}  epoch "
               f"{g['epoch']}  in sync {len(g['in_sync'])}/{len(g['replicas'])} "
-              f"({', '.join(str(n)[:12] for n in g['in_sync'])})")
+              f"({', '.join(g.get('in_sync_replicas') or map(str, g['in_sync']))})")
         if "candidacy" in g:
             print(f"    {electable_line(g)}")
         for r in g["replicas"]:

@@ -209,3 +209,21 @@ def test_the_parts_are_where_their_owners_write_them(tmp_path):
         assert part.name == "txn-log" and part.version() is None  # (no snapshot yet)
     finally:
         co.close()
+
+
+def test_status_names_the_in_sync_replicas_even_those_a_restarted_controller_has_not_heard(
+        capsys):
+    """A controller restarted from what the replicas keep knows the in-sync set before each
+    replica's heartbeat tells it that replica's node: ``raymq status`` names the replicas
+    (it printed an empty node id for such a one), and the admin API's node is None."""
+    from raymq.replica_view import group_doc
+    from raymq.tools.cli import _print_replicas
+    names = ["shard-0-r0", "shard-0-r1", "shard-0-r2"]
+    doc = group_doc({"shard": 0, "leader": names[0], "epoch": 4, "in_sync": names,
+                     "replicas": names, "nodes": {names[0]: "a" * 56, names[1]: "b" * 56, names[2]: ""},
+                     "alive": names[:2], "log_end": {n: 10 for n in names}})
+    assert doc["in_sync"] == ["a" * 56, "b" * 56, None]
+    assert doc["in_sync_replicas"] == names
+    _print_replicas([doc])
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.endswith("in sync 3/3 (shard-0-r0, shard-0-r1, shard-0-r2)"), line
