@@ -10,13 +10,22 @@ from tests.helpers import ROOT
 
 
 
-@pytest.mark.slow
-@pytest.mark.spark
-def test_raymq_demo_reports_consistent(tmp_path):
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One run of ``raymq demo`` with Spark (a minute and more), as a user types it: its
+    report is checked by one test, its output's cleanliness by another."""
+    tmp_path = tmp_path_factory.mktemp("demo")
     proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "40",
                            "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    return proc, tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_raymq_demo_reports_consistent(demo_run):
+    proc, _tmp_path = demo_run
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "was KILLED after committing" in out
@@ -58,14 +67,11 @@ DEMO_LINES = ("[demo ", "consistency report", "  OK   ", "  FAIL ", "CONSISTENT"
 
 @pytest.mark.slow
 @pytest.mark.spark
-def test_raymq_demo_prints_its_own_lines_only_and_the_console_command(tmp_path):
+def test_raymq_demo_prints_its_own_lines_only_and_the_console_command(demo_run):
     """No Spark, log4j or Ray start-up chatter, no WARN or ERROR line when nothing went
     wrong; progress lines carry the time elapsed; the last line is the console command
     over the demo's data."""
-    proc = subprocess.run([sys.executable, "-m", "raymq.tools.cli", "demo", "--orders", "12",
-                           "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600,
-                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    proc, tmp_path = demo_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.strip()]
     assert [x for x in lines if not x.startswith(DEMO_LINES)] == []
