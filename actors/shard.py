@@ -84,7 +84,7 @@ class BrokerShard:
         self.routes = RouteTable(index, fetch_routes)
         self.reads = QueueReads(self.store, self.clock, self.metrics)
         self.offsets = GroupOffsets(index, self.store, self.config.max_groups)
-        self.halves = HalfIndex(index, self.store)
+        self.halves = HalfIndex(index, self.store, self.config.retention_ms)
         self.checks = CheckRounds(index, self.store, self.halves, lambda records: self.store.put(
             RecordBatch.from_records(records)), self._tx_lock, self.config, self.metrics)
         self.cancels = Cancellations(self.store)

@@ -84,9 +84,12 @@ def carries_halves(batch: RecordBatch, res) -> bool:
 class HalfIndex:
     """Which halves are pending, which resolved, and where their latest copies are."""
 
-    def __init__(self, shard: int, store: MessageStore):
+    def __init__(self, shard: int, store: MessageStore, expired_keep_ms: int | None = None):
+        """``expired_keep_ms``: how long an expired half stays resolvable by operators
+        (the retention of the check-expired topic; None: for good)."""
         self.shard = shard
         self.store = store
+        self.expired_keep_ms = expired_keep_ms
         self.pending: dict[int, int] = {}        # unresolved origin -> its latest copy
         self.latest_copy: dict[int, int] = {}    # origin -> queue offset of its latest copy
         self.sizes: dict[int, int] = {}          # pending origin -> its record size
@@ -296,17 +299,27 @@ class HalfIndex:
         # an op whose half is still EXPIRED is kept (operators and late ends may still
         # resolve it, and a restart must find it): it counts as not matched yet
         blocked = min_live if min_live is not None else float("inf")
-        passed = start
+        # ... until it is older than an expired half is kept: then it ages out, as the
+        # check-expired topic's copy does (else one expired half held the log for good)
+        aged_before = -1 if self.expired_keep_ms is None else \
+            self.store.clock.now_ms() - self.expired_keep_ms
+        passed, aged = start, set()
         for _ in range(40):  # up to 200,000 ops a call, 5,000 at a time
             ops = self.store.read_queue(OP_TOPIC, 0, passed, 5000)
             # (with no half pending an EXPIRED op still stops it: ``blocked``, not None)
             n = op_progress([parsed(self.shard, m, lambda p: op_progress_origin(
-                p, self.resolved, blocked), -1) for m in ops], blocked)
+                p, self.resolved, blocked, aged=m.store_ms < aged_before), -1)
+                for m in ops], blocked)
+            aged.update(o for m in ops[:n] if m.store_ms < aged_before
+                        for o, _st in parsed(self.shard, m, op_entries, []))
             passed += n
             if n < 5000:
                 break
         if passed != start:
             self.store.save_offsets({OP_PROGRESS: passed})
+        for origin in aged:  # (aged out: no longer listed or resolvable)
+            if self.resolved.get(origin) is HalfState.EXPIRED:
+                del self.resolved[origin]
         # forget what can no longer come up (expired halves stay: operators resolve them)
         for origin in [o for o, st in self.resolved.items() if st is not HalfState.EXPIRED
                        and o not in self.latest_copy

@@ -58,12 +58,13 @@ def op_entries(props: dict) -> list[tuple[int, HalfState]]:
     return [(int(o), HalfState.from_stored(st)) for o, st in zip(origins, states)]
 
 
-def op_progress_origin(props: dict, resolved: dict, blocked) -> int:
+def op_progress_origin(props: dict, resolved: dict, blocked, *, aged: bool = False) -> int:
     """What an op record counts as for the op progress (``op_progress``): its highest
     origin; ``blocked`` while any of its halves is EXPIRED (operators may still resolve
-    it, and a restart must find it)."""
+    it, and a restart must find it) -- unless the record has ``aged`` out (it is older
+    than the retention an expired half is kept for)."""
     entries = op_entries(props)
-    if any(resolved.get(o) is HalfState.EXPIRED for o, _ in entries):
+    if not aged and any(resolved.get(o) is HalfState.EXPIRED for o, _ in entries):
         return blocked
     return max(o for o, _ in entries)
 

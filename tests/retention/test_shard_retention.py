@@ -274,3 +274,39 @@ def test_the_status_says_which_topic_keeps_the_oldest_segment_and_its_bytes_ther
     assert sh.janitor.run_once().count == 0
     st = sh.janitor.status()
     assert st["oldest_held_by"] == "orders" and 1000 < st["oldest_held_bytes"] < 1500
+
+
+def test_an_expired_half_holds_the_log_for_its_retention_then_ages_out(tmp_path):
+    """A half nobody answered expires (txn_max_checks): operators may still resolve it for
+    the retention of the check-expired topic (RocketMQ keeps its TRANS_CHECK_MAX_TIME_TOPIC
+    for its files' reserved time), across a restart.  Past that it ages out like any
+    message: the op progress passes its EXPIRED record and segments go.  (One expired half
+    held every segment after it for good: the disk filled and writes were refused.)"""
+    routes = [("bulk", 0), ("orders", 0), ("t", 0)]
+    clock = ManualClock(1_700_000_000_000)
+    cfg = dict(clock=clock, segment_size_bytes=SEG, retention_ms=HOUR, txn_max_checks=1,
+               txn_timeout_ms=1000)
+    sh = open_shard(tmp_path, routes, **cfg)
+    sh.send(RecordBatch("orders", 0, [b"half"], properties=[{
+        Prop.TRAN_MSG: "true", Prop.PRODUCER_GROUP: "g", Prop.TRANSACTION_ID: "tx1"}]), 7, 1)
+    for _ in range(4):  # checked once (no answer), then expired
+        clock.advance(600_000)
+        sh.check_round(["g"])
+    assert [h["state"] for h in sh.half_list(expired=True)] == ["EXPIRED"]
+    bulk(sh, "bulk", 20)
+    clock.advance(HOUR // 2)   # within the retention: kept, and listed after a restart
+    sh.check_round(["g"])
+    sh.close()
+    sh = open_shard(tmp_path, routes, **cfg)
+    try:
+        sh.check_round(["g"])
+        assert [h["state"] for h in sh.half_list(expired=True)] == ["EXPIRED"]
+        bulk(sh, "bulk", 20, 100)
+        clock.advance(HOUR)        # the expired half is past its retention
+        sh.check_round(["g"])
+        verdict = sh.janitor.run_once()
+        assert verdict.count >= 2, verdict  # its segment and those after it go
+        assert sh.half_list(expired=True) == []
+        assert sh.halves.status()["expired_halves"] == 0
+    finally:
+        sh.close()
