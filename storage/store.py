@@ -24,7 +24,7 @@ from raymq.storage.config import StoreConfig
 from raymq.storage.consumequeue import CQ_ENTRY
 from raymq.storage.durability import Durability, FlushLoop, write_checkpoint
 from raymq.storage.errors import (CorruptLogError, DiskFullError, InvalidMessageError,
-                                  StorageError)
+                                  StorageError, UnknownTopicError)
 from raymq.storage.faults import crash_point
 from raymq.storage.offsets import OffsetStore
 from raymq.storage.putframes import PutFramer
@@ -108,6 +108,7 @@ class MessageStore:
         os.makedirs(directory, exist_ok=True)
         self._write_lock = threading.Lock()
         self._closed = False
+        self._deleting: set[str] = set()  # topics between their tombstone and their forget
         self._checkpoint_path = os.path.join(directory, "checkpoint")
         self.offsets = OffsetStore(os.path.join(directory, "offsets.json"))
         recovered = recover(
@@ -174,6 +175,8 @@ class MessageStore:
                 raise self._durable.stopped()
             if producer_id and self._producers.is_duplicate(producer_id, sequence):
                 return self._duplicate(producer_id, sequence)
+            if self._deleting and self._deleting.intersection(batch.column("topics")):
+                raise UnknownTopicError(f"topic {sorted(self._deleting)} is being deleted")
             store_ms = self.clock.now_ms()
             qoffs, groups = self._cq.assign_offsets(batch)
             # encode every frame first: a bad record fails the put before anything is written
@@ -404,9 +407,13 @@ class MessageStore:
         """Delete ``topic`` here (``raymq.storage.topics``); whether it had queues here."""
         if not any(t == topic for t, _q in self._cq.queues):  # (nothing to write then)
             return False
-        phys = self.put(RecordBatch(TOPIC_DELETED, 0, [topic.encode()])).phys_offsets[0]
-        with self._write_lock:
-            self.retention.tombstones = topics.forget(self.directory, self._cq, topic, phys)
+        self._deleting.add(topic)  # (no write of it between the tombstone and the forget)
+        try:
+            phys = self.put(RecordBatch(TOPIC_DELETED, 0, [topic.encode()])).phys_offsets[0]
+            with self._write_lock:
+                self.retention.tombstones = topics.forget(self.directory, self._cq, topic, phys)
+        finally:
+            self._deleting.discard(topic)
         self.retention.forget_queues(topic)
         return True
 

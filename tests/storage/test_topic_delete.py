@@ -91,3 +91,43 @@ def test_a_crash_between_the_tombstone_and_the_queues_is_finished_on_open(tmp_pa
 def RecordBatch_tombstone(topic: str):
     from raymq.storage import RecordBatch
     return RecordBatch(TOPIC_DELETED, 0, [topic.encode()])
+
+
+def test_a_write_landing_in_the_middle_of_a_deletion_is_refused_and_the_store_opens(tmp_path):
+    """The tombstone's put waits for its fsync before the queues are dropped; a write for
+    the topic in between (a due timer, a send on a stale route) got the old queue's next
+    offset and was acknowledged, then lost with the queue -- and on every open the log
+    held a record of the topic after its tombstone at an offset a fresh queue cannot
+    take: the store could not be opened (RebuildNeeded), with or without a checkpoint.
+    Such a write is refused now (UnknownTopicError: the topic is being deleted)."""
+    from raymq.storage.errors import UnknownTopicError
+    path = tmp_path / "s"
+    store = MessageStore(str(path), SMALL, background=False)
+    store.put(batch("a", 0, 0, 50))
+    put, raced = store.put, []
+
+    def put_then_race(b, *args, **kwargs):
+        res = put(b, *args, **kwargs)
+        if not raced and TOPIC_DELETED in b.column("topics"):  # the tombstone is written
+            try:
+                raced.append(put(batch("a", 0, 100, 1)))
+            except UnknownTopicError as err:
+                raced.append(err)
+        return res
+    store.put = put_then_race
+    try:
+        assert store.delete_topic("a")
+    finally:
+        store.put = put
+    assert len(raced) == 1 and isinstance(raced[0], UnknownTopicError), raced
+    assert store.put(batch("a", 0, 200, 2)).queue_offsets == [0, 1]  # created again
+    want = bodies(store, "a")
+    store.close()
+    for scan_all in (False, True):  # reopened from its checkpoint, then from the log start
+        if scan_all:
+            forget_checkpoint(path)
+        store = MessageStore(str(path), SMALL, background=False)
+        try:
+            assert store.max_queue_offset("a", 0) == 2 and bodies(store, "a") == want
+        finally:
+            store.close()
