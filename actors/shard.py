@@ -327,12 +327,12 @@ class BrokerShard:
         check_queues(queues)
         return self.offsets.get(group, queues)
 
-    def queue_bounds(self, queues: list[tuple[str, int]], times: list | None = None) -> dict:
+    def queue_bounds(self, queues: list, times: list | None = None, isolation=None) -> dict:
         """Each queue's (log start, end, first offset stored at or after its time in
-        ``times``, else -1): ``offsets_for_times`` and ``reset-offsets``."""
+        ``times``, else -1): ``offsets_for_times``, ``reset-offsets``, ListOffsets."""
         check_queues(queues)
         self.routes.check(set(queues))
-        return self.reads.bounds(queues, times)
+        return self.reads.bounds(queues, times, isolation)
 
     def producer_sequences(self, pids: list[int]) -> list[int | None]:
         """Each client producer's last stored put sequence (None: none remembered)."""

@@ -141,6 +141,9 @@ class QueueReads:
                 raise OffsetOutOfRangeError(f"negative offset {offset} for {topic}/{qid}")
             real_end = self.store.max_queue_offset(topic, qid)
             start = self.store.retention.log_start(topic, qid)
+            if offset > real_end and spans == "kafka":  # (Kafka's: the client resets)
+                raise OffsetOutOfRangeError(f"{topic}/{qid}: offset {offset} is past the "
+                                            f"queue's end {real_end}")
             if offset < start:  # aged out: where the reader's reset policy says
                 offset = self._reset(topic, qid, offset, start, real_end, reset, group)
             touched = txns is not None and txns.touched((topic, qid))
@@ -186,14 +189,26 @@ class QueueReads:
                                                     for _t, _q, batch, _n, _e in out)))
         return out, total
 
-    def bounds(self, queues: list[tuple[str, int]], times: list | None) -> dict:
+    def bounds(self, queues: list[tuple[str, int]], times: list | None,
+               isolation: str | None = None) -> dict:
         """Each queue's (log start, end, first offset stored at or after its time in
-        ``times`` -- the log start when that aged out, the end when none --, else -1)."""
+        ``times`` -- the log start when that aged out, the end when none --, else -1).
+        With an ``isolation`` (a Kafka ListOffsets'), the end a reader may read to: the
+        high watermark, and for ``read_committed`` the last stable offset."""
         store = self.store
-        return {(t, q): (store.retention.log_start(t, q), store.max_queue_offset(t, q),
+        return {(t, q): (store.retention.log_start(t, q), self._end(t, q, isolation),
                          store.retention.offset_for_time(t, q, int(times[i]))
                          if times is not None and times[i] is not None else -1)
                 for i, (t, q) in enumerate(queues)}
+
+    def _end(self, topic: str, qid: int, isolation: str | None) -> int:
+        if isolation is None:
+            return self.store.max_queue_offset(topic, qid)
+        end = self._marks(topic, qid)[0]
+        txns = self.txns
+        if isolation == "read_committed" and txns is not None and txns.touched((topic, qid)):
+            return txns.lso((topic, qid), end)
+        return end
 
     def find_by_key(self, topic: str, key: str, max_scan: int) -> list[StoredMessage]:
         """Messages of ``topic`` with ``key``, scanning the newest ``max_scan`` of each queue

@@ -291,17 +291,7 @@ class KafkaApis(TxnApis, AdminApis):
                     by_shard.setdefault(shard, []).append(
                         (t.topic, p.partition, p.fetch_offset, n))
         wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
-        got: dict = {}
-        calls = [(reads, self.mq.transport.begin(
-            shard, "pull", (reads, wait, None, None, isolation, "kafka", "error"),
-            timeout_s=30)) for shard, reads in by_shard.items()]
-        for reads, call in calls:
-            try:
-                for topic, q, spans, next_offset, end, marks in call.result():
-                    got[(topic, q)] = (NONE, spans, next_offset, end, marks)
-            except Exception as err:  # (that shard's partitions answer the error)
-                for topic, q, _o, _n in reads:
-                    got[(topic, q)] = (error_code(err), None, -1, -1, (-1, -1))
+        got = self._fetch_pulls(by_shard, wait, isolation)
         topics: dict[str, list] = {}
         now_ms = int(time.time() * 1000)
         for (topic, q), offset in asked.items():
@@ -321,10 +311,50 @@ class KafkaApis(TxnApis, AdminApis):
                              session_id=0, responses=[_FetchTopic(topic=t, partitions=ps)
                                                       for t, ps in topics.items()])
 
+    def _fetch_pulls(self, by_shard: dict, wait: int, isolation: str) -> dict:
+        """(topic, partition) -> (code, spans, next offset, end, (high watermark, log
+        start)): one pull per shard.  A pull with one partition out of range (its offset
+        aged out, or negative) fails whole; Kafka answers that error per partition, and a
+        client resets each partition so answered, so such a shard's partitions are pulled
+        again one by one (at once: the failed pull did not wait) -- only those out of
+        range answer OFFSET_OUT_OF_RANGE, the others their records."""
+        def begin(shard: int, reads: list, wait_ms: int):
+            return self.mq.transport.begin(
+                shard, "pull", (reads, wait_ms, None, None, isolation, "kafka", "error"),
+                timeout_s=30)
+        got: dict = {}
+        calls = [(shard, reads, begin(shard, reads, wait))
+                 for shard, reads in by_shard.items()]
+        alone = []
+        for shard, reads, call in calls:
+            if not self._take_pull(got, reads, call):
+                alone += [([r], begin(shard, [r], 0)) for r in reads]
+        for reads, call in alone:
+            self._take_pull(got, reads, call)
+        return got
+
+    @staticmethod
+    def _take_pull(got: dict, reads: list, call) -> bool:
+        """Puts a Fetch's pull of ``reads`` into ``got``: each partition with its answer,
+        or with the pull's error.  False, nothing put: a pull of several partitions failed
+        out of range, which may be one partition's alone (to pull each by itself)."""
+        try:
+            for topic, q, spans, next_offset, end, marks in call.result():
+                got[(topic, q)] = (NONE, spans, next_offset, end, marks)
+        except Exception as err:
+            if isinstance(err, OffsetOutOfRangeError) and len(reads) > 1:
+                return False
+            for topic, q, _o, _n in reads:  # (the shard's error: all its partitions answer it)
+                got[(topic, q)] = (error_code(err), None, -1, -1, (-1, -1))
+        return True
+
     # ---------------------------------------------------------- ListOffsets
     def _ListOffsetsRequest(self, request):
-        """-2: the log start, -1: the end, else the first offset stored at or after the
-        time (the end when none is: Kafka answers -1 there)."""
+        """-2: the log start, -1: the end a reader may read to (the high watermark; with
+        ``read_committed``, v2 on, the last stable offset: Kafka's), else the first offset
+        stored at or after the time (the end when none is: Kafka answers -1 there)."""
+        isolation = "read_committed" if getattr(request, "isolation_level", 0) == 1 \
+            else "read_uncommitted"
         topics = []
         for t in request.topics:
             routes = self._routes(t.name)
@@ -338,7 +368,7 @@ class KafkaApis(TxnApis, AdminApis):
                     q = (t.name, p.partition_index)
                     ts = None if p.timestamp < 0 else p.timestamp
                     start, end, at = self.mq.transport.call(
-                        shard, "queue_bounds", [q], None if ts is None else [ts],
+                        shard, "queue_bounds", [q], None if ts is None else [ts], isolation,
                         timeout_s=30)[q]
                     offset = {-2: start, -1: end}.get(p.timestamp, -1 if at >= end else at)
                 except Exception as err:
