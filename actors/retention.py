@@ -26,7 +26,8 @@ from raymq.actors.protocol import (HALF_TOPIC, OFFSETS_TOPIC, OP_TOPIC, SCHEDULE
 from raymq.actors.rocketmq_tx.halves import HALF_PROGRESS, OP_PROGRESS
 from raymq.actors.protocol import check_user_topic
 from raymq.actors.timing.roll import roll_delays, roll_timers
-from raymq.storage.errors import ConcurrentTransactionsError, DiskFullError, InvalidMessageError
+from raymq.storage.errors import (ConcurrentTransactionsError, DiskFullError, InvalidMessageError,
+                                  StorageError)
 from raymq.storage.retention import RetentionPolicy, TopicRetention, Verdict
 from raymq.storage.topics import TOPIC_DELETED
 
@@ -90,7 +91,12 @@ class Janitor:
         carriers, tried = self._carriers(), set()
         while low < wanted and by in carriers and by not in tried:
             tried.add(by)
-            carriers[by](wanted)
+            try:
+                carriers[by](wanted)
+            except (OSError, StorageError) as err:  # (a disk with no room for the copies:
+                # what lies below this pin still goes, and makes room for the next round)
+                log.warning("shard-%d: %s not carried forward: %s", self.index, by, err)
+                break
             low, by = self._lowest_pin()
         return low
 

@@ -9,6 +9,7 @@ change) but their blocks are given back (``ConsumeQueue.give_back``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -23,6 +24,8 @@ from raymq.storage.records import (FRAME_HEADER_BYTES, REC_DTYPE, REC_HEADER_BYT
                                    check_frame, frame_producer)
 from raymq.storage.retention import (RetentionPolicy, SegmentSummary, Verdict, expired_prefix,
                                      summarize)
+
+log = logging.getLogger(__name__)
 
 
 class StoreRetention:
@@ -160,7 +163,11 @@ class StoreRetention:
         is left either: it would pin its segment)."""
         kept = {t: p for t, p in self.tombstones.items() if p >= self._log.min_offset}
         if kept != self.tombstones:
-            topics.write_deleted(self.directory, kept)
+            try:
+                topics.write_deleted(self.directory, kept)
+            except OSError as err:  # (no room even for this file: the one on disk lists
+                # more, which an open prunes again; deletion must not wait for it)
+                log.warning("store %s: deleted topics not rewritten: %s", self.directory, err)
             self.tombstones = kept
         return kept
 
