@@ -132,7 +132,7 @@ class KafkaApis(TxnApis, AdminApis):
         write; -1: every in-sync replica's, RayMQ's default); the puts of all partitions
         are sent at once over the shards' data channels, then awaited."""
         acks = "all" if request.acks == -1 else "leader"
-        started = []  # (topic, partition, error code or None, call or None, pid, seq)
+        started = []  # (topic, partition, error code or None, call or None, pid, seq, count)
         transactional, writer = [], None
         for t in request.topic_data:
             routes = self._routes(t.name)
@@ -150,22 +150,26 @@ class KafkaApis(TxnApis, AdminApis):
                         writer, t.name, p.index, lambda pid, s=shard: self.mq.transport.call(
                             s, "producer_sequences", [pid], timeout_s=30)[0])
                     if seq == OUT_OF_ORDER:  # (OUT_OF_ORDER_SEQUENCE_NUMBER: the client
-                        started.append((t.name, p.index, 45, None, 0, 0))  # resends in order)
+                        started.append((t.name, p.index, 45, None, 0, 0, 0))  # resends in order)
                         continue
                     call = self.mq.transport.begin(shard, "send",
                                                    (batch, pid, seq, None, acks), timeout_s=30)
-                    started.append((t.name, p.index, None, call, pid, seq))
+                    started.append((t.name, p.index, None, call, pid, seq, writer.count))
                 except Exception as err:  # (each partition answers alone)
-                    started.append((t.name, p.index, error_code(err), None, 0, 0))
+                    started.append((t.name, p.index, error_code(err), None, 0, 0, 0))
         answered = self._produce_transactional(writer, transactional) if transactional else []
-        for name, index, code, call, pid, seq in started:
+        for name, index, code, call, pid, seq, count in started:
             base = -1
             if call is not None:
                 try:
                     reply = call.result()
-                    self.sequences.stored(pid, seq)
+                    self.sequences.stored(pid, seq, count)
                     if reply.refused:
                         raise InvalidMessageError(str(reply.refused[0]))
+                    if reply.duplicate and len(reply.queue_offsets) != count:
+                        # (no stored put of these records: nothing stored, none to answer)
+                        answered.append((name, index, 45, -1))
+                        continue
                     if reply.status != "SEND_OK":  # (stored; a resend of its sequence
                         # waits again, and is answered with its offset once it is durable)
                         raise RequestTimeoutError(
@@ -185,14 +189,16 @@ class KafkaApis(TxnApis, AdminApis):
 
     def _InitProducerIdRequest(self, request):
         """An idempotent producer's id: a new one (epoch 0), or the epoch after the one it
-        had (KIP-360); a transactional id's from RayMQ's coordinator
-        (``TxnApis._init_transactional``)."""
+        had (KIP-360) -- a new id once the epochs run out (epoch 0 of the same id is the
+        RayMQ producer of its first epoch 0: its batches would read as resends); a
+        transactional id's from RayMQ's coordinator (``TxnApis._init_transactional``)."""
         v = request.API_VERSION
         if request.transactional_id is not None:
             return self._init_transactional(request)
         old = getattr(request, "producer_id", -1)
-        if old is not None and old >= 0:
-            pid, epoch = old, (getattr(request, "producer_epoch", -1) + 1) % 32767
+        epoch = getattr(request, "producer_epoch", -1) + 1
+        if old is not None and old >= 0 and 0 < epoch < 32767:
+            pid = old
         else:
             pid, epoch = new_producer_id(), 0
         return InitProducerIdResponse(version=v, throttle_time_ms=0, error_code=NONE,

@@ -13,6 +13,13 @@ producer table before the batch is taken (``check``'s ``stored``): the first bat
 a resend, nor a resend for a new batch.  Put sequences never wrap: a Kafka sequence that
 wrapped past 2^31 - 1 continues the put's count; a new producer epoch is a new RayMQ
 producer.
+
+As Kafka, a batch behind the expected sequence is a resend only when it is exactly one of
+the last stored (its first and last sequence): the shard would answer any put at or below
+its producer's last as a resend -- without storing it, and without offsets when it is no
+put's -- so anything else behind is refused as out of order here, from the bounds of the
+last ``KEPT_BATCHES`` batches the listener stored, and (bounds it does not know) by the
+listener when the shard's answer is not one stored put of as many records.
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ OUT_OF_ORDER = -1
 SEQUENCE_SPACE = 1 << 31
 #: (producer, partition) pairs whose next sequence is remembered (least recent dropped).
 REMEMBERED = 100_000
+#: A producer's last batches whose bounds are remembered (Kafka: its last 5 are resends).
+KEPT_BATCHES = 5
 
 
 def new_producer_id() -> int:
@@ -50,21 +59,25 @@ def raymq_producer(pid: int, epoch: int, topic: str, queue: int) -> int:
 class Sequences:
     def __init__(self, remembered: int = REMEMBERED):
         self._next: OrderedDict[int, int] = OrderedDict()
+        #: pid -> the record counts of its last batches stored, oldest first (they end at
+        #: its ``_next``, one after the other; empty: their bounds are not known here)
+        self._counts: dict[int, tuple[int, ...]] = {}
         self._remembered = remembered
         self._lock = threading.Lock()
 
     def check(self, writer: Producer, topic: str, queue: int,
               stored=None) -> tuple[int, int]:
         """``(RayMQ producer id, put sequence)`` of a batch (``(0, 0)``: not idempotent;
-        sequence ``OUT_OF_ORDER``: a batch past a gap).  ``stored(pid)``: the last put
-        sequence the shard holds of a producer (None: none), asked when this one is not
-        known here."""
+        sequence ``OUT_OF_ORDER``: past a gap, or behind and no stored batch's bounds).
+        ``stored(pid)``: the last put sequence the shard holds of a producer (None: none),
+        asked when this one is not known here.  A put at or below the last is a resend to
+        the shard: its answer must be one stored put of ``writer.count`` records."""
         if writer.id < 0 or writer.base_sequence < 0:
             return 0, 0
         pid = raymq_producer(writer.id, writer.epoch, topic, queue)
         base = writer.base_sequence
-        with self._lock:
-            expected = self._next.get(pid)
+        with self._lock:  # (both at once: a concurrent ``stored`` moves them together)
+            expected, counts = self._next.get(pid), self._counts.get(pid, ())
         if expected is None and stored is not None:
             expected = stored(pid)
             if expected is not None:
@@ -74,14 +87,42 @@ class Sequences:
             if 0 < ahead < SEQUENCE_SPACE // 2:
                 return pid, OUT_OF_ORDER
             base = expected - (SEQUENCE_SPACE - ahead if ahead else 0)
+            if ahead and not _may_be_resend(counts, expected, base + writer.count,
+                                            writer.count):
+                return pid, OUT_OF_ORDER
         return pid, base + writer.count  # (the put's sequence: past its records)
 
-    def stored(self, pid: int, sequence: int) -> None:
-        """A put of ``pid`` up to ``sequence`` is stored (or was: a resend)."""
+    def stored(self, pid: int, sequence: int, count: int = 0) -> None:
+        """A put of ``pid`` of ``count`` records up to ``sequence`` is stored (or was: a
+        resend; ``count`` 0: its bounds are not known)."""
         if not pid:
             return
         with self._lock:
-            self._next[pid] = max(self._next.get(pid, 0), sequence)
+            last = self._next.get(pid)
+            if last is None or sequence > last:
+                kept = self._counts.get(pid, ()) if sequence - count == last else ()
+                self._counts[pid] = (kept + (count,))[-KEPT_BATCHES:] if count else ()
+                self._next[pid] = sequence
             self._next.move_to_end(pid)
             while len(self._next) > self._remembered:
-                self._next.popitem(last=False)
+                gone, _seq = self._next.popitem(last=False)
+                self._counts.pop(gone, None)
+
+
+def _may_be_resend(counts: tuple, expected: int, put: int, count: int) -> bool:
+    """Whether a batch behind, of ``count`` records ending at put sequence ``put``, may be
+    one of a producer's last stored (their ``counts``, ending at ``expected``); else it
+    must not reach the shard, which would drop it as a resend, or store again records it
+    holds.  Past the bounds known here the shard's answer tells."""
+    if put > expected or put - count < 0:  # (reaches past the next, or before any)
+        return False
+    end = expected
+    for n in reversed(counts):  # (newest first: each ends where the next starts)
+        if end == put:
+            return n == count
+        if end < put:  # (it would end inside a stored batch)
+            return False
+        end -= n
+    # older than the batches known here: past Kafka's last 5, no resend; else their
+    # bounds are not known here (learned from the shard), whose answer tells
+    return end >= put and len(counts) < KEPT_BATCHES

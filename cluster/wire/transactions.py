@@ -26,7 +26,7 @@ from raymq.actors.kafka_tx.coordinator import coordinator_for
 from raymq.storage import RecordBatch
 from raymq.storage.errors import (ConcurrentTransactionsError, InvalidTxnStateError,
                                   ProducerFencedError, RayMQError, TransactionAbortedError)
-from raymq.wire.sequences import new_producer_id
+from raymq.wire.sequences import SEQUENCE_SPACE, new_producer_id
 
 #: Kafka's error codes of transactions.
 INVALID_PRODUCER_EPOCH, INVALID_TXN_STATE, INVALID_PRODUCER_ID_MAPPING = 47, 48, 49
@@ -64,7 +64,7 @@ class Session:
     lazy: set = field(default_factory=set)     # shards written without an fsync
     unknown: str | None = None  # a write failed after it was sent: abort only
     #: (topic, queue) -> the Kafka sequence expected next, and the last batches'
-    #: {base sequence: base offset}
+    #: {base sequence: (record count, base offset)}
     kafka_seqs: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -234,29 +234,31 @@ class Transactions:
         return self.mq.coordinator_transport.call(index, method, tid, *args, timeout_s=60)
 
 
-def kafka_sequence(s: Session, topic: str, queue: int, base: int):
+def kafka_sequence(s: Session, topic: str, queue: int, base: int, count: int | None = None):
     """(under ``s.lock``) Where a transactional batch whose first Kafka sequence is
-    ``base`` stands: ``None`` to write it, or the base offset it was stored
-    at (a resend); ``TxnRefused`` past a gap or for a resend too old to answer."""
+    ``base`` stands: ``None`` to write it, or the base offset it was stored at (a resend of
+    one of the last batches: its first sequence, and its ``count`` when given);
+    ``TxnRefused`` OUT_OF_ORDER_SEQUENCE for any other.  Never DUPLICATE_SEQUENCE: a Java
+    client takes it for success, so a batch not stored would be lost.  The expected
+    sequence follows the client's over 2^31 - 1 to 0."""
     expected, kept = s.kafka_seqs.get((topic, queue), (None, None))
     if expected is None or base == expected:
         return None
-    if base > expected:
-        raise TxnRefused(OUT_OF_ORDER_SEQUENCE, f"{topic}/{queue}: sequence {base}, "
-                                                f"expected {expected}")
-    if base in kept:
-        return kept[base]
-    raise TxnRefused(DUPLICATE_SEQUENCE, f"{topic}/{queue}: sequence {base} was stored")
+    stored = kept.get(base)
+    if stored is not None and count in (None, stored[0]):
+        return stored[1]
+    raise TxnRefused(OUT_OF_ORDER_SEQUENCE, f"{topic}/{queue}: sequence {base} is neither "
+                                            f"the expected {expected} nor a stored batch's")
 
 
 def stored_sequence(s: Session, topic: str, queue: int, base: int, count: int,
                     offset: int) -> None:
     """(under ``s.lock``) A batch was stored at ``offset``."""
     _expected, kept = s.kafka_seqs.get((topic, queue), (None, OrderedDict()))
-    kept[base] = offset
+    kept[base] = (count, offset)
     while len(kept) > KEPT_BATCHES:
         kept.popitem(last=False)
-    s.kafka_seqs[(topic, queue)] = (base + count, kept)
+    s.kafka_seqs[(topic, queue)] = ((base + count) % SEQUENCE_SPACE, kept)
 
 
 #: Kafka's error code for each RayMQ transaction error.

@@ -94,7 +94,15 @@ class TxnApis:
         return AddOffsetsToTxnResponse(version=v, throttle_time_ms=0, error_code=code)
 
     def _TxnOffsetCommitRequest(self, request):
+        """A transaction's offsets of a group; from v3 its generation and member are
+        checked as an OffsetCommit's (KIP-447: a zombie of an older generation is refused
+        and aborts, as with Kafka), unless it names neither (a producer outside the group
+        protocol)."""
         v = request.API_VERSION
+        generation, member = getattr(request, "generation_id", -1), \
+            getattr(request, "member_id", "")
+        fenced = self.groups.check_commit(request.group_id, generation, member) \
+            if generation >= 0 or member else NONE
         asked, by_shard, codes = [], {}, {}
         for t in request.topics:
             routes = self._routes(t.name)
@@ -107,6 +115,9 @@ class TxnApis:
                     by_shard.setdefault(shard, {})[(t.name, p.partition_index)] = \
                         p.committed_offset
         try:
+            if fenced:
+                raise TxnRefused(fenced, f"group {request.group_id}: generation "
+                                         f"{generation} member {member!r}")
             s = self.txns.session(request.transactional_id, request.producer_id,
                                   request.producer_epoch)
             with s.lock:
@@ -167,7 +178,7 @@ class TxnApis:
                                                             f"transaction")
                     if s.unknown is not None:
                         raise TxnRefused(OUT_OF_ORDER_SEQUENCE, s.unknown)
-                    stored = kafka_sequence(s, topic, q, base)
+                    stored = kafka_sequence(s, topic, q, base, count)
                     if stored is not None:
                         out.append((topic, q, NONE, stored))
                     else:
