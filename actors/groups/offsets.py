@@ -36,8 +36,15 @@ class GroupOffsets:
         self.store = store
         self.max_groups = max_groups
         self.replay()
-        # the groups with offsets here (internal progress keys too: a few)
-        self._groups = {key.split("@", 1)[0] for key in store.offsets.snapshot()}
+        self._groups: set[str] = set()
+        self.recount()
+
+    def recount(self) -> None:
+        """The groups with committed offsets here (``group@topic@queue`` keys; not the
+        shard's own progress keys): a group whose offsets were all deleted no longer
+        counts against ``max_groups``."""
+        self._groups = {parts[0] for key in self.store.offsets.snapshot()
+                        if len(parts := key.rsplit("@", 2)) == 3 and parts[2].isdigit()}
 
     def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent.  Returns
@@ -60,6 +67,7 @@ class GroupOffsets:
                                f"deleting group {group!r}'s offsets", "delete again")
         self.store.offsets.delete(keys)
         self.store.offsets.update({APPLIED_KEY: applied}, durable=False)
+        self.recount()
 
     def _logged(self, record: dict, what: str, again: str) -> int:
         """Write ``record`` to the offsets log, durable (and held by every in-sync replica);
