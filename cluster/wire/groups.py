@@ -53,6 +53,7 @@ class Group:
     leader: str | None = None
     members: dict[str, Member] = field(default_factory=dict)
     deadline_s: float = 0.0
+    emptied_s: float = 0.0  # when its last member left or ran out of session
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class Joined:
     members: tuple = ()  # ((member id, metadata),) for the leader; () for the others
 
 
+#: How often a join sweeps out the groups whose members all died (``ClassicGroups._sweep``),
+#: and how long an empty group is kept (its generations go on if it is joined again).
+SWEEP_S, EMPTY_KEPT_S = 60.0, 86_400.0
+
+
 class ClassicGroups:
     """Every classic group of one coordinator."""
 
@@ -74,6 +80,7 @@ class ClassicGroups:
         self.initial_delay_s = initial_delay_s
         self._cond = threading.Condition()
         self._groups: dict[str, Group] = {}
+        self._swept_s = clock()
 
     # ------------------------------------------------------------------ join
     def join(self, group_id: str, member_id: str, protocol_type: str, protocols: list,
@@ -84,6 +91,8 @@ class ClassicGroups:
             return Joined(INVALID_SESSION_TIMEOUT, member_id)
         rebalance_ms = min(max(rebalance_ms, 1), SESSION_MS[1])
         with self._cond:
+            if self.clock() - self._swept_s > SWEEP_S:  # (groups whose members all died)
+                self._sweep()
             g = self._groups.setdefault(group_id, Group(group_id))
             self._expire(g)
             if not member_id:
@@ -226,6 +235,7 @@ class ClassicGroups:
                 del g.members[mid]
                 out.append(NONE)
             if g is not None and NONE in out:
+                g.emptied_s = self.clock()
                 self._rebalance_or_empty(g)
             return out
 
@@ -242,8 +252,9 @@ class ClassicGroups:
             return error
 
     def describe(self, group_id: str) -> dict | None:
+        """A group as its members alive now make it (None: no such group)."""
         with self._cond:
-            g = self._groups.get(group_id)
+            g = self._seen(group_id)
             if g is None:
                 return None
             return {"state": g.state, "generation": g.generation, "protocol": g.protocol,
@@ -251,19 +262,38 @@ class ClassicGroups:
                     "members": sorted(g.members)}
 
     def listed(self) -> list[tuple[str, str | None, str]]:
-        """Every group: ``(id, protocol type, state)``."""
+        """Every group with a member alive: ``(id, protocol type, state)``."""
         with self._cond:
+            self._sweep()
             return [(g.id, g.protocol_type, g.state) for g in self._groups.values()]
 
     def members_of(self, group_id: str) -> list[tuple[str, bytes, bytes]]:
         """The members of a group: ``(member id, its metadata of the group's protocol, its
         assignment)``."""
         with self._cond:
-            g = self._groups.get(group_id)
+            g = self._seen(group_id)
             if g is None:
                 return []
             return [(m.id, dict(m.protocols).get(g.protocol, b""), m.assignment)
                     for m in g.members.values()]
+
+    def _seen(self, group_id: str) -> Group | None:
+        """(locked) A group after its members past their session were dropped (a member
+        that dies never leaves: before, views showed it Stable with its dead members)."""
+        g = self._groups.get(group_id)
+        if g is not None:
+            self._expire(g)
+        return g
+
+    def _sweep(self) -> None:
+        """(locked) ``_seen`` of every group, and those empty for ``EMPTY_KEPT_S`` are
+        forgotten (a join starts one again): what the coordinator keeps is bounded by the
+        groups alive lately, not by every group id ever joined."""
+        now = self._swept_s = self.clock()
+        for group_id in list(self._groups):
+            g = self._seen(group_id)
+            if not g.members and g.state == EMPTY and now - g.emptied_s > EMPTY_KEPT_S:
+                del self._groups[group_id]
 
     # ---------------------------------------------------------------- inside
     def _check(self, g: Group | None, generation: int, member_id: str) -> int:
@@ -279,9 +309,11 @@ class ClassicGroups:
         gone = [mid for mid, m in g.members.items()
                 if now - m.seen_s > m.session_ms / 1000.0 and not
                 (g.state == PREPARING and m.joined)]
+        ends = [g.members[mid].seen_s + g.members[mid].session_ms / 1000.0 for mid in gone]
         for mid in gone:
             del g.members[mid]
         if gone:
+            g.emptied_s = max(ends)  # (when it became empty, if it did)
             self._rebalance_or_empty(g)
 
     @staticmethod

@@ -90,3 +90,22 @@ def test_a_member_that_died_holds_a_rebalance_only_for_its_session_not_the_rebal
     assert late.error == G.NONE and late.generation == 2 and late.leader == "new"
     assert time.monotonic() - t0 < 10  # (1 s session: not 300 s)
     assert g.describe("grp")["members"] == ["new"]
+
+
+def test_a_group_whose_members_died_is_empty_to_every_view_and_goes_once_empty():
+    """A consumer that dies never leaves: its member stayed in the group, seen only by a
+    later join or heartbeat of the same group.  ListGroups and DescribeGroups showed it
+    Stable with that member for good (and OffsetDelete refused: "subscribed"), and the
+    coordinator kept every group id ever joined.  Views drop members past their session
+    now, and a group empty for a day is forgotten (a later join starts it again)."""
+    clock = Clock()
+    g = G.ClassicGroups(clock=clock, initial_delay_s=0)
+    for name in ("grp", "other"):
+        assert g.join(name, "a", "consumer", P, 6000, 1000).generation == 1
+        assert g.sync(name, 1, "a", {"a": b"A"}) == (G.NONE, b"A")
+    assert g.describe("grp")["state"] == G.STABLE and g.describe("grp")["members"] == ["a"]
+    clock.t += 10 * 86_400           # ten days: both consumers long dead
+    assert g.describe("grp")["members"] == [] and g.members_of("grp") == []
+    assert g.listed() == []          # both forgotten
+    assert g.describe("other") is None
+    assert g.join("grp", "b", "consumer", P, 6000, 1000).error == G.NONE   # started again
