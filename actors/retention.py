@@ -263,7 +263,9 @@ def drop_topic(shard, topic: str) -> bool:
             shard.resolve_half(half["origin"], "ROLLBACK")
     offsets = shard.store.offsets
     offsets.delete([k for k in offsets.snapshot() if k.split("@")[1:2] == [topic]])
-    dropped = shard.store.delete_topic(topic)
+    shard.offsets.recount()  # (a group left with no offsets no longer counts)
+    # (with its Kafka-style aborted ranges: a topic created again starts at offset 0)
+    dropped = shard.ktx.drop_topic(topic, shard.store.delete_topic)
     if dropped:
         log.warning("shard-%d: topic %s deleted: its queues dropped, its records go with "
                     "their segments", shard.index, topic)

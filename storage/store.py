@@ -34,7 +34,6 @@ from raymq.storage import replication
 from raymq.storage.recovery import RebuildNeeded, Replay, recover
 from raymq.storage import topics
 from raymq.storage.cleaner import StoreRetention
-from raymq.storage.topics import TOPIC_DELETED
 from raymq.storage.records import (REC_DTYPE, REC_HEADER_BYTES, MessageBatch, Record, RecordBatch,
                                    RecordSpans, StoredMessage, decode_records,
                                    record_sizes)
@@ -403,13 +402,13 @@ class MessageStore:
         """Where the log starts (its oldest segment's first frame)."""
         return self._log.min_offset
 
-    def delete_topic(self, topic: str) -> bool:
-        """Delete ``topic`` here (``raymq.storage.topics``); whether it had queues here."""
+    def delete_topic(self, topic: str, also: Sequence[Record] = ()) -> bool:
+        """Delete ``topic`` (``topics``; ``also`` put with its tombstone); whether it had queues."""
         if not any(t == topic for t, _q in self._cq.queues):  # (nothing to write then)
             return False
         self._deleting.add(topic)  # (no write of it between the tombstone and the forget)
         try:
-            phys = self.put(RecordBatch(TOPIC_DELETED, 0, [topic.encode()])).phys_offsets[0]
+            phys = self.put(topics.tombstone(topic, also)).phys_offsets[0]
             with self._write_lock:
                 self.retention.tombstones = topics.forget(self.directory, self._cq, topic, phys)
         finally:

@@ -16,6 +16,7 @@ import os
 
 from raymq.storage.fileutil import atomic_write, fsync_dir
 from raymq.storage.queueindex import QueueIndex
+from raymq.storage.records import Record, RecordBatch
 
 #: The tombstones' queue (queue 0): a record per deletion, its body the topic's name.
 TOPIC_DELETED = "RMQ_SYS_TOPIC_DELETED"
@@ -35,9 +36,16 @@ def write_deleted(directory: str, deleted: dict[str, int]) -> None:
     atomic_write(os.path.join(directory, _FILE), json.dumps(deleted, sort_keys=True).encode())
 
 
+def tombstone(topic: str, also=()) -> RecordBatch:
+    """The put deleting ``topic``: its tombstone, then ``also`` (records that must go with
+    it, all or nothing: a shard's own note of the deletion)."""
+    return RecordBatch.from_records([Record(TOPIC_DELETED, 0, topic.encode()), *also])
+
+
 def forget(directory: str, queues: QueueIndex, topic: str, phys: int) -> dict[str, int]:
     """A tombstone of ``topic`` at ``phys``: note it durably, then drop the topic's consume
-    queues (files and directory).  Idempotent; the tombstones now."""
+    queues (files and directory).  Idempotent; the tombstones now.  A crash anywhere in
+    it is finished by ``settle`` when the store opens again."""
     deleted = read_deleted(directory)
     if deleted.get(topic, -1) < phys:
         deleted[topic] = phys
@@ -57,10 +65,19 @@ def forget(directory: str, queues: QueueIndex, topic: str, phys: int) -> dict[st
 
 
 def settle(store) -> None:
-    """(on open) Apply every tombstone of the log not noted yet: a deletion whose record a
-    checkpoint covered before its queues were dropped (a crash in between)."""
+    """(on open) Finish every tombstone of the log a crash left unfinished: one not noted
+    yet (its record covered by a checkpoint before its queues were dropped), or one noted
+    whose topic still has queues, all of them older than it (a crash after the note, in
+    the middle of ``forget``).  A topic with a record after its tombstone was created
+    again: its queues are the new topic's and stay.  The store's retention is told."""
     deleted = read_deleted(store.directory)
     for m in store.scan_queue(TOPIC_DELETED, 0):
-        topic = bytes(m.body).decode()
-        if deleted.get(topic, -1) < m.phys_offset:
-            deleted = forget(store.directory, store._cq, topic, m.phys_offset)
+        topic, phys = bytes(m.body).decode(), m.phys_offset
+        held = [cq for (t, _q), cq in store._cq.queues.items() if t == topic]
+        # (the note alone does not say its queues are gone: noted first, they may not be)
+        if any(cq.last_phys > phys for cq in held):
+            continue
+        if held or deleted.get(topic, -1) < phys:
+            deleted = forget(store.directory, store._cq, topic, phys)
+            store.retention.forget_queues(topic)
+    store.retention.tombstones = deleted

@@ -18,8 +18,9 @@ record (outcome and marker offsets), each written durably before it is answered.
 index is folded into a snapshot of the live state (``compact``) once enough records
 follow the last one, so a restart reads the snapshot and the tail.  A commit's group
 offsets are saved with its producer's applied end in one atomic write: a restart applies
-again exactly the commits whose offsets it lost.  ``KafkaTxns`` is the pure state;
-``KafkaTxnQueues`` does the shard's I/O for it.
+again exactly the commits whose offsets it lost.  A deleted topic's queues are forgotten
+by a ``drop`` record put with the topic's tombstone (``drop_topic``).  ``KafkaTxns`` is
+the pure state; ``KafkaTxnQueues`` does the shard's I/O for it.
 """
 from __future__ import annotations
 
@@ -196,8 +197,11 @@ class KafkaTxns:
     # ------------------------------------------------------------ apply
     def apply(self, rec: dict) -> None:
         """Apply one index record (live, after it is durable, or in a replay)."""
-        pid, epoch = rec["pid"], rec["epoch"]
         kind = rec["k"]
+        if kind == "drop":
+            self.forget_topic(rec["topic"])
+            return
+        pid, epoch = rec["pid"], rec["epoch"]
         if "ms" in rec:
             self.seen_ms[pid] = max(self.seen_ms.get(pid, 0), rec["ms"])
         if kind == "begin":
@@ -239,6 +243,17 @@ class KafkaTxns:
                     ranges.add(first, markers.get(queue, 2**62))
         else:
             raise ValueError(f"unknown index record kind {kind!r}")
+
+    def forget_topic(self, topic: str) -> None:
+        """``topic`` was deleted: its queues' aborted ranges and marks go.  Created again it
+        starts at offset 0, where an old range would hide the new records of a producer
+        id that aborted there (a transactional id keeps its producer id across epochs).
+        A queue an open transaction holds keeps its hold (the deletion refuses one)."""
+        for queue in [q for q in self._aborted if q[0] == topic]:
+            del self._aborted[queue]
+        for queue in [q for q, held in self._holding.items() if q[0] == topic and not held]:
+            del self._holding[queue]
+        self.touched = {q for q in self.touched if q[0] != topic}
 
     # ------------------------------------------------------------ reads
     def lso(self, queue: Queue, end: int) -> int:
@@ -334,6 +349,10 @@ def decode(body: bytes) -> dict | None:
     """An index record, or None (logged) when it cannot be parsed."""
     try:
         rec = json.loads(body)
+        if rec["k"] == "drop":
+            if not isinstance(rec["topic"], str):
+                raise ValueError(rec["topic"])
+            return rec
         if rec["k"] not in ("begin", "offsets", "end", "commit"):
             raise ValueError(rec["k"])
         int(rec["pid"]), int(rec["epoch"])
@@ -713,6 +732,19 @@ class KafkaTxnQueues:
             self._append(rec)
             with self.lock:
                 self.state.apply(rec)
+
+    def drop_topic(self, topic: str, delete: Callable[..., bool]) -> bool:
+        """``topic`` is deleted by ``delete(topic, also=records)`` (the store's
+        ``delete_topic``): a ``drop`` record in its tombstone's put (all or nothing with
+        it) forgets the topic's queues here, live now and in every replay and snapshot
+        from then on, in the index's order (a topic created again after it keeps its
+        own).  Whether the store held the topic."""
+        rec = {"k": "drop", "topic": topic}
+        dropped = delete(topic, also=[Record(KTX_INDEX_TOPIC, 0, encode(rec))])
+        if dropped:
+            with self.lock:
+                self.state.apply(rec)
+        return dropped
 
     # ------------------------------------------------------------- reads
     def touched(self, queue: Queue) -> bool:
