@@ -22,6 +22,7 @@ from kafka.protocol.producer.transaction import InitProducerIdResponse
 
 from raymq.actors.protocol import is_system_topic
 from raymq.storage.errors import (BrokerUnavailableError, DiskFullError, InvalidMessageError,
+                                  MessageTooLargeError,
                                   NotEnoughReplicasError, NotLeaderError, OffsetOutOfRangeError,
                                   QuotaExceededError, ReservedNameError, RequestTimeoutError,
                                   TopicExistsError, UnknownTopicError)
@@ -47,6 +48,7 @@ ERROR_CODES = TXN_ERRORS + (
                (RequestTimeoutError, 7),        # REQUEST_TIMED_OUT
                (NotEnoughReplicasError, 19),    # NOT_ENOUGH_REPLICAS
                (DiskFullError, 56),             # KAFKA_STORAGE_ERROR
+               (MessageTooLargeError, 10),      # MESSAGE_TOO_LARGE
                (InvalidMessageError, 87))       # INVALID_RECORD
 UNKNOWN_SERVER_ERROR = -1
 #: Most messages one partition of a Fetch carries.

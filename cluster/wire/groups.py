@@ -239,9 +239,12 @@ class ClassicGroups:
                 self._rebalance_or_empty(g)
             return out
 
-    def check_commit(self, group_id: str, generation: int, member_id: str) -> int:
+    def check_commit(self, group_id: str, generation: int, member_id: str, *,
+                     transactional: bool = False) -> int:
         """Whether an OffsetCommit of this generation and member is taken (a commit of
-        generation -1: a consumer outside the group protocol, taken while it is empty)."""
+        generation -1: a consumer outside the group protocol, taken while it is empty);
+        not while the assignment is handed out (REBALANCE_IN_PROGRESS, as Kafka's),
+        unless ``transactional`` (a TxnOffsetCommit: its generation is checked only)."""
         with self._cond:
             g = self._groups.get(group_id)
             if generation < 0:
@@ -249,6 +252,8 @@ class ClassicGroups:
             error = self._check(g, generation, member_id)
             if not error:
                 g.members[member_id].seen_s = self.clock()
+                if g.state == COMPLETING and not transactional:
+                    return REBALANCE_IN_PROGRESS
             return error
 
     def describe(self, group_id: str) -> dict | None:

@@ -101,7 +101,8 @@ class TxnApis:
         v = request.API_VERSION
         generation, member = getattr(request, "generation_id", -1), \
             getattr(request, "member_id", "")
-        fenced = self.groups.check_commit(request.group_id, generation, member) \
+        fenced = self.groups.check_commit(request.group_id, generation, member,
+                                          transactional=True) \
             if generation >= 0 or member else NONE
         asked, by_shard, codes = [], {}, {}
         for t in request.topics:

@@ -109,3 +109,14 @@ def test_a_group_whose_members_died_is_empty_to_every_view_and_goes_once_empty()
     assert g.listed() == []          # both forgotten
     assert g.describe("other") is None
     assert g.join("grp", "b", "consumer", P, 6000, 1000).error == G.NONE   # started again
+
+
+def test_an_offset_commit_while_the_assignment_is_being_handed_out_is_rebalance_in_progress():
+    """Between the join's answer and the leader's SyncGroup (CompletingRebalance) a member
+    does not know its partitions yet: Kafka refuses its OffsetCommit with
+    REBALANCE_IN_PROGRESS (27); it was taken."""
+    g = G.ClassicGroups(initial_delay_s=0)
+    assert g.join("grp", "a", "consumer", P, 6000, 1000).generation == 1
+    assert g.check_commit("grp", 1, "a") == G.REBALANCE_IN_PROGRESS
+    assert g.sync("grp", 1, "a", {"a": b"A"}) == (G.NONE, b"A")
+    assert g.check_commit("grp", 1, "a") == G.NONE

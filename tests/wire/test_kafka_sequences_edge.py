@@ -206,3 +206,19 @@ def test_an_idempotent_producers_last_epoch_bump_gives_a_new_producer_id():
     assert init(12345, 5) == (0, 12345, 6)
     code, pid, epoch = init(12345, 32766)
     assert code == 0 and pid not in (12345, -1) and epoch == 0
+
+
+def test_a_record_over_the_largest_message_is_message_too_large(tmp_path):
+    """A record over ``max_message_bytes`` is MESSAGE_TOO_LARGE (10), which clients know
+    (the Java client splits a batch on it, and names the cause), not UNKNOWN_SERVER_ERROR
+    (-1): nothing stored."""
+    sh = open_shard(tmp_path, [("t", 0)], max_message_bytes=1024)
+    try:
+        b = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20)
+        b.append(1, None, bytes(4096))
+        b.close()
+        apis = KafkaApis(_Mq(sh), "localhost", 9092)
+        assert _produce(apis, bytes(b.buffer()))[0] == 10
+        assert _bodies(sh) == []
+    finally:
+        sh.close()
