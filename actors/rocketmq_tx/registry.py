@@ -31,12 +31,30 @@ class ProducerGroupRegistry:
         self._instances: dict[str, dict[str, int]] = {}  # group -> instance -> lease end
         self._checks: dict[str, deque] = {}
         self._queued_keys: dict[str, set] = {}
+        self._pruned_ms = self.clock.now_ms()
 
     def heartbeat(self, group: str, instance: str) -> int:
         """Register or renew an instance's lease; returns the lease in ms.  Idempotent."""
         with self._cv:
-            self._instances.setdefault(group, {})[instance] = self.clock.now_ms() + self.lease_ms
+            self._renew(group, instance)
             return self.lease_ms
+
+    def _renew(self, group: str, instance: str) -> None:
+        """(locked) ``instance``'s lease from now; at most once a lease, instances whose
+        lease ran out are forgotten (a process that crashed never unregisters: each one
+        stayed for good), and groups left with none and no check queued."""
+        now = self.clock.now_ms()
+        if now - self._pruned_ms > self.lease_ms:
+            self._pruned_ms = now
+            for g in list(self._instances):
+                inst = self._instances[g]
+                for i in [i for i, end in inst.items() if end <= now]:
+                    del inst[i]
+                if not inst and not self._checks.get(g):
+                    del self._instances[g]
+                    self._checks.pop(g, None)
+                    self._queued_keys.pop(g, None)
+        self._instances.setdefault(group, {})[instance] = now + self.lease_ms
 
     register = heartbeat
 
@@ -88,7 +106,7 @@ class ProducerGroupRegistry:
         """
         deadline = self.clock.monotonic_ms() + wait_ms
         with self._cv:
-            self._instances.setdefault(group, {})[instance] = self.clock.now_ms() + self.lease_ms
+            self._renew(group, instance)
             while True:
                 q = self._checks.get(group)
                 if q:

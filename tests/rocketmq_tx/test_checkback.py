@@ -271,3 +271,19 @@ def test_one_shard_s_backlog_of_a_group_does_not_starve_its_other_shards(two_sha
         asked += [(r.shard, r.origin) for r in
                   registry.poll_checks("g", "instance-1", 100, 0)]
     assert (1, lone) in asked  # within two rounds, not after shard 0's backlog
+
+
+def test_the_registry_forgets_instances_and_groups_whose_leases_ran_out():
+    """Every transaction-producer process that crashed (no unregister) stayed in the
+    registry for good, and its group with it: a service restarted daily over months
+    left an entry per process.  Expired ones are forgotten at the next heartbeat after
+    a lease; a group with none left and no check queued goes from the status."""
+    clock = ManualClock(1_700_000_000_000)
+    reg = ProducerGroupRegistry(lease_ms=6000, clock=clock)
+    for day in range(30):
+        reg.heartbeat("orders", f"pod-{day}")   # each day's process, crashed the next
+        reg.heartbeat(f"batch-{day}", "job")      # a group used once
+        clock.advance(86_400_000)
+    reg.heartbeat("orders", "pod-30")
+    assert reg.status() == {"orders": {"live": ["pod-30"], "queued_checks": 0}}
+    assert reg.live("orders") == ["pod-30"] and reg.live_groups() == ["orders"]
