@@ -53,6 +53,8 @@ ERROR_CODES = TXN_ERRORS + (
 UNKNOWN_SERVER_ERROR = -1
 #: Most messages one partition of a Fetch carries.
 FETCH_MAX_MESSAGES = 5000
+#: How often a Fetch over several shards asks them again while none has data.
+FETCH_POLL_S = 0.02
 
 log = logging.getLogger("raymq.kafka")
 
@@ -284,7 +286,7 @@ class KafkaApis(TxnApis, AdminApis):
     # ---------------------------------------------------------------- Fetch
     def _FetchRequest(self, request):
         """Each partition read from its queue (one pull per shard; a long poll when the
-        request names one shard), as a record batch made from the records as they lie in
+        request names one shard, else the shards asked again while none has data), as a record batch made from the records as they lie in
         the log; with its high watermark, last stable offset (read_committed: where the
         read stops) and log start.  The aborted transactions list is empty: the shard
         leaves aborted records out of a read_committed read itself."""
@@ -298,8 +300,10 @@ class KafkaApis(TxnApis, AdminApis):
                     n = max(1, min(FETCH_MAX_MESSAGES, p.partition_max_bytes // 64))
                     by_shard.setdefault(shard, []).append(
                         (t.topic, p.partition, p.fetch_offset, n))
-        wait = min(request.max_wait_ms, 500) if len(by_shard) == 1 else 0
-        got = self._fetch_pulls(by_shard, wait, isolation)
+        wait = min(request.max_wait_ms, 500)
+        got = self._fetch_pulls(by_shard, wait if len(by_shard) == 1 else 0, isolation)
+        if len(by_shard) > 1:  # (no long poll over several shards: a short poll instead)
+            got = self._fetch_polled(by_shard, isolation, got, wait)
         topics: dict[str, list] = {}
         now_ms = int(time.time() * 1000)
         for (topic, q), offset in asked.items():
@@ -339,6 +343,22 @@ class KafkaApis(TxnApis, AdminApis):
                 alone += [([r], begin(shard, [r], 0)) for r in reads]
         for reads, call in alone:
             self._take_pull(got, reads, call)
+        return got
+
+    def _fetch_polled(self, by_shard: dict, isolation: str, got: dict, wait_ms: int) -> dict:
+        """``got`` when anything came (a record, an error, a read moved past markers);
+        else the shards are asked again every ``FETCH_POLL_S`` until something does or
+        ``wait_ms`` ran out: a Fetch over several shards waits as a long poll of one does
+        (answered at once, its consumer asked again at once, without end)."""
+        deadline = time.monotonic() + wait_ms / 1000.0
+        asked = {(t, p): o for reads in by_shard.values() for t, p, o, _n in reads}
+
+        def idle(got: dict) -> bool:
+            return all(code == NONE and (spans is None or not len(spans)) and
+                       nxt == asked[key] for key, (code, spans, nxt, _e, _m) in got.items())
+        while idle(got) and time.monotonic() + FETCH_POLL_S <= deadline:
+            time.sleep(FETCH_POLL_S)
+            got = self._fetch_pulls(by_shard, 0, isolation)
         return got
 
     @staticmethod
