@@ -316,8 +316,9 @@ class KafkaApis(TxnApis, AdminApis):
                 # records): a control batch there moves the client's position past them
                 records += control_batch(next_offset - 1, now_ms)
             topics.setdefault(topic, []).append(_FetchPart(
-                partition_index=q, error_code=code, high_watermark=max(hwm, end),
-                last_stable_offset=end, log_start_offset=log_start, aborted_transactions=[],
+                partition_index=q, error_code=code, high_watermark=hwm,
+                last_stable_offset=min(end, hwm), log_start_offset=log_start,
+                aborted_transactions=[],
                 preferred_read_replica=-1, records=records))
         return FetchResponse(version=request.API_VERSION, throttle_time_ms=0, error_code=NONE,
                              session_id=0, responses=[_FetchTopic(topic=t, partitions=ps)

@@ -60,3 +60,23 @@ def test_a_fetch_past_the_end_is_out_of_range(tmp_path):
         assert at_end.error_code == 0 and at_end.high_watermark == 2
     finally:
         sh.close()
+
+
+def test_a_fetch_caught_up_to_what_the_replicas_confirmed_reports_that_as_its_marks(tmp_path):
+    """A replicated shard's readers see up to what its in-sync replicas confirmed (the
+    high watermark); a Fetch there reported the leader's own end as high watermark and
+    last stable offset, records not acknowledged (and a failover may take back)."""
+    sh = open_shard(tmp_path, [("t", 0)])
+    try:
+        put = sh.send(RecordBatch("t", 0, [b"%d" % i for i in range(5)]))
+        sh.reads.confirmed = lambda: put.phys[3]   # (the replicas hold the first 3)
+        apis = KafkaApis(_MQ(sh, "t", 1), "localhost", 0)
+        got = _fetch(apis, {0: 0})[0]
+        assert (got.high_watermark, got.last_stable_offset) == (3, 3)
+        for at in (3, 5):  # (at the confirmed end; at the leader's own, past it)
+            got = _fetch(apis, {0: at})[0]
+            assert got.error_code == 0 and got.records == b""
+            assert (got.high_watermark, got.last_stable_offset) == (3, 3), at
+        assert _latest(apis, isolation=0) == (0, 3)
+    finally:
+        sh.close()
