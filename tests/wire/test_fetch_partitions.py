@@ -15,7 +15,7 @@ from kafka.record import MemoryRecords
 from raymq.storage import RecordBatch
 from raymq.storage.clock import ManualClock
 from raymq.wire.apis import KafkaApis
-from tests.helpers import open_shard
+from tests.helpers import Answered, open_shard
 
 HOUR = 3600_000
 MB = 1 << 20
@@ -24,21 +24,6 @@ OFFSET_OUT_OF_RANGE = 1
 
 _Topic = FetchRequest.FetchTopic
 _Part = _Topic.FetchPartition
-
-
-class _Answered:
-    """A transport call made at once: ``result()`` hands over its answer or its error."""
-
-    def __init__(self, fn, args):
-        try:
-            self.value, self.err = fn(*args), None
-        except Exception as err:  # (raised where a transport's call would raise it)
-            self.value, self.err = None, err
-
-    def result(self):
-        if self.err is not None:
-            raise self.err
-        return self.value
 
 
 class _InProcessMQ:
@@ -56,7 +41,7 @@ class _InProcessMQ:
     def begin(self, shard, method, args, *, timeout_s):
         if method == "pull":
             self.pulls.append([(t, q) for t, q, _o, _n in args[0]])
-        return _Answered(getattr(self.shard, method), args)
+        return Answered(getattr(self.shard, method), args)
 
 
 def _bulk(sh, qid: int, mb: int) -> None:

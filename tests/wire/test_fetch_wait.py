@@ -14,8 +14,8 @@ from kafka.protocol.consumer import FetchRequest
 
 from raymq.storage import RecordBatch
 from raymq.wire.apis import KafkaApis
-from tests.helpers import open_shard
-from tests.wire.test_fetch_partitions import _Answered, _records
+from tests.helpers import Answered, open_shard
+from tests.wire.test_fetch_partitions import _records
 
 MB = 1 << 20
 _Topic = FetchRequest.FetchTopic
@@ -33,7 +33,7 @@ class _TwoShards:
 
     def begin(self, shard, method, args, *, timeout_s):
         self.pulls += method == "pull"
-        return _Answered(getattr(self.shards[shard], method), args)
+        return Answered(getattr(self.shards[shard], method), args)
 
 
 @pytest.fixture

@@ -15,26 +15,11 @@ from raymq.wire.records import Producer
 from raymq.wire.sequences import OUT_OF_ORDER, Sequences
 from raymq.wire.transactions import (OUT_OF_ORDER_SEQUENCE, Session, TxnRefused,
                                      kafka_sequence, stored_sequence)
-from tests.helpers import open_shard
+from tests.helpers import Answered, open_shard
 
 TOP = (1 << 31) - 1  # (Kafka's last sequence; 0 comes next)
 _Data = ProduceRequest.TopicProduceData
 _PartData = _Data.PartitionProduceData
-
-
-class _Call:
-    """A call begun: its ``result()`` (an error raised)."""
-
-    def __init__(self, fn, args):
-        try:
-            self.value, self.error = fn(*args), None
-        except Exception as err:
-            self.value, self.error = None, err
-
-    def result(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 class _Transport:
@@ -47,7 +32,7 @@ class _Transport:
         return getattr(self.target, method)(*args)
 
     def begin(self, _shard, method, args, timeout_s=None):
-        return _Call(getattr(self.target, method), args)
+        return Answered(getattr(self.target, method), args)
 
 
 class _Mq:
