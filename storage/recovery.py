@@ -7,8 +7,9 @@ trusted (a lost page reads as zeros): each queue is cut back to its last entry
 of a record below the checkpoint, every record from the checkpoint on is
 re-indexed, and the producer table brought up to date; the frames of a put
 whose LAST frame never reached the disk are cut off, so a put is all or nothing.  When the consume
-queues disagree with the log, or the checkpoint is past its end, the queues
-and the producer table are rebuilt from the start of the log.  Recovery ends
+queues disagree with the log, or the checkpoint or a noted tombstone (a deleted
+topic, ``raymq.storage.topics``) is past its end, the queues, the producer table
+and the noted tombstones are rebuilt from the start of the log.  Recovery ends
 with a fresh checkpoint.
 
 A rebuild is crash-safe at every step: before it deletes anything it durably
@@ -109,6 +110,7 @@ def recover(directory: str, commit_log: CommitLog, queues: QueueIndex, *,
             raise RebuildNeeded(f"the checkpoint ({ckpt}) is past the end of the "
                                  f"commit log ({commit_log.max_offset})")
         replay.cut_open_put(commit_log, directory)
+        _check_tombstones(directory, commit_log.max_offset)
     except RebuildNeeded as why:
         commit_log, replay = _rebuild(directory, commit_log, queues, why, segment_size_bytes,
                                       checkpoint_path)
@@ -134,6 +136,10 @@ def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: Reb
     queues.close()
     write_checkpoint(checkpoint_path, 0, [], {}, rebuilding=True)
     crash_point("rebuild.marked")
+    # the tombstones are noted again from the log, as the queues are indexed again: one
+    # noted for a record the log no longer holds (cut away) must not outlive the rebuild
+    # (one before the log start goes with it too: no record it could hide is left)
+    topics.write_deleted(directory, {})
     _delete_queue_files(queues.root)
     crash_point("rebuild.deleted")
     queues = QueueIndex(queues.root, queues.files.configured_limit)
@@ -145,6 +151,16 @@ def _rebuild(directory: str, commit_log: CommitLog, queues: QueueIndex, why: Reb
     replay.cut_open_put(commit_log, directory)
     crash_point("rebuild.reindexed")
     return commit_log, replay
+
+
+def _check_tombstones(directory: str, end: int) -> None:
+    """``RebuildNeeded`` when a noted tombstone lies at or past the log's end ``end``: the
+    deletion was cut away (a follower cut back below a tombstone it had copied, a lost
+    tail) but the queues it dropped are still gone and the topic still counts as deleted
+    -- only re-indexing the log gives its records back (``_rebuild``)."""
+    cut = {t: p for t, p in topics.read_deleted(directory).items() if p >= end}
+    if cut:
+        raise RebuildNeeded(f"deleted topics noted past the commit log's end ({end}): {cut}")
 
 
 def _starts_late(log_dir: str) -> bool:

@@ -122,7 +122,9 @@ def cut_store(directory: str, segment_size_bytes: int, phys: int) -> None:
     log), and the checkpoint moves to ``phys`` -- then the log is cut.  A crash between
     the steps leaves a checkpoint at or past the log's end and queues that agree with it,
     or (queues cut, checkpoint not yet moved) queues that disagree: recovery rebuilds
-    them then, as it did before this shortcut.
+    them then, as it did before this shortcut.  A cut below a topic deletion the store
+    applied is rebuilt too (its dropped queues come back only from the log): recovery
+    finds the tombstone noted past the log's end.
     """
     commit_log = CommitLog(os.path.join(directory, "commitlog"), segment_size_bytes)
     firsts: dict[int, int] = {}  # producer id -> its first sequence at or past the cut
