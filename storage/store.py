@@ -107,7 +107,7 @@ class MessageStore:
         os.makedirs(directory, exist_ok=True)
         self._write_lock = threading.Lock()
         self._closed = False
-        self._deleting: set[str] = set()  # topics between their tombstone and their forget
+        self._deleting: dict[str, int] = {}  # topics between their tombstone and forget
         self._checkpoint_path = os.path.join(directory, "checkpoint")
         self.offsets = OffsetStore(os.path.join(directory, "offsets.json"))
         recovered = recover(
@@ -174,7 +174,7 @@ class MessageStore:
                 raise self._durable.stopped()
             if producer_id and self._producers.is_duplicate(producer_id, sequence):
                 return self._duplicate(producer_id, sequence)
-            if self._deleting and self._deleting.intersection(batch.column("topics")):
+            if self._deleting and not self._deleting.keys().isdisjoint(batch.column("topics")):
                 raise UnknownTopicError(f"topic {sorted(self._deleting)} is being deleted")
             store_ms = self.clock.now_ms()
             qoffs, groups = self._cq.assign_offsets(batch)
@@ -402,19 +402,9 @@ class MessageStore:
         """Where the log starts (its oldest segment's first frame)."""
         return self._log.min_offset
 
-    def delete_topic(self, topic: str, also: Sequence[Record] = ()) -> bool:
-        """Delete ``topic`` (``topics``; ``also`` put with its tombstone); whether it had queues."""
-        if not any(t == topic for t, _q in self._cq.queues):  # (nothing to write then)
-            return False
-        self._deleting.add(topic)  # (no write of it between the tombstone and the forget)
-        try:
-            phys = self.put(topics.tombstone(topic, also)).phys_offsets[0]
-            with self._write_lock:
-                self.retention.tombstones = topics.forget(self.directory, self._cq, topic, phys)
-        finally:
-            self._deleting.discard(topic)
-        self.retention.forget_queues(topic)
-        return True
+    def delete_topic(self, topic: str, also: Sequence[Record] = (), then=None) -> bool:
+        """Delete ``topic`` here (``topics.delete``); whether it had queues here."""
+        return topics.delete(self, topic, also, then)
 
     # -------------------------------------------------------- replication
     def read_frames(self, from_phys: int, max_bytes: int) -> tuple[int, bytes]:

@@ -42,6 +42,33 @@ def tombstone(topic: str, also=()) -> RecordBatch:
     return RecordBatch.from_records([Record(TOPIC_DELETED, 0, topic.encode()), *also])
 
 
+def delete(store, topic: str, also=(), then=None) -> bool:
+    """Delete ``topic`` from ``store`` (a ``MessageStore``): its tombstone put (with
+    ``also``), then its queues dropped (``forget``) and ``then()`` -- all before any write
+    of the topic is taken again: its writes are refused meanwhile (one landing between
+    the tombstone and the forget was acknowledged, then lost with its queue, and left a
+    record the store could not be opened with).  A count per topic: two deletions of it
+    at once (the janitor's and a client's) both hold it off.  Whether it had queues."""
+    if not any(t == topic for t, _q in store._cq.queues):  # (nothing to write then)
+        return False
+    deleting = store._deleting
+    with store._write_lock:
+        deleting[topic] = deleting.get(topic, 0) + 1
+    try:
+        phys = store.put(tombstone(topic, also)).phys_offsets[0]
+        with store._write_lock:
+            store.retention.tombstones = forget(store.directory, store._cq, topic, phys)
+        if then is not None:
+            then()
+    finally:
+        with store._write_lock:
+            deleting[topic] -= 1
+            if not deleting[topic]:
+                del deleting[topic]
+    store.retention.forget_queues(topic)
+    return True
+
+
 def forget(directory: str, queues: QueueIndex, topic: str, phys: int) -> dict[str, int]:
     """A tombstone of ``topic`` at ``phys``: note it durably, then drop the topic's consume
     queues (files and directory).  Idempotent; the tombstones now.  A crash anywhere in

@@ -734,17 +734,17 @@ class KafkaTxnQueues:
                 self.state.apply(rec)
 
     def drop_topic(self, topic: str, delete: Callable[..., bool]) -> bool:
-        """``topic`` is deleted by ``delete(topic, also=records)`` (the store's
+        """``topic`` is deleted by ``delete(topic, also=records, then=...)`` (the store's
         ``delete_topic``): a ``drop`` record in its tombstone's put (all or nothing with
         it) forgets the topic's queues here, live now and in every replay and snapshot
         from then on, in the index's order (a topic created again after it keeps its
         own).  Whether the store held the topic."""
         rec = {"k": "drop", "topic": topic}
-        dropped = delete(topic, also=[Record(KTX_INDEX_TOPIC, 0, encode(rec))])
-        if dropped:
+
+        def applied():  # (before any write of the topic is taken again: as a replay has it)
             with self.lock:
                 self.state.apply(rec)
-        return dropped
+        return delete(topic, also=[Record(KTX_INDEX_TOPIC, 0, encode(rec))], then=applied)
 
     # ------------------------------------------------------------- reads
     def touched(self, queue: Queue) -> bool:

@@ -131,3 +131,34 @@ def test_a_write_landing_in_the_middle_of_a_deletion_is_refused_and_the_store_op
             assert store.max_queue_offset("a", 0) == 2 and bodies(store, "a") == want
         finally:
             store.close()
+
+
+def test_two_deletions_of_a_topic_at_once_both_hold_its_writes_off(tmp_path):
+    """The janitor and a client may delete a topic at the same time: the second one to
+    finish must not let writes of the topic in while the first still waits on its
+    tombstone (a set of topics being deleted did: the second's end took the topic out)."""
+    from raymq.storage.errors import UnknownTopicError
+    store = MessageStore(str(tmp_path / "s"), SMALL, background=False)
+    try:
+        store.put(batch("a", 0, 0, 50))
+        put, raced = store.put, []
+
+        def put_then_race(b, *args, **kwargs):
+            res = put(b, *args, **kwargs)
+            if not raced and TOPIC_DELETED in b.column("topics"):
+                raced.append("second")
+                raced.append(store.delete_topic("a"))   # the other deletion, all of it
+                try:
+                    raced.append(put(batch("a", 0, 100, 1)))
+                except UnknownTopicError as err:
+                    raced.append(err)
+            return res
+        store.put = put_then_race
+        try:
+            assert store.delete_topic("a")
+        finally:
+            store.put = put
+        assert raced[1] is True and isinstance(raced[2], UnknownTopicError), raced
+        assert store.put(batch("a", 0, 200, 1)).queue_offsets == [0]
+    finally:
+        store.close()
