@@ -106,9 +106,15 @@ class QueueReads:
         last = self.store.read_cq(topic, qid, end - 1, 1)
         if len(last) and int(last["phys"][0]) < confirmed:
             return end, start  # (all of it confirmed: the usual case)
-        lo = max(start, end - 4096)
-        entries = self.store.read_cq(topic, qid, lo, end - lo)
-        return lo + int(np.searchsorted(entries["phys"], confirmed, "left")), start
+        # the confirmed end is near the end, or (replicas far behind) further back: windows
+        # doubling backwards until one starts confirmed (a queue's records lie in log order)
+        hi, lo = end, max(start, end - 4096)
+        while True:
+            entries = self.store.read_cq(topic, qid, lo, hi - lo)
+            k = int(np.searchsorted(entries["phys"], confirmed, "left"))
+            if k or lo == start:
+                return lo + k, start
+            hi, lo = lo, max(start, lo - 2 * (hi - lo))
 
     def _reset(self, topic: str, qid: int, offset: int, start: int, end: int, reset: str,
                group: str | None) -> int:

@@ -80,3 +80,19 @@ def test_a_fetch_caught_up_to_what_the_replicas_confirmed_reports_that_as_its_ma
         assert _latest(apis, isolation=0) == (0, 3)
     finally:
         sh.close()
+
+
+def test_the_high_watermark_is_the_confirmed_end_however_far_the_replicas_lag(tmp_path):
+    """The confirmed end was looked for among the newest 4096 records only: with more
+    unconfirmed (a follower far behind), the high watermark said 4096 records back from
+    the end -- past what the replicas hold."""
+    sh = open_shard(tmp_path, [("t", 0)])
+    try:
+        put = sh.send(RecordBatch("t", 0, [b"%d" % i for i in range(10_000)]))
+        apis = KafkaApis(_MQ(sh, "t", 1), "localhost", 0)
+        for held in (9_999, 5_000, 100, 0):
+            sh.reads.confirmed = lambda held=held: put.phys[held]
+            assert _latest(apis, isolation=0) == (0, held), held
+            assert _fetch(apis, {0: held})[0].high_watermark == held
+    finally:
+        sh.close()
