@@ -262,8 +262,9 @@ def drop_topic(shard, topic: str) -> bool:
         if half["topic"] == topic:
             shard.resolve_half(half["origin"], "ROLLBACK")
     offsets = shard.store.offsets
-    offsets.delete([k for k in offsets.snapshot() if k.split("@")[1:2] == [topic]])
-    shard.offsets.recount()  # (a group left with no offsets no longer counts)
+    keys = [k for k in offsets.snapshot() if k.split("@")[1:2] == [topic]]
+    offsets.delete(keys)
+    shard.offsets.forget_groups({k.split("@")[0] for k in keys})  # (left with none: uncounted)
     # (with its Kafka-style aborted ranges: a topic created again starts at offset 0)
     dropped = shard.ktx.drop_topic(topic, shard.store.delete_topic)
     if dropped:

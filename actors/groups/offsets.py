@@ -28,6 +28,15 @@ def offset_key(group: str, topic: str, queue_id: int) -> str:
     return f"{group}@{topic}@{queue_id}"
 
 
+def _group_of(key: str) -> str | None:
+    """The group of an offset table key (``offset_key``); None for the shard's own keys
+    (its progress, a dead-letter resend's ``dlq-resend@group@shard``)."""
+    parts = key.rsplit("@", 2)
+    if len(parts) != 3 or not parts[2].isdigit() or parts[0] == "dlq-resend":
+        return None
+    return parts[0]
+
+
 class GroupOffsets:
     """Committed offsets of the consumer groups reading a shard's queues."""
 
@@ -36,15 +45,14 @@ class GroupOffsets:
         self.store = store
         self.max_groups = max_groups
         self.replay()
-        self._groups: set[str] = set()
-        self.recount()
+        self._groups = {g for key in store.offsets.snapshot() if (g := _group_of(key))}
 
-    def recount(self) -> None:
-        """The groups with committed offsets here (``group@topic@queue`` keys; not the
-        shard's own progress keys): a group whose offsets were all deleted no longer
-        counts against ``max_groups``."""
-        self._groups = {parts[0] for key in self.store.offsets.snapshot()
-                        if len(parts := key.rsplit("@", 2)) == 3 and parts[2].isdigit()}
+    def forget_groups(self, groups) -> None:
+        """Of ``groups``, whose offsets here were deleted, those with none left no longer
+        count against ``max_groups`` (a group is counted once admitted, before its commit
+        is written: only these are looked at, never a group in the middle of one)."""
+        held = {_group_of(key) for key in self.store.offsets.snapshot()}
+        self._groups -= set(groups) - held
 
     def commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
         """Set committed offsets of a group (next offset to consume).  Idempotent.  Returns
@@ -67,7 +75,7 @@ class GroupOffsets:
                                f"deleting group {group!r}'s offsets", "delete again")
         self.store.offsets.delete(keys)
         self.store.offsets.update({APPLIED_KEY: applied}, durable=False)
-        self.recount()
+        self.forget_groups([group])
 
     def _logged(self, record: dict, what: str, again: str) -> int:
         """Write ``record`` to the offsets log, durable (and held by every in-sync replica);

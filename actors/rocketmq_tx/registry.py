@@ -42,7 +42,8 @@ class ProducerGroupRegistry:
     def _renew(self, group: str, instance: str) -> None:
         """(locked) ``instance``'s lease from now; at most once a lease, instances whose
         lease ran out are forgotten (a process that crashed never unregisters: each one
-        stayed for good), and groups left with none and no check queued."""
+        stayed for good), and groups left with none, with their queued checks (the
+        checker asks again, in its next round, once an instance is back)."""
         now = self.clock.now_ms()
         if now - self._pruned_ms > self.lease_ms:
             self._pruned_ms = now
@@ -50,7 +51,7 @@ class ProducerGroupRegistry:
                 inst = self._instances[g]
                 for i in [i for i, end in inst.items() if end <= now]:
                     del inst[i]
-                if not inst and not self._checks.get(g):
+                if not inst:
                     del self._instances[g]
                     self._checks.pop(g, None)
                     self._queued_keys.pop(g, None)

@@ -53,8 +53,9 @@ ERROR_CODES = TXN_ERRORS + (
 UNKNOWN_SERVER_ERROR = -1
 #: Most messages one partition of a Fetch carries.
 FETCH_MAX_MESSAGES = 5000
-#: How often a Fetch over several shards asks them again while none has data.
-FETCH_POLL_S = 0.02
+#: How often a Fetch over several shards asks them again while none has data: first
+#: after 10 ms, then twice as long each time, at most 80 ms (~10 rounds a 500 ms wait).
+FETCH_POLL_S = (0.01, 0.08)
 
 log = logging.getLogger("raymq.kafka")
 
@@ -348,7 +349,7 @@ class KafkaApis(TxnApis, AdminApis):
 
     def _fetch_polled(self, by_shard: dict, isolation: str, got: dict, wait_ms: int) -> dict:
         """``got`` when anything came (a record, an error, a read moved past markers);
-        else the shards are asked again every ``FETCH_POLL_S`` until something does or
+        else the shards are asked again (``FETCH_POLL_S``) until something does or
         ``wait_ms`` ran out: a Fetch over several shards waits as a long poll of one does
         (answered at once, its consumer asked again at once, without end)."""
         deadline = time.monotonic() + wait_ms / 1000.0
@@ -357,8 +358,10 @@ class KafkaApis(TxnApis, AdminApis):
         def idle(got: dict) -> bool:
             return all(code == NONE and (spans is None or not len(spans)) and
                        nxt == asked[key] for key, (code, spans, nxt, _e, _m) in got.items())
-        while idle(got) and time.monotonic() + FETCH_POLL_S <= deadline:
-            time.sleep(FETCH_POLL_S)
+        pause = FETCH_POLL_S[0]  # (doubling: a few rounds a wait, quick ones first)
+        while idle(got) and time.monotonic() + pause <= deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, FETCH_POLL_S[1])
             got = self._fetch_pulls(by_shard, 0, isolation)
         return got
 

@@ -93,7 +93,7 @@ class ClassicGroups:
         with self._cond:
             if self.clock() - self._swept_s > SWEEP_S:  # (groups whose members all died)
                 self._sweep()
-            g = self._groups.setdefault(group_id, Group(group_id))
+            g = self._groups.setdefault(group_id, Group(group_id, emptied_s=self.clock()))
             self._expire(g)
             if not member_id:
                 member_id = f"{client_id}-{uuid.uuid4()}"
@@ -160,6 +160,7 @@ class ClassicGroups:
             del g.members[mid]
         if not g.members:
             g.state, g.leader, g.protocol = EMPTY, None, None
+            g.emptied_s = self.clock()
             self._cond.notify_all()
             return
         g.generation += 1

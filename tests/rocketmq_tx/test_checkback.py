@@ -282,7 +282,8 @@ def test_the_registry_forgets_instances_and_groups_whose_leases_ran_out():
     reg = ProducerGroupRegistry(lease_ms=6000, clock=clock)
     for day in range(30):
         reg.heartbeat("orders", f"pod-{day}")   # each day's process, crashed the next
-        reg.heartbeat(f"batch-{day}", "job")      # a group used once
+        reg.heartbeat(f"batch-{day}", "job")      # a group used once, a check left queued
+        reg.push_checks(f"batch-{day}", [CheckRequest(0, f"batch-{day}", 7, 1, "tx", None)])
         clock.advance(86_400_000)
     reg.heartbeat("orders", "pod-30")
     assert reg.status() == {"orders": {"live": ["pod-30"], "queued_checks": 0}}
