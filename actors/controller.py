@@ -48,6 +48,8 @@ class Controller:
         #: topics and nodes change this (kept by every replica: ``mirror``)
         self._meta_version = 0
         self._deleted: list[str] = []  # topics deleted lately (the last 1000), oldest first
+        #: deleted topics some shard has not confirmed dropping (not created again before)
+        self._deleting = DeletingTopics(self.config.num_shards)
         self._meta_on_disk = False
         self._meta_wanted = 0  # a newer version a replica keeps (this controller lost it)
         self._meta_kept: dict[str, int] = {}  # replica -> the metadata version it keeps
@@ -80,6 +82,7 @@ class Controller:
         self._replica_groups = doc.get("replica_groups", {})
         self._coordinator_groups = doc.get("coordinator_groups", {})
         self._deleted = list(doc.get("deleted_topics", []))
+        self._deleting = DeletingTopics(self.config.num_shards, doc.get("deleting_topics"))
         self._meta_version = int(doc.get("meta_version", 0))
         self._meta_on_disk = True
         if doc.get("num_shards", self.config.num_shards) != self.config.num_shards:
@@ -89,7 +92,8 @@ class Controller:
     def _save(self) -> None:
         doc = {"format": "raymq-controller", "version": 1, "num_shards": self.config.num_shards,
                "topics": self._topics, "shard_nodes": self._shard_nodes,
-               "meta_version": self._meta_version, "deleted_topics": self._deleted}
+               "meta_version": self._meta_version, "deleted_topics": self._deleted,
+               "deleting_topics": self._deleting.entries}
         groups = getattr(self, "replica_groups", None)
         if groups is not None:
             doc["replica_groups"] = groups.to_doc()
@@ -115,6 +119,7 @@ class Controller:
                     raise TopicExistsError(f"topic {name!r} exists with "
                                            f"{len(existing['routes'])} queues, not {queues}")
             else:
+                self._deleting.refuse(name, self.config.retention_check_ms)
                 self._add_topic(name, queues, system, retention)
             version = self._meta_version  # (asked again: it may not be kept yet)
         self._wait_kept(version, f"topic {name!r}")
@@ -222,17 +227,36 @@ class Controller:
             self._deleted = [d for d in self._deleted if d != name][-999:]
             self._deleted.append(name)
             self._meta_version += 1
-            self._save()
             version = self._meta_version
+            self._deleting.add(name, t["routes"], version)
+            self._save()
         self._wait_kept(version, f"the deletion of topic {name!r}")
         log.warning("controller: deleted topic %s (%d queues)", name, len(t["routes"]))
-        return {"topic": name, "queues": len(t["routes"]), "routes": list(t["routes"])}
+        return {"topic": name, "queues": len(t["routes"]), "routes": list(t["routes"]),
+                "deletion": version}
 
-    def topic_settings(self) -> dict:
-        """What shards need of the topics beyond their routes: each topic's own retention,
-        and the topics deleted lately (a shard drops what it still holds of them)."""
+    def topic_dropped(self, name: str, shards: list[int], deletion: int | None = None,
+                      why: dict | None = None) -> None:
+        """Shards ``shards`` dropped deleted topic ``name`` (``DeletingTopics.confirm``:
+        ``deletion`` is ``delete_topic``'s answer; ``why``: why others refused for now)."""
         with self._lock:
-            return {"deleted": [d for d in self._deleted if d not in self._topics],
+            if self._deleting.confirm(name, shards, deletion, why):
+                self._meta_version += 1  # (the replicas' mirror follows)
+                self._save()
+
+    def topic_settings(self, shard: int | None = None, dropped: dict | None = None) -> dict:
+        """What shards need of the topics beyond their routes: each topic's own retention,
+        the topics deleted lately (a shard drops what it still holds of them), and of
+        those the ones some shards have not confirmed dropping (``deleting``).  A shard's
+        janitor confirms with its next call: ``dropped`` (deleted topic -> its
+        ``deletion``) are those shard ``shard`` dropped."""
+        for name, deletion in (dropped or {}).items() if shard is not None else ():
+            self.topic_dropped(name, [shard], deletion)
+        with self._lock:
+            deleted = [d for d in self._deleted if d not in self._topics]
+            deleted += [d for d in self._deleting.entries  # (pending past the cap too)
+                        if d not in deleted and d not in self._topics]
+            return {"deleted": deleted, "deleting": self._deleting.for_shards(),
                     "topics": {n: {k: t[k] for k in ("retention_ms", "retention_bytes")
                                    if t.get(k) is not None}
                                for n, t in self._topics.items()
@@ -300,6 +324,7 @@ class Controller:
                         meta["meta_version"], self._meta_version)
             self._topics = dict(meta.get("topics", {}))
             self._shard_nodes = dict(meta.get("shard_nodes", {}))
+            self._deleting = DeletingTopics(self.config.num_shards, meta.get("deleting"))
             self._meta_version = int(meta["meta_version"])
             self._save()
         if meta_version is not None and int(meta_version) > self._meta_version:
@@ -313,9 +338,11 @@ class Controller:
         return out
 
     def metadata(self) -> dict:
-        """What replicas keep of this controller: topics, routes and nodes, versioned."""
+        """What replicas keep of this controller: topics, routes and nodes, versioned;
+        the deleted topics shards have not dropped yet (a controller that takes them back
+        does not create such a name again early)."""
         return {"topics": self._topics, "shard_nodes": self._shard_nodes,
-                "meta_version": self._meta_version}
+                "deleting": self._deleting.entries, "meta_version": self._meta_version}
 
     def _check_meta_known(self) -> None:
         """(a replicated cluster) Before a change of topics: this controller holds the
@@ -390,3 +417,72 @@ class Controller:
     def get_config(self) -> dict:
         """The cluster's configuration (clients adopt it: delay levels, limits...)."""
         return self.config.to_dict()
+
+
+class DeletingTopics:
+    """The deleted topics some shard of their routes has not confirmed dropping yet (an
+    open Kafka-style transaction writes to it there, or the shard was not reached):
+    name -> {"shards": [...], "version": the deletion's meta version, "why": {shard:
+    reason}}.  As Kafka's "marked for deletion": the name is not created again before
+    (a shard would keep the old queues, offsets and records, and the new topic would
+    continue at the old offsets).  An entry goes once its last shard confirmed."""
+
+    def __init__(self, num_shards: int, entries: dict | None = None):
+        self.num_shards = num_shards
+        self.entries: dict[str, dict] = {}
+        for name, d in (entries or {}).items():  # (a shard this cluster no longer has
+            # drops nothing and never confirms: not waited for)
+            shards = [int(s) for s in d["shards"] if 0 <= int(s) < num_shards]
+            if len(shards) < len(d["shards"]):
+                log.warning("controller: deleted topic %s: shards %s no longer exist, not "
+                            "waited for", name, sorted(set(d["shards"]) - set(shards)))
+            if shards:
+                self.entries[name] = {**d, "shards": shards}
+
+    def add(self, name: str, routes: list[int], version: int) -> None:
+        shards = {s for s in routes if 0 <= s < self.num_shards}
+        if name in self.entries:  # (an older deletion not confirmed: waited for too)
+            shards |= set(self.entries[name]["shards"])
+        if shards:
+            self.entries[name] = {"shards": sorted(shards), "version": version}
+
+    def confirm(self, name: str, shards: list[int], deletion: int | None,
+                why: dict | None) -> bool:
+        """Shards ``shards`` dropped ``name``; ``why``: shard -> why another refused for
+        now.  A late confirmation of an earlier deletion of the name (``deletion``, its
+        version) confirms nothing of a newer one.  Whether anything changed."""
+        d = self.entries.get(name)
+        if d is None or (deletion is not None and int(deletion) != d["version"]):
+            return False
+        done = {int(s) for s in shards}
+        left = [s for s in d["shards"] if s not in done]
+        reasons = {**d.get("why", {}), **{str(s): str(r)[:300] for s, r in (why or {}).items()}}
+        reasons = {s: r for s, r in reasons.items() if int(s) in left}
+        if left == d["shards"] and reasons == d.get("why", {}):
+            return False
+        if left:
+            self.entries[name] = {**d, "shards": left, "why": reasons}
+        else:
+            del self.entries[name]
+            log.info("controller: every shard dropped deleted topic %s", name)
+        return True
+
+    def refuse(self, name: str, check_ms: int) -> None:
+        """``BrokerUnavailableError`` (retriable: the janitors retry the drop by themselves,
+        every ``check_ms``) naming the shards ``name`` still waits for, and why."""
+        d = self.entries.get(name)
+        if d is None:
+            return
+        why = d.get("why", {})
+        shards = ", ".join(f"shard-{s}" + (f" ({why[str(s)]})" if str(s) in why else "")
+                           for s in d["shards"])
+        raise BrokerUnavailableError(
+            f"topic {name!r} is still being deleted: {shards} did not drop the old "
+            f"topic's queues, offsets and records yet (an open Kafka-style transaction "
+            f"writes to it, or the shard was not reached; its janitor retries every "
+            f"{check_ms} ms): create it again once they did")
+
+    def for_shards(self) -> dict:
+        """What janitors are told: each name's shards still to drop it, and its version."""
+        return {n: {"shards": list(d["shards"]), "version": d["version"]}
+                for n, d in self.entries.items()}

@@ -69,17 +69,28 @@ class Janitor:
         topics = {topic: default.over(v) for topic, v in self.topic_settings.items()}
         return RetentionPolicy(default, topics, self.store.retention.deleted(), PINNED_TOPICS)
 
-    def _drop_deleted(self, names: list[str]) -> None:
+    def _drop_deleted(self, names: list[str], deleting: dict | None = None) -> dict:
         """Topics the controller deleted that this store still holds (the client's call to
-        this shard did not come through): dropped now."""
+        this shard did not come through, or was refused for now): dropped now.  Those
+        ``deleting`` still waits for this shard to drop are asked of ``drop_topic`` even
+        when no queue of theirs is left (their offsets and halves go too), and once it
+        returned they are confirmed: the topic -> its deletion, for the controller."""
         held = {t for t, _q in self.store.queues()}
-        for topic in names:
-            if topic in held:
-                try:
-                    self.shard.drop_topic(topic)
-                except Exception as err:  # (refused for now: asked again next round)
-                    log.warning("shard-%d: deleted topic %s not dropped yet: %s", self.index,
-                                topic, err)
+        waiting = {t: d.get("version") for t, d in (deleting or {}).items()
+                   if self.index in d.get("shards", ())}
+        confirmed = {}
+        for topic in list(names) + [t for t in waiting if t not in names]:
+            if topic not in held and topic not in waiting:
+                continue
+            try:
+                self.shard.drop_topic(topic)
+            except Exception as err:  # (refused for now: asked again next round)
+                log.warning("shard-%d: deleted topic %s not dropped yet: %s", self.index,
+                            topic, err)
+                continue
+            if topic in waiting:
+                confirmed[topic] = waiting[topic]
+        return confirmed
 
     def pinned(self, wanted: int = _NOT_PINNED) -> int:
         """The lowest log offset a part of the shard still needs.  What holds back the
@@ -155,7 +166,10 @@ class Janitor:
                 try:
                     got = self._settings() or {}
                     self.topic_settings = got.get("topics", {})
-                    self._drop_deleted(got.get("deleted", []))
+                    confirmed = self._drop_deleted(got.get("deleted", []),
+                                                   got.get("deleting", {}))
+                    if confirmed:  # (the controller then lets the name be created again)
+                        self._settings(shard=self.index, dropped=confirmed)
                 except Exception as err:  # (the controller away: the last settings hold)
                     log.info("shard-%d: topic settings not refreshed: %s", self.index, err)
             self.measure()

@@ -138,7 +138,9 @@ class RayMQ:
                      retention_bytes: int | None = None) -> dict:
         """Create a topic of ``queues`` queues (the cluster's ``default_queues``), keeping its
         messages ``retention_ms`` and at most ``retention_bytes`` per queue (None: the
-        cluster's ``retention_ms`` / ``retention_bytes``)."""
+        cluster's ``retention_ms`` / ``retention_bytes``).  A name deleted lately is
+        refused (``BrokerUnavailableError``, retriable) until every shard dropped the old
+        topic: it would continue at the old offsets."""
         info = self.control.call("create_topic", name, queues, retention_ms=retention_ms,
                                  retention_bytes=retention_bytes, timeout_s=30)
         with self._lock:
@@ -174,16 +176,25 @@ class RayMQ:
         each shard drops its queues, its groups' offsets and its pending halves, and its
         records are given back with their segments.  Created again, it starts empty.
         Refused for RayMQ's own topics, and on a shard while an open Kafka-style
-        transaction writes to it (that shard drops it once the transaction ended)."""
+        transaction writes to it (that shard drops it once the transaction ended; the name
+        is not created again before: ``info["pending"]``)."""
         info = self.control.call("delete_topic", name, timeout_s=30)
         with self._lock:
             self._routes.pop(name, None)
-        calls = [self.shard(s).submit("drop_topic", name) for s in sorted(set(info["routes"]))]
-        failed = [(s, r) for s, r in zip(sorted(set(info["routes"])), rpc.wait_all(calls, 60))
-                  if isinstance(r, Exception)]
-        info["pending"] = {f"shard-{s}": str(r) for s, r in failed}
-        for s, r in failed:
+        shards = sorted(set(info["routes"]))
+        calls = [self.shard(s).submit("drop_topic", name) for s in shards]
+        results = rpc.wait_all(calls, 60)
+        failed = {s: r for s, r in zip(shards, results) if isinstance(r, Exception)}
+        info["pending"] = {f"shard-{s}": str(r) for s, r in failed.items()}
+        for s, r in failed.items():
             log.warning("topic %s: shard-%d drops it later (%s)", name, s, r)
+        try:  # (the controller lets the name be created again once every shard dropped it)
+            self.control.call("topic_dropped", name, [s for s in shards if s not in failed],
+                              info.get("deletion"), why={s: str(r) for s, r in failed.items()},
+                              timeout_s=30)
+        except Exception as err:  # (best effort: the shards' janitors confirm it then)
+            log.warning("topic %s: its drops not confirmed to the controller yet: %s", name,
+                        err)
         return info
 
     def topics(self) -> dict[str, dict]:

@@ -168,8 +168,9 @@ class _Replica:
             sh = BrokerShard(index, cfg, directory=directory,
                              fetch_routes=lambda i: controller.call("shard_routes", i,
                                                                     timeout_s=30),
-                             fetch_settings=lambda: controller.call("topic_settings",
-                                                                    timeout_s=30),
+                             # (keywords: the janitor confirms the deleted topics it dropped)
+                             fetch_settings=lambda **kw: controller.call(
+                                 "topic_settings", timeout_s=30, **kw),
                              metrics=RayMetrics(shard=str(index)))
             sh.set_routes(controller.call("shard_routes", index, timeout_s=30))
             return sh
