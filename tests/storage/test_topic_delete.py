@@ -93,6 +93,32 @@ def RecordBatch_tombstone(topic: str):
     return RecordBatch(TOPIC_DELETED, 0, [topic.encode()])
 
 
+def delete_racing(store, topic: str, *, also_deleted: bool = False) -> list:
+    """``store.delete_topic(topic)``, with a write of the topic made right after its
+    tombstone's put (and, ``also_deleted``, a whole second deletion of it before that
+    write): what each of them gave, in order (an error raised is given)."""
+    from raymq.storage.errors import UnknownTopicError
+    put, raced = store.put, []
+
+    def put_then_race(b, *args, **kwargs):
+        res = put(b, *args, **kwargs)
+        if not raced and TOPIC_DELETED in b.column("topics"):  # the tombstone is written
+            raced.append("tombstone")
+            if also_deleted:
+                raced.append(store.delete_topic(topic))  # the other deletion, all of it
+            try:
+                raced.append(put(batch(topic, 0, 100, 1)))
+            except UnknownTopicError as err:
+                raced.append(err)
+        return res
+    store.put = put_then_race
+    try:
+        assert store.delete_topic(topic)
+    finally:
+        store.put = put
+    return raced[1:]
+
+
 def test_a_write_landing_in_the_middle_of_a_deletion_is_refused_and_the_store_opens(tmp_path):
     """The tombstone's put waits for its fsync before the queues are dropped; a write for
     the topic in between (a due timer, a send on a stale route) got the old queue's next
@@ -104,21 +130,7 @@ def test_a_write_landing_in_the_middle_of_a_deletion_is_refused_and_the_store_op
     path = tmp_path / "s"
     store = MessageStore(str(path), SMALL, background=False)
     store.put(batch("a", 0, 0, 50))
-    put, raced = store.put, []
-
-    def put_then_race(b, *args, **kwargs):
-        res = put(b, *args, **kwargs)
-        if not raced and TOPIC_DELETED in b.column("topics"):  # the tombstone is written
-            try:
-                raced.append(put(batch("a", 0, 100, 1)))
-            except UnknownTopicError as err:
-                raced.append(err)
-        return res
-    store.put = put_then_race
-    try:
-        assert store.delete_topic("a")
-    finally:
-        store.put = put
+    raced = delete_racing(store, "a")
     assert len(raced) == 1 and isinstance(raced[0], UnknownTopicError), raced
     assert store.put(batch("a", 0, 200, 2)).queue_offsets == [0, 1]  # created again
     want = bodies(store, "a")
@@ -141,24 +153,8 @@ def test_two_deletions_of_a_topic_at_once_both_hold_its_writes_off(tmp_path):
     store = MessageStore(str(tmp_path / "s"), SMALL, background=False)
     try:
         store.put(batch("a", 0, 0, 50))
-        put, raced = store.put, []
-
-        def put_then_race(b, *args, **kwargs):
-            res = put(b, *args, **kwargs)
-            if not raced and TOPIC_DELETED in b.column("topics"):
-                raced.append("second")
-                raced.append(store.delete_topic("a"))   # the other deletion, all of it
-                try:
-                    raced.append(put(batch("a", 0, 100, 1)))
-                except UnknownTopicError as err:
-                    raced.append(err)
-            return res
-        store.put = put_then_race
-        try:
-            assert store.delete_topic("a")
-        finally:
-            store.put = put
-        assert raced[1] is True and isinstance(raced[2], UnknownTopicError), raced
+        raced = delete_racing(store, "a", also_deleted=True)
+        assert raced[0] is True and isinstance(raced[1], UnknownTopicError), raced
         assert store.put(batch("a", 0, 200, 1)).queue_offsets == [0]
     finally:
         store.close()
