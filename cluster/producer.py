@@ -523,9 +523,13 @@ class Producer:
         overtake this one (its queue order, and its sequence at the shard).
         """
         attempt, stored = 0, reply
+        # a closing producer gives up early -- but not on transaction ends: dropped, a
+        # committed transaction stays pending with no producer of its own left to answer
+        # its check-back (a shard restarting while the producer closes)
+        quick = not (len(args) > 3 and args[3])
         while True:
-            if attempt >= self.config.send_retries or (self._closed and attempt >= 2) or (
-                    err is not None and not err.retriable):
+            if attempt >= self.config.send_retries or (self._closed and attempt >= 2 and quick) \
+                    or (err is not None and not err.retriable):
                 if err is None:
                     return reply
                 if stored is not None:
