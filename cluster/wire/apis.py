@@ -287,11 +287,12 @@ class KafkaApis(TxnApis, AdminApis):
     # ---------------------------------------------------------------- Fetch
     def _FetchRequest(self, request):
         """Each partition read from its queue (one pull per shard; a long poll when the
-        request names one shard, else the shards asked again while none has data), as a record batch made from the records as they lie in
-        the log; with its high watermark, last stable offset (read_committed: where the
-        read stops) and log start.  The aborted transactions list is empty: the shard
-        leaves aborted records out of a read_committed read itself."""
-        isolation = "read_committed" if request.isolation_level == 1 else "read_uncommitted"
+        request names one shard, else the shards asked again while none has data), as a
+        record batch made from the records as they lie in the log; with its high
+        watermark, last stable offset (read_committed: where the read stops) and log
+        start.  The aborted transactions list is empty: the shard leaves aborted records
+        out of a read_committed read itself."""
+        isolation = _isolation(request)
         asked, by_shard = {}, {}
         for t in request.topics:
             routes = self._routes(t.topic)
@@ -385,8 +386,7 @@ class KafkaApis(TxnApis, AdminApis):
         """-2: the log start, -1: the end a reader may read to (the high watermark; with
         ``read_committed``, v2 on, the last stable offset: Kafka's), else the first offset
         stored at or after the time (the end when none is: Kafka answers -1 there)."""
-        isolation = "read_committed" if getattr(request, "isolation_level", 0) == 1 \
-            else "read_uncommitted"
+        isolation = _isolation(request)
         topics = []
         for t in request.topics:
             routes = self._routes(t.name)
@@ -561,6 +561,13 @@ def error_code(err: BaseException) -> int:
     return UNKNOWN_SERVER_ERROR
 
 
+
+
+def _isolation(request) -> str:
+    """A Fetch's or ListOffsets' isolation level as a pull names it (level 1: read
+    committed; ListOffsets before v2 has none: uncommitted)."""
+    return "read_committed" if getattr(request, "isolation_level", 0) == 1 \
+        else "read_uncommitted"
 
 
 def _int(text: str | None) -> int | None:
